@@ -1,0 +1,638 @@
+"""
+A GPT language model whose attention is chosen by `GPTConfig.attn_type`, in one file.
+
+Read top to bottom: the config (and its validation), the helpers every attention variant shares,
+one small class per variant and the registry that maps `attn_type` to it, then MLP, Block and GPT,
+which are nanoGPT's. Equations and design decisions: ../shared/spec/attention.md (and docs/).
+
+References:
+1) nanoGPT: https://github.com/karpathy/nanoGPT/blob/master/model.py
+2) Symmetric dot-product attention: Courtois et al., arXiv:2406.06366
+3) NoiseFormer: Nyshadham, Polisetty, Rathore, arXiv:2601.11619
+4) Differential Transformer: Ye et al., arXiv:2410.05258 (microsoft/unilm Diff-Transformer)
+5) DINT Transformer: Cang et al., arXiv:2501.17486
+6) Linear attention: Katharopoulos et al., "Transformers are RNNs", ICML 2020
+"""
+
+import difflib
+import inspect
+import math
+from dataclasses import dataclass, fields
+
+import torch
+import torch.nn as nn
+from torch.nn import functional as F
+
+
+@dataclass
+class GPTConfig:
+    block_size: int = 1024
+    vocab_size: int = 50304  # GPT-2's 50257 padded up to a multiple of 64 for speed
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    dropout: float = 0.0
+    bias: bool = True  # bias in Linears and LayerNorms, like GPT-2
+    attn_type: str = 'base'  # a key of ATTENTION_TYPES (below)
+    # noiseformer_v1 / noiseformer_v2
+    noise_init_std: float = 0.01  # the paper's "noise factor": mu, sigma ~ noise_init_std * N(0, 1)
+    noise_per_sample: bool = False  # one eps per sequence instead of one shared by the batch
+    noise_param: str = 'sigma'  # learn 'sigma' directly, or 'logvar' = log(sigma^2)
+    noise_at_eval: bool = True  # keep the noise on in eval mode and generation (as the paper)
+    # dint_lowrank
+    lowrank_rank: int = 32
+    lowrank_score_divisor: float = 81.0  # second-branch scores use scale sqrt(81) / sqrt(d)
+    # linear
+    linear_chunk_size: int = 64
+
+    def __post_init__(self):
+        if self.attn_type not in ATTENTION_TYPES:
+            close = difflib.get_close_matches(str(self.attn_type), ATTENTION_TYPES, n=1, cutoff=0.5)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise ValueError(f"GPTConfig.attn_type={self.attn_type!r} is not a known attention variant; "
+                             f"valid values: {', '.join(ATTENTION_TYPES)}.{hint}")
+        if self.n_head < 1 or self.n_embd % self.n_head != 0:
+            raise ValueError(f"GPTConfig.n_embd={self.n_embd} must be divisible by n_head={self.n_head} "
+                             f"(the head size is n_embd / n_head)")
+        # A variant field changed from its default on a variant that ignores it is almost always a
+        # config mistake (e.g. noise settings copied into a diff run): refuse rather than ignore it.
+        attn_cls = ATTENTION_TYPES[self.attn_type]
+        for f in fields(self):
+            users = [name for name, cls in ATTENTION_TYPES.items() if f.name in cls.config_fields]
+            if users and f.name not in attn_cls.config_fields and getattr(self, f.name) != f.default:
+                raise ValueError(f"GPTConfig.{f.name}={getattr(self, f.name)!r} is only used by attn_type "
+                                 f"{' / '.join(users)}, but attn_type={self.attn_type!r}; remove "
+                                 f"{f.name} or change attn_type")
+        attn_cls.check_config(self)
+
+
+# ----------------------------------------------------------------------------------------------
+# Helpers shared by the attention variants
+
+def split_heads(t, n_head):
+    """(B, T, n_head * hs) -> (B, n_head, T, hs)"""
+    B, T, C = t.size()
+    return t.view(B, T, n_head, C // n_head).transpose(1, 2)
+
+
+def merge_heads(t):
+    """(B, n_head, T, hs) -> (B, T, n_head * hs)"""
+    B, nh, T, hs = t.size()
+    return t.transpose(1, 2).contiguous().view(B, T, nh * hs)
+
+
+def causal_mask(t_q, t_k, device):
+    """Boolean (t_q, t_k) mask, True where query i (at absolute position t_k - t_q + i) may look."""
+    return torch.ones(t_q, t_k, dtype=torch.bool, device=device).tril(diagonal=t_k - t_q)
+
+
+def causal_attention(q, k, v, dropout_p=0.0, scale=None, score_bias=None):
+    """softmax(q k^T * scale + score_bias + M) v with one SDPA call (a fused kernel where possible).
+
+    The queries are the last t_q positions of the t_k keys, so the same call serves training
+    (t_q == t_k) and cached decoding (t_q < t_k). `score_bias` is an additive float tensor that
+    broadcasts to (B, H, t_q, t_k): NoiseFormer's noise.
+    """
+    t_q, t_k = q.size(-2), k.size(-2)
+    if score_bias is None:
+        if t_q == t_k:
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale)
+        mask = None if t_q == 1 else causal_mask(t_q, t_k, q.device)
+    else:
+        mask = score_bias.to(q.dtype).masked_fill(~causal_mask(t_q, t_k, q.device), float('-inf'))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale)
+
+
+def append_to_cache(cache, **tensors):
+    """Concatenate new keys/values to a layer's decoding cache along time; return the full tensors."""
+    if cache is None:
+        return tuple(tensors.values())
+    for name, t in tensors.items():
+        cache[name] = t if name not in cache else torch.cat([cache[name], t], dim=-2)
+    return tuple(cache[name] for name in tensors)
+
+
+def upcast(t):
+    """Half-precision tensors to float32; float32/float64 unchanged (so float64 tests stay exact)."""
+    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
+
+
+class KVCache:
+    """Decoding state for GPT.generate: one dict per layer, filled by that layer's attention."""
+
+    def __init__(self, n_layer):
+        self.layers = [{} for _ in range(n_layer)]
+        self.length = 0  # tokens already processed = absolute position of the next token
+
+
+class AttentionBase(nn.Module):
+    """What every variant has: head bookkeeping, output projection c_proj and dropout.
+
+    A variant declares the GPTConfig fields it reads (`config_fields`) and may reject
+    configurations it cannot run (`check_config`). forward(x, cache=None) -> (B, T, C).
+    """
+    config_fields = ()
+
+    @classmethod
+    def check_config(cls, config):
+        pass
+
+    def __init__(self, config, layer_idx):
+        super().__init__()
+        self.n_head = config.n_head
+        self.n_embd = config.n_embd
+        self.head_size = config.n_embd // config.n_head
+        self.dropout = config.dropout
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def output(self, y):
+        """(B, heads, T, hs) -> residual-stream update (B, T, C)."""
+        return self.resid_dropout(self.c_proj(merge_heads(y)))
+
+    @property
+    def attn_dropout_p(self):
+        return self.dropout if self.training else 0.0
+
+
+# ----------------------------------------------------------------------------------------------
+# The attention variants
+
+class CausalSelfAttention(AttentionBase):
+    """base: standard causal attention, nanoGPT's parameter names and shapes."""
+
+    def __init__(self, config, layer_idx):
+        super().__init__(config, layer_idx)
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+
+    def forward(self, x, cache=None):
+        q, k, v = (split_heads(t, self.n_head) for t in self.c_attn(x).split(self.n_embd, dim=2))
+        k, v = append_to_cache(cache, k=k, v=v)
+        return self.output(causal_attention(q, k, v, self.attn_dropout_p))
+
+
+class SymmetricAttention(AttentionBase):
+    """symmetric: K := Q, so the scores Q Q^T / sqrt(d) are symmetric and there is no key projection."""
+
+    def __init__(self, config, layer_idx):
+        super().__init__(config, layer_idx)
+        self.c_attn = nn.Linear(config.n_embd, 2 * config.n_embd, bias=config.bias)  # q, v
+
+    def score_bias(self, batch_size, t_q, t_k, like):
+        return None  # NoiseFormer adds its noise here
+
+    def forward(self, x, cache=None):
+        q, v = (split_heads(t, self.n_head) for t in self.c_attn(x).split(self.n_embd, dim=2))
+        k, v = append_to_cache(cache, k=q, v=v)
+        bias = self.score_bias(x.size(0), q.size(-2), k.size(-2), like=q)
+        return self.output(causal_attention(q, k, v, self.attn_dropout_p, score_bias=bias))
+
+
+class NoiseFormerAttention(SymmetricAttention):
+    """Symmetric scores plus learned Gaussian noise: S = Q Q^T / sqrt(d) + mu + sigma * eps.
+
+    eps ~ N(0, 1) is drawn fresh at every forward pass (reparameterisation trick) with
+    torch.randn(shape, dtype=x.dtype), shape (1 or B, noise_heads, T, T), one draw per layer.
+    Softmax is shift-invariant along a row, so mu never changes the output (dCE/dmu = 0 up to
+    rounding; only the KL term moves it): sigma is what matters.
+    """
+    config_fields = ('noise_init_std', 'noise_per_sample', 'noise_param', 'noise_at_eval')
+    noise_heads = None  # 1: one (mu, sigma) per layer (v1); n_head: one per head (v2)
+
+    @classmethod
+    def check_config(cls, config):
+        if config.noise_param not in ('sigma', 'logvar'):
+            raise ValueError(f"GPTConfig.noise_param={config.noise_param!r} must be 'sigma' or 'logvar'")
+
+    def __init__(self, config, layer_idx):
+        super().__init__(config, layer_idx)
+        n = self.noise_heads or config.n_head
+        self.noise_per_sample = config.noise_per_sample
+        self.noise_at_eval = config.noise_at_eval
+        self.noise_param = config.noise_param
+        self.noise_mu = nn.Parameter(config.noise_init_std * torch.randn(n))
+        sigma = config.noise_init_std * torch.randn(n)
+        if self.noise_param == 'sigma':
+            self.noise_sigma = nn.Parameter(sigma)
+        else:  # same initial distribution, learned as log(sigma^2)
+            self.noise_logvar = nn.Parameter(torch.log(sigma.square()))
+
+    def sigma(self):
+        return self.noise_sigma if self.noise_param == 'sigma' else torch.exp(0.5 * self.noise_logvar)
+
+    def log_variance(self):
+        if self.noise_param == 'logvar':
+            return self.noise_logvar
+        return torch.log(self.noise_sigma.square().clamp_min(1e-30))  # guard sigma = 0
+
+    def kl_divergence(self):
+        """sum over this layer's distributions of KL(N(mu, sigma^2) || N(0, 1))."""
+        return 0.5 * (self.noise_mu.square() + self.log_variance().exp() - self.log_variance() - 1).sum()
+
+    def score_bias(self, batch_size, t_q, t_k, like):
+        if not (self.training or self.noise_at_eval):
+            return None  # exactly symmetric attention
+        n = self.noise_mu.numel()
+        eps = torch.randn((batch_size if self.noise_per_sample else 1, n, t_q, t_k), device=like.device,
+                          dtype=like.dtype)
+        return self.noise_mu.view(1, n, 1, 1) + self.sigma().view(1, n, 1, 1) * eps
+
+
+class NoiseFormerV1Attention(NoiseFormerAttention):
+    """noiseformer_v1: one (mu, sigma) pair per layer and one eps shared by all heads."""
+    noise_heads = 1
+
+
+class NoiseFormerV2Attention(NoiseFormerAttention):
+    """noiseformer_v2: one (mu, sigma) pair per head and a different eps draw per head."""
+    noise_heads = None  # = n_head
+
+
+class DifferentialAttention(AttentionBase):
+    """What diff, dint and dint_lowrank share: two softmax branches A1, A2 over the same values,
+    the re-parameterised lambda, a per-head RMSNorm and the (1 - lambda_init) output scale.
+
+    Subclasses give the two branch outputs O1 = A1 V, O2 = A2 V (`branches`) and how they combine
+    (`combine`). A1 and A2 are never built: each is one SDPA call.
+    """
+    heads_per_diff_head = 2  # diff/dint: q/k heads 2h and 2h+1 form differential head h
+
+    def __init__(self, config, layer_idx):
+        super().__init__(config, layer_idx)
+        d = self.head_size
+        self.n_diff_heads = config.n_head // self.heads_per_diff_head
+        self.value_size = config.n_embd // self.n_diff_heads
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.lambda_init = 0.8 - 0.6 * math.exp(-0.3 * layer_idx)  # layer_idx is 0-based
+        self.lambda_q1 = nn.Parameter(torch.randn(d) * 0.1)
+        self.lambda_k1 = nn.Parameter(torch.randn(d) * 0.1)
+        self.lambda_q2 = nn.Parameter(torch.randn(d) * 0.1)
+        self.lambda_k2 = nn.Parameter(torch.randn(d) * 0.1)
+        self.head_norm = nn.RMSNorm(self.value_size, eps=1e-5)  # one weight shared by all heads
+
+    def lambda_full(self):
+        return (torch.exp(torch.dot(self.lambda_q1, self.lambda_k1))
+                - torch.exp(torch.dot(self.lambda_q2, self.lambda_k2)) + self.lambda_init)
+
+    def combine(self, o1, o2, lam, cache):
+        return o1 - lam * o2
+
+    def forward(self, x, cache=None):
+        o1, o2 = self.branches(x, cache)
+        # combine in float32 at least: O1 - lambda O2 cancels badly in bf16 when lambda is near 1
+        y = self.combine(upcast(o1), upcast(o2), self.lambda_full(), cache)
+        y = self.head_norm(y.to(self.head_norm.weight.dtype)) * (1 - self.lambda_init)
+        return self.output(y.to(o1.dtype))
+
+    def branches(self, x, cache):
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q, k = split_heads(q, self.n_head), split_heads(k, self.n_head)  # heads 2h, 2h+1 -> branch 1, 2
+        v = split_heads(v, self.n_diff_heads)  # (B, H', T, 2d)
+        k, v = append_to_cache(cache, k=k, v=v)
+        # both branches of differential head h read the same values: one SDPA call for all of them
+        o = causal_attention(q, k, v.repeat_interleave(2, dim=1), self.attn_dropout_p)
+        return o[:, 0::2], o[:, 1::2]
+
+
+class DiffAttention(DifferentialAttention):
+    """diff: O = (A1 - lambda A2) V; n_head ordinary heads pair up into n_head / 2 differential heads."""
+
+    @classmethod
+    def check_config(cls, config):
+        if config.n_head % 2:
+            raise ValueError(f"GPTConfig.n_head={config.n_head} must be even for attn_type="
+                             f"{config.attn_type!r}: each differential head uses two heads")
+
+
+class DintAttention(DiffAttention):
+    """dint: O = (lambda A3 + A1 - lambda A2) V with the causal integral term
+    A3[i] = mean over rows r <= i of A1[r], i.e. A3 V is the running mean over positions of A1 V."""
+
+    def combine(self, o1, o2, lam, cache):
+        return o1 + lam * (self.running_mean(o1, cache) - o2)
+
+    @staticmethod
+    def running_mean(o1, cache):
+        past_sum, past_len = 0, 0
+        if cache is not None and 'o1_sum' in cache:
+            past_sum, past_len = cache['o1_sum'], cache['o1_len']
+        sums = past_sum + torch.cumsum(o1, dim=2)
+        if cache is not None:
+            cache['o1_sum'], cache['o1_len'] = sums[:, :, -1:], past_len + o1.size(2)
+        counts = torch.arange(past_len + 1, past_len + o1.size(2) + 1, device=o1.device, dtype=o1.dtype)
+        return sums / counts.view(-1, 1)
+
+
+class LowRankDintAttention(DintAttention):
+    """dint_lowrank: DINT whose second branch's queries and keys come from rank-r factors.
+
+    Branch 1 (q1, k1) and v are exactly base's c_attn, with every base head becoming one
+    differential head, so a pretrained `base` model loads unchanged (GPT.load_base_weights); only
+    the factors, lambda vectors and norm are new. The product of two factors has much smaller
+    variance than a full matrix, so A2 uses the larger scale sqrt(lowrank_score_divisor) / sqrt(d).
+    """
+    config_fields = ('lowrank_rank', 'lowrank_score_divisor')
+    heads_per_diff_head = 1
+
+    @classmethod
+    def check_config(cls, config):
+        if config.lowrank_rank < 1 or config.lowrank_score_divisor <= 0:
+            raise ValueError(f"GPTConfig.lowrank_rank={config.lowrank_rank} and lowrank_score_divisor="
+                             f"{config.lowrank_score_divisor} must both be positive")
+
+    def __init__(self, config, layer_idx):
+        super().__init__(config, layer_idx)
+        C, r = config.n_embd, config.lowrank_rank
+        self.q2_down, self.q2_up = nn.Linear(C, r, bias=False), nn.Linear(r, C, bias=False)
+        self.k2_down, self.k2_up = nn.Linear(C, r, bias=False), nn.Linear(r, C, bias=False)
+        self.branch2_scale = math.sqrt(config.lowrank_score_divisor) / math.sqrt(self.head_size)
+
+    def branches(self, x, cache):
+        q1, k1, v = (split_heads(t, self.n_head) for t in self.c_attn(x).split(self.n_embd, dim=2))
+        q2 = split_heads(self.q2_up(self.q2_down(x)), self.n_head)
+        k2 = split_heads(self.k2_up(self.k2_down(x)), self.n_head)
+        k1, k2, v = append_to_cache(cache, k1=k1, k2=k2, v=v)
+        o1 = causal_attention(q1, k1, v, self.attn_dropout_p)
+        o2 = causal_attention(q2, k2, v, self.attn_dropout_p, scale=self.branch2_scale)
+        return o1, o2
+
+
+class LinearAttention(AttentionBase):
+    """linear: O_i = phi(q_i)^T S_i / (phi(q_i)^T z_i + eps), S_i = sum_{j<=i} phi(k_j) v_j^T,
+    z_i = sum_{j<=i} phi(k_j), phi = elu + 1. Training uses the chunked form; decoding carries (S, z)."""
+    config_fields = ('linear_chunk_size',)
+    eps = 1e-6
+
+    @classmethod
+    def check_config(cls, config):
+        if config.linear_chunk_size < 1:
+            raise ValueError(f"GPTConfig.linear_chunk_size={config.linear_chunk_size} must be positive")
+
+    def __init__(self, config, layer_idx):
+        super().__init__(config, layer_idx)
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # same as base
+        self.chunk_size = config.linear_chunk_size
+
+    def forward(self, x, cache=None):
+        q, k, v = (split_heads(t, self.n_head) for t in self.c_attn(x).split(self.n_embd, dim=2))
+        q, k, v = upcast(F.elu(q) + 1), upcast(F.elu(k) + 1), upcast(v)  # accumulate in float32
+        state = (cache['S'], cache['z']) if cache is not None and 'S' in cache else None
+        y, S, z = chunked_linear_attention(q, k, v, self.chunk_size, self.eps, state)
+        if cache is not None:
+            cache['S'], cache['z'] = S, z
+        return self.output(y.to(x.dtype) if x.dtype != y.dtype else y)
+
+
+def chunked_linear_attention(q, k, v, chunk, eps, state=None):
+    """Causal linear attention on feature-mapped q, k (B, H, T, d) and v (B, H, T, e), in chunks:
+    prefix sums of per-chunk k^T v give every earlier chunk's contribution, a masked (chunk x chunk)
+    product gives the chunk's own. `state` = (S, z) from earlier tokens (decoding). Returns
+    (y, S, z) with S, z the state after the last token."""
+    B, H, T, d = q.shape
+    pad = (-T) % chunk
+    if pad:  # zero k, v rows contribute nothing (phi is applied before padding)
+        q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+    n = (T + pad) // chunk
+    q, k, v = (t.view(B, H, n, chunk, t.size(-1)) for t in (q, k, v))
+    kv = k.transpose(-1, -2) @ v  # (B, H, n, d, e): each chunk's sum of k_j v_j^T
+    kz = k.sum(dim=-2)  # (B, H, n, d)
+    S_before = torch.cumsum(kv, dim=2) - kv  # exclusive prefix sums: everything before the chunk
+    z_before = torch.cumsum(kz, dim=2) - kz
+    if state is not None:
+        S_before = S_before + state[0].unsqueeze(2)
+        z_before = z_before + state[1].unsqueeze(2)
+    scores = (q @ k.transpose(-1, -2)).tril()  # (B, H, n, c, c), within-chunk causal
+    num = q @ S_before + scores @ v
+    den = (q @ z_before.unsqueeze(-1)).squeeze(-1) + scores.sum(-1)
+    y = (num / (den + eps).unsqueeze(-1)).view(B, H, n * chunk, -1)[:, :, :T]
+    return y, S_before[:, :, -1] + kv[:, :, -1], z_before[:, :, -1] + kz[:, :, -1]
+
+
+# attn_type -> class. The only place a variant is chosen; GPTConfig validates against it.
+ATTENTION_TYPES = {
+    'base': CausalSelfAttention,
+    'symmetric': SymmetricAttention,
+    'noiseformer_v1': NoiseFormerV1Attention,
+    'noiseformer_v2': NoiseFormerV2Attention,
+    'diff': DiffAttention,
+    'dint': DintAttention,
+    'dint_lowrank': LowRankDintAttention,
+    'linear': LinearAttention,
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# The rest of the transformer: nanoGPT's
+
+class MLP(nn.Module):
+
+    def __init__(self, config):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.gelu = nn.GELU()
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x):
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+
+    def __init__(self, config, layer_idx):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = ATTENTION_TYPES[config.attn_type](config, layer_idx)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cache=None):
+        x = x + self.attn(self.ln_1(x), cache)
+        x = x + self.mlp(self.ln_2(x))
+        return x
+
+
+class GPT(nn.Module):
+
+    def __init__(self, config):
+        super().__init__()
+        assert config.vocab_size is not None
+        assert config.block_size is not None
+        self.config = config
+
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(config.vocab_size, config.n_embd),
+            wpe=nn.Embedding(config.block_size, config.n_embd),
+            drop=nn.Dropout(config.dropout),
+            h=nn.ModuleList([Block(config, i) for i in range(config.n_layer)]),
+            ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
+        ))
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        # weight tying: https://paperswithcode.com/method/weight-tying
+        self.transformer.wte.weight = self.lm_head.weight
+
+        # init all weights; then the GPT-2 paper's scaled init of the residual projections.
+        # Variant parameters (noise, lambda, norms) initialise themselves in their module.
+        self.apply(self._init_weights)
+        for pn, p in self.named_parameters():
+            if pn.endswith('c_proj.weight'):
+                torch.nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    def get_num_params(self, non_embedding=True):
+        """Number of parameters; by default the position embeddings are not counted (nanoGPT).
+        The token embeddings are counted: they are tied to lm_head, which does compute."""
+        n_params = sum(p.numel() for p in self.parameters())
+        if non_embedding:
+            n_params -= self.transformer.wpe.weight.numel()
+        return n_params
+
+    def _init_weights(self, module):
+        if isinstance(module, nn.Linear):
+            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                torch.nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def forward(self, idx, targets=None, kv_cache=None):
+        b, t = idx.size()
+        start = kv_cache.length if kv_cache is not None else 0
+        if start + t > self.config.block_size:
+            raise ValueError(f"cannot forward a sequence of length {start + t}: block_size is "
+                             f"{self.config.block_size}")
+        pos = torch.arange(start, start + t, dtype=torch.long, device=idx.device)
+
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        caches = kv_cache.layers if kv_cache is not None else [None] * self.config.n_layer
+        for block, cache in zip(self.transformer.h, caches):
+            x = block(x, cache)
+        x = self.transformer.ln_f(x)
+        if kv_cache is not None:
+            kv_cache.length += t
+
+        if targets is not None:
+            logits = self.lm_head(x)
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+        else:
+            # inference-time mini-optimization: only forward the lm_head on the very last position
+            logits = self.lm_head(x[:, [-1], :])  # note: using list [-1] to preserve the time dim
+            loss = None
+        return logits, loss
+
+    def kl_divergence(self):
+        """Summed KL(N(mu, sigma^2) || N(0, 1)) of every noise distribution (0 without noise).
+        train.py adds kl_weight * this to the mean cross-entropy."""
+        terms = [m.kl_divergence() for m in self.modules() if isinstance(m, NoiseFormerAttention)]
+        return torch.stack(terms).sum() if terms else torch.zeros((), device=self.lm_head.weight.device)
+
+    def crop_block_size(self, block_size):
+        # model surgery to decrease the block size if necessary, e.g. to run a gpt2 checkpoint
+        # (block size 1024) with a smaller context
+        assert block_size <= self.config.block_size
+        self.config.block_size = block_size
+        self.transformer.wpe.weight = nn.Parameter(self.transformer.wpe.weight[:block_size])
+
+    @classmethod
+    def from_pretrained(cls, model_type, override_args=None):
+        """GPT-2 weights from Hugging Face: 'gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl', or a local
+        directory saved by transformers. override_args: dropout, and attn_type for variants whose
+        weights extend base's (diff, dint, dint_lowrank, linear): see load_base_weights."""
+        override_args = override_args or {}
+        assert all(k in ('dropout', 'attn_type') for k in override_args)
+        from transformers import GPT2LMHeadModel  # optional dependency, only needed here
+        print(f"loading weights from pretrained gpt: {model_type}")
+        hf_model = GPT2LMHeadModel.from_pretrained(model_type)
+        hf = hf_model.config
+        config = GPTConfig(block_size=hf.n_positions, vocab_size=hf.vocab_size, n_layer=hf.n_layer,
+                           n_head=hf.n_head, n_embd=hf.n_embd, bias=True, **override_args)
+        sd_hf = {k: v for k, v in hf_model.state_dict().items()
+                 if not k.endswith(('.attn.masked_bias', '.attn.bias'))}  # buffers, not parameters
+        # OpenAI's checkpoints use Conv1D modules, whose weights are the transpose of a Linear's
+        transposed = ('attn.c_attn.weight', 'attn.c_proj.weight', 'mlp.c_fc.weight', 'mlp.c_proj.weight')
+        sd_base = {k: (v.t() if k.endswith(transposed) else v) for k, v in sd_hf.items()}
+        model = cls(config)
+        model.load_base_weights(sd_base)
+        return model
+
+    def load_base_weights(self, state_dict):
+        """Copy a `base` model's weights (nanoGPT / GPT-2 names) into this model. Every base tensor
+        must fit; parameters base does not have keep their init. Returns their names (and prints
+        them), e.g. the low-rank factors, lambda vectors and norm of dint_lowrank."""
+        prefix = '_orig_mod.'  # left by torch.compile in nanoGPT checkpoints
+        state_dict = {k.removeprefix(prefix): v for k, v in state_dict.items()}
+        own = self.state_dict()
+        for k, v in state_dict.items():
+            if k not in own or own[k].shape != v.shape:
+                raise ValueError(f"base weight {k} {tuple(v.shape)} does not fit attn_type="
+                                 f"{self.config.attn_type!r} (it has {tuple(own[k].shape) if k in own else 'no such parameter'})")
+        with torch.no_grad():
+            for k, v in state_dict.items():
+                own[k].copy_(v)
+        new = [k for k in own if k not in state_dict and k != 'lm_head.weight']  # tied to wte
+        if new:
+            print(f"parameters not in the base weights (kept at init): {', '.join(new)}")
+        return new
+
+    def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
+        # Matmul weights and embeddings (2-D) decay; biases, LayerNorm/RMSNorm weights, lambda vectors
+        # and NoiseFormer's mu/sigma (all 1-D) never do.
+        param_dict = {pn: p for pn, p in self.named_parameters() if p.requires_grad}
+        decay_params = [p for n, p in param_dict.items() if p.dim() >= 2]
+        nodecay_params = [p for n, p in param_dict.items() if p.dim() < 2]
+        optim_groups = [
+            {'params': decay_params, 'weight_decay': weight_decay},
+            {'params': nodecay_params, 'weight_decay': 0.0}
+        ]
+        num_decay_params = sum(p.numel() for p in decay_params)
+        num_nodecay_params = sum(p.numel() for p in nodecay_params)
+        print(f"num decayed parameter tensors: {len(decay_params)}, with {num_decay_params:,} parameters")
+        print(f"num non-decayed parameter tensors: {len(nodecay_params)}, with {num_nodecay_params:,} parameters")
+        fused_available = 'fused' in inspect.signature(torch.optim.AdamW).parameters
+        use_fused = fused_available and device_type == 'cuda'
+        extra_args = dict(fused=True) if use_fused else dict()
+        optimizer = torch.optim.AdamW(optim_groups, lr=learning_rate, betas=betas, **extra_args)
+        print(f"using fused AdamW: {use_fused}")
+        return optimizer
+
+    def estimate_mfu(self, fwdbwd_per_iter, dt, peak_flops):
+        """Model FLOPs utilisation: achieved FLOP/s over `peak_flops` (the device's peak for the
+        dtype in use; device.peak_flops gives it). FLOPs per token follow PaLM appendix B
+        (6N + 12 L H Q T), the same formula for every variant, so MFUs compare throughput."""
+        N = self.get_num_params()
+        cfg = self.config
+        L, H, Q, T = cfg.n_layer, cfg.n_head, cfg.n_embd // cfg.n_head, cfg.block_size
+        flops_per_token = 6 * N + 12 * L * H * Q * T
+        flops_per_iter = flops_per_token * T * fwdbwd_per_iter
+        return flops_per_iter / dt / peak_flops
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, use_cache=True):
+        """Sample max_new_tokens tokens after the conditioning sequence idx (LongTensor (b, t)).
+        Call model.eval() first. With use_cache, each new token costs one position's forward (keys/
+        values, or linear attention's (S, z), or DINT's running sum, kept per layer); once the
+        sequence outgrows block_size the context is cropped to the last block_size tokens as in
+        nanoGPT, which shifts every position, so from then on each step recomputes the window.
+        temperature=0 takes the most likely token."""
+        cache = None
+        for _ in range(max_new_tokens):
+            if use_cache and idx.size(1) <= self.config.block_size:
+                if cache is None:
+                    cache = KVCache(self.config.n_layer)
+                    logits, _ = self(idx, kv_cache=cache)
+                else:
+                    logits, _ = self(idx[:, -1:], kv_cache=cache)
+            else:
+                logits, _ = self(idx[:, -self.config.block_size:])
+            logits = logits[:, -1, :]
+            if temperature == 0:
+                idx_next = logits.argmax(dim=-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k is not None:
+                    v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
+                    logits[logits < v[:, [-1]]] = -float('Inf')
+                probs = F.softmax(logits.float(), dim=-1)
+                idx_next = torch.multinomial(probs, num_samples=1)
+            idx = torch.cat((idx, idx_next), dim=1)
+        return idx
