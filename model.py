@@ -215,7 +215,7 @@ class NoiseFormerAttention(SymmetricAttention):
         if self.noise_param == 'sigma':
             self.noise_sigma = nn.Parameter(sigma)
         else:  # same initial distribution, learned as log(sigma^2)
-            self.noise_logvar = nn.Parameter(torch.log(sigma.square()))
+            self.noise_logvar = nn.Parameter(torch.log(sigma.square().clamp_min(1e-30)))
 
     def sigma(self):
         return self.noise_sigma if self.noise_param == 'sigma' else torch.exp(0.5 * self.noise_logvar)

@@ -1,0 +1,257 @@
+"""Naive float64 reference implementations of every attention variant, written from
+../shared/spec/attention.md and the parameter names of the model contract, independently of model.py.
+
+Each `naive_<variant>(attn, x, eps=None, ...)` reads the weights of an attention module
+(`model.transformer.h[i].attn`) by their contract names, casts everything to float64 and builds the
+full T x T matrices with explicit loops or plain tensor ops: no SDPA, no chunking, no cumsum. The
+result is the module's output after `c_proj` (dropout is taken to be 0), shape (B, T, C).
+
+Extra keyword arguments, passed by the tests from the config rather than read from the module:
+- `layer_index` (diff, dint, dint_lowrank): lambda_init = 0.8 - 0.6 * exp(-0.3 * layer_index).
+- `score_divisor` (dint_lowrank): A2 uses the scale sqrt(score_divisor) / sqrt(d).
+- `eps` (noiseformer): the standard-normal noise tensor, broadcastable to (B, H, T, T);
+  None means no noise (the layer is then exactly symmetric attention).
+"""
+import functools
+import math
+
+import torch
+
+F64 = torch.float64
+RMS_EPS = 1e-5      # RMSNorm epsilon of the differential heads (spec)
+LINEAR_EPS = 1e-6   # denominator epsilon of linear attention (spec)
+
+
+# ----------------------------------------------------------------------------- building blocks
+
+def _w(p):
+    return None if p is None else p.detach().to(F64)
+
+
+def _linear(lin, x):
+    """x @ W^T + b for an nn.Linear, in float64."""
+    y = x @ _w(lin.weight).T
+    if lin.bias is not None:
+        y = y + _w(lin.bias)
+    return y
+
+
+def _heads(t, n, d):
+    """(B, T, n*d) -> (B, n, T, d)."""
+    B, T, _ = t.shape
+    return t.reshape(B, T, n, d).permute(0, 2, 1, 3)
+
+
+def _merge(t):
+    """(B, n, T, d) -> (B, T, n*d)."""
+    B, n, T, d = t.shape
+    return t.permute(0, 2, 1, 3).reshape(B, T, n * d)
+
+
+@functools.lru_cache(maxsize=None)
+def _causal_mask(T):
+    m = torch.zeros(T, T, dtype=F64)
+    for i in range(T):
+        for j in range(T):
+            if j > i:
+                m[i, j] = float("-inf")
+    return m
+
+
+def causal_mask(T):
+    """(T, T) additive mask: 0 where key j <= query i, -inf elsewhere (explicit loops, cached)."""
+    return _causal_mask(T).clone()
+
+
+def softmax_rows(s):
+    """Softmax over the last dim written out: exp(s - max) / sum."""
+    s = s - s.max(dim=-1, keepdim=True).values
+    e = torch.exp(s)
+    return e / e.sum(dim=-1, keepdim=True)
+
+
+def causal_probs(scores):
+    """softmax(scores + M) for scores (..., T, T)."""
+    T = scores.shape[-1]
+    return softmax_rows(scores + causal_mask(T))
+
+
+def rms_norm(h, weight, eps=RMS_EPS):
+    """RMSNorm over the last dim: h / sqrt(mean(h^2) + eps) * weight."""
+    return h / torch.sqrt((h * h).mean(dim=-1, keepdim=True) + eps) * weight
+
+
+def lambda_init_for(layer_index):
+    return 0.8 - 0.6 * math.exp(-0.3 * layer_index)
+
+
+def diff_lambda(attn, layer_index):
+    """lambda = exp(lq1 . lk1) - exp(lq2 . lk2) + lambda_init, as a float64 scalar tensor."""
+    lq1, lk1 = _w(attn.lambda_q1), _w(attn.lambda_k1)
+    lq2, lk2 = _w(attn.lambda_q2), _w(attn.lambda_k2)
+    return torch.exp((lq1 * lk1).sum()) - torch.exp((lq2 * lk2).sum()) + lambda_init_for(layer_index)
+
+
+def integral_probs(a1):
+    """A3[i, :] = mean over r <= i of A1[r, :], built row by row. a1: (..., T, T)."""
+    T = a1.shape[-1]
+    a3 = torch.zeros_like(a1)
+    for i in range(T):
+        a3[..., i, :] = a1[..., : i + 1, :].mean(dim=-2)
+    return a3
+
+
+def _sizes(attn):
+    C, H = attn.n_embd, attn.n_head
+    assert C % H == 0
+    return C, H, C // H
+
+
+def _layer_index(attn, layer_index):
+    if layer_index is None:
+        raise TypeError("pass layer_index= (the naive reference derives lambda_init from it)")
+    return layer_index
+
+
+# ----------------------------------------------------------------------------- the variants
+
+def naive_base(attn, x, eps=None):
+    """Standard causal attention: softmax(Q K^T / sqrt(d) + M) V."""
+    C, H, d = _sizes(attn)
+    x = x.to(F64)
+    qkv = _linear(attn.c_attn, x)
+    q, k, v = (_heads(t, H, d) for t in qkv.split(C, dim=2))
+    a = causal_probs(q @ k.transpose(-1, -2) / math.sqrt(d))
+    return _linear(attn.c_proj, _merge(a @ v))
+
+
+def naive_symmetric(attn, x, eps=None):
+    """K := Q: softmax(Q Q^T / sqrt(d) + M) V, c_attn gives (q, v)."""
+    C, H, d = _sizes(attn)
+    x = x.to(F64)
+    q, v = (_heads(t, H, d) for t in _linear(attn.c_attn, x).split(C, dim=2))
+    a = causal_probs(q @ q.transpose(-1, -2) / math.sqrt(d))
+    return _linear(attn.c_proj, _merge(a @ v))
+
+
+def noise_mu_sigma(attn):
+    """(mu, sigma) of a noiseformer layer as float64 tensors of shape (1,) or (H,)."""
+    mu = _w(attn.noise_mu)
+    if hasattr(attn, "noise_logvar"):
+        sigma = torch.sqrt(torch.exp(_w(attn.noise_logvar)))
+    else:
+        sigma = _w(attn.noise_sigma)
+    return mu, sigma
+
+
+def naive_noiseformer(attn, x, eps=None):
+    """S = Q Q^T / sqrt(d) + mu + sigma * eps, A = softmax(S + M), O = A V.
+
+    mu, sigma have shape (1,) (v1) or (H,) (v2) and broadcast over heads; eps (1 or B, 1 or H, T, T).
+    """
+    C, H, d = _sizes(attn)
+    x = x.to(F64)
+    q, v = (_heads(t, H, d) for t in _linear(attn.c_attn, x).split(C, dim=2))
+    s = q @ q.transpose(-1, -2) / math.sqrt(d)
+    if eps is not None:
+        mu, sigma = noise_mu_sigma(attn)
+        mu = mu.reshape(1, -1, 1, 1)
+        sigma = sigma.reshape(1, -1, 1, 1)
+        s = s + mu + sigma * eps.to(F64)
+    a = causal_probs(s)
+    return _linear(attn.c_proj, _merge(a @ v))
+
+
+naive_noiseformer_v1 = naive_noiseformer
+naive_noiseformer_v2 = naive_noiseformer
+
+
+def _differential(attn, x, layer_index, integral):
+    """diff / dint: n_head q/k heads of d, n_head/2 value heads of 2d; head h = q/k heads 2h, 2h+1."""
+    C, H, d = _sizes(attn)
+    Hp = H // 2
+    x = x.to(F64)
+    q, k, v = _linear(attn.c_attn, x).split(C, dim=2)
+    q, k = _heads(q, H, d), _heads(k, H, d)            # (B, H, T, d)
+    v = _heads(v, Hp, 2 * d)                             # (B, H', T, 2d)
+    lam = diff_lambda(attn, layer_index)
+    lam_init = lambda_init_for(layer_index)
+    norm_w = _w(attn.head_norm.weight)
+    outs = []
+    for h in range(Hp):
+        q1, k1 = q[:, 2 * h], k[:, 2 * h]
+        q2, k2 = q[:, 2 * h + 1], k[:, 2 * h + 1]
+        a1 = causal_probs(q1 @ k1.transpose(-1, -2) / math.sqrt(d))
+        a2 = causal_probs(q2 @ k2.transpose(-1, -2) / math.sqrt(d))
+        a = a1 - lam * a2
+        if integral:
+            a = a + lam * integral_probs(a1)
+        o = a @ v[:, h]                                  # (B, T, 2d)
+        outs.append(rms_norm(o, norm_w) * (1.0 - lam_init))
+    return _linear(attn.c_proj, torch.cat(outs, dim=-1))
+
+
+def naive_diff(attn, x, eps=None, layer_index=None):
+    """O = (A1 - lambda A2) V per differential head, RMSNorm(2d), * (1 - lambda_init)."""
+    return _differential(attn, x, _layer_index(attn, layer_index), integral=False)
+
+
+def naive_dint(attn, x, eps=None, layer_index=None):
+    """O = (lambda A3 + A1 - lambda A2) V, A3 the causal running row-mean of A1."""
+    return _differential(attn, x, _layer_index(attn, layer_index), integral=True)
+
+
+def naive_dint_lowrank(attn, x, eps=None, layer_index=None, score_divisor=81.0):
+    """DINT where every base head h (q1, k1, v from c_attn exactly as base) is one differential head;
+    Q2 = X W_q2_down W_q2_up, K2 = X W_k2_down W_k2_up split into the same H heads of d;
+    A2 = softmax(Q2 K2^T * sqrt(score_divisor) / sqrt(d) + M); RMSNorm(d), * (1 - lambda_init)."""
+    layer_index = _layer_index(attn, layer_index)
+    C, H, d = _sizes(attn)
+    x = x.to(F64)
+    q1, k1, v = (_heads(t, H, d) for t in _linear(attn.c_attn, x).split(C, dim=2))
+    q2 = _heads(_linear(attn.q2_up, _linear(attn.q2_down, x)), H, d)
+    k2 = _heads(_linear(attn.k2_up, _linear(attn.k2_down, x)), H, d)
+    lam = diff_lambda(attn, layer_index)
+    lam_init = lambda_init_for(layer_index)
+    norm_w = _w(attn.head_norm.weight)
+    outs = []
+    for h in range(H):
+        a1 = causal_probs(q1[:, h] @ k1[:, h].transpose(-1, -2) / math.sqrt(d))
+        a2 = causal_probs(q2[:, h] @ k2[:, h].transpose(-1, -2) * math.sqrt(score_divisor) / math.sqrt(d))
+        a = lam * integral_probs(a1) + a1 - lam * a2
+        outs.append(rms_norm(a @ v[:, h], norm_w) * (1.0 - lam_init))
+    return _linear(attn.c_proj, torch.cat(outs, dim=-1))
+
+
+def naive_linear(attn, x, eps=None):
+    """O_i = phi(q_i)^T S_i / (phi(q_i)^T z_i + 1e-6), S_i = sum_{j<=i} phi(k_j) v_j^T,
+    z_i = sum_{j<=i} phi(k_j), phi = elu + 1, no temperature; explicit sums for every i."""
+    C, H, d = _sizes(attn)
+    x = x.to(F64)
+    q, k, v = (_heads(t, H, d) for t in _linear(attn.c_attn, x).split(C, dim=2))
+    phi = lambda t: torch.where(t > 0, t + 1.0, torch.exp(t))   # elu(t) + 1
+    pq, pk = phi(q), phi(k)
+    B, _, T, _ = q.shape
+    out = torch.zeros(B, H, T, d, dtype=F64)
+    for i in range(T):
+        S = torch.zeros(B, H, d, d, dtype=F64)
+        z = torch.zeros(B, H, d, dtype=F64)
+        for j in range(i + 1):
+            S = S + pk[:, :, j, :, None] * v[:, :, j, None, :]
+            z = z + pk[:, :, j]
+        num = (pq[:, :, i, :, None] * S).sum(dim=-2)          # (B, H, d)
+        den = (pq[:, :, i] * z).sum(dim=-1, keepdim=True)     # (B, H, 1)
+        out[:, :, i] = num / (den + LINEAR_EPS)
+    return _linear(attn.c_proj, _merge(out))
+
+
+NAIVE = {
+    "base": naive_base,
+    "symmetric": naive_symmetric,
+    "noiseformer_v1": naive_noiseformer_v1,
+    "noiseformer_v2": naive_noiseformer_v2,
+    "diff": naive_diff,
+    "dint": naive_dint,
+    "dint_lowrank": naive_dint_lowrank,
+    "linear": naive_linear,
+}

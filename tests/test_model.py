@@ -1,0 +1,642 @@
+"""Correctness of model.py against the spec (../shared/spec/attention.md, design.md section 2).
+
+The attention references in naive_attention.py are written from the equations only; here every
+variant's module is compared with them in float64, and the whole GPT is checked for causality,
+parameter counts, the NoiseFormer KL / gradient facts, gradients, KV-cache generation, config
+validation, nanoGPT / Hugging Face compatibility and the optimizer's weight-decay groups.
+CPU only, tiny configs.
+"""
+import math
+import re
+
+import pytest
+import torch
+
+from model import GPT, GPTConfig
+from naive_attention import NAIVE, lambda_init_for, noise_mu_sigma
+
+F64 = torch.float64
+VARIANTS = ["base", "symmetric", "noiseformer_v1", "noiseformer_v2", "diff", "dint",
+            "dint_lowrank", "linear"]
+NOISE = ["noiseformer_v1", "noiseformer_v2"]
+DIFFERENTIAL = ["diff", "dint", "dint_lowrank"]
+
+
+# ----------------------------------------------------------------------------- helpers
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """The tensors here are tiny: a second intra-op thread only spins, and on a busy 2-core
+    machine that makes this file several times slower. Restored for the other test files."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def tiny_config(attn_type, **overrides):
+    args = dict(block_size=128, vocab_size=61, n_layer=2, n_head=4, n_embd=32, dropout=0.0,
+                bias=True, attn_type=attn_type)
+    if attn_type == "dint_lowrank":
+        args["lowrank_rank"] = 8
+    args.update(overrides)
+    return GPTConfig(**args)
+
+
+def randomize_(model, seed=0):
+    """Every parameter to a non-trivial random value (lambda vectors, norm weights and noise
+    parameters included), so that no term of an equation can hide behind its initial value."""
+    g = torch.Generator().manual_seed(seed)
+
+    def randn(p, std, mean=0.0):
+        return torch.randn(p.shape, generator=g, dtype=F64).to(p.dtype) * std + mean
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            leaf = name.rsplit(".", 1)[-1]
+            if leaf == "noise_sigma":
+                p.copy_(torch.rand(p.shape, generator=g, dtype=F64).to(p.dtype) * 0.7 + 0.3)
+            elif leaf == "noise_logvar":
+                p.copy_(randn(p, 0.5))
+            elif leaf == "noise_mu":
+                p.copy_(randn(p, 1.0))
+            elif leaf.startswith("lambda_"):
+                p.copy_(randn(p, 0.3))
+            elif p.dim() == 1 and leaf == "weight":      # LayerNorm / RMSNorm weights
+                p.copy_(randn(p, 0.3, 1.0))
+            elif p.dim() == 1:                           # biases
+                p.copy_(randn(p, 0.1))
+            else:                                        # matmul weights and embeddings
+                p.copy_(randn(p, 1.0 / math.sqrt(p.shape[1])))
+    return model
+
+
+def make_model(attn_type, seed=0, dtype=F64, randomize=True, **overrides):
+    torch.manual_seed(seed)
+    model = GPT(tiny_config(attn_type, **overrides)).to(dtype)
+    if randomize:
+        randomize_(model, seed)
+    return model
+
+
+def full_logits(model, idx):
+    """Logits at every position: nanoGPT returns them only when targets are given."""
+    logits, _ = model(idx, targets=idx)
+    return logits
+
+
+def rel_err(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+def noise_shape(attn_type, B, H, T, per_sample):
+    return (B if per_sample else 1, 1 if attn_type == "noiseformer_v1" else H, T, T)
+
+
+def naive_kwargs(attn_type, layer_index, config):
+    kw = {}
+    if attn_type in DIFFERENTIAL:
+        kw["layer_index"] = layer_index
+    if attn_type == "dint_lowrank":
+        kw["score_divisor"] = config.lowrank_score_divisor
+    return kw
+
+
+# ----------------------------------------------------------------------------- the references
+
+def test_naive_base_reference_matches_sdpa():
+    """The reference itself is checked once against torch's SDPA, so a wrong reference cannot
+    silently agree with a wrong model."""
+    model = make_model("base")
+    attn = model.transformer.h[0].attn
+    x = torch.randn(2, 9, 32, dtype=F64)
+    q, k, v = (t.view(2, 9, 4, 8).transpose(1, 2) for t in attn.c_attn(x).split(32, dim=2))
+    y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    expected = attn.c_proj(y.transpose(1, 2).reshape(2, 9, 32))
+    assert rel_err(NAIVE["base"](attn, x), expected) < 1e-13
+
+
+# ----------------------------------------------------------------------------- 1. equal to naive
+
+EQUALITY_CASES = [(v, {}) for v in VARIANTS] + [
+    ("linear", {"linear_chunk_size": 16}),
+    ("linear", {"linear_chunk_size": 7}),
+    ("dint_lowrank", {"lowrank_score_divisor": 16.0}),
+    ("dint_lowrank", {"n_head": 2}),
+    ("dint_lowrank", {"n_head": 1}),
+    ("diff", {"bias": False}),
+    ("symmetric", {"bias": False}),
+]
+
+
+@pytest.mark.parametrize("attn_type,overrides", EQUALITY_CASES,
+                         ids=[f"{v}-{o}" if o else v for v, o in EQUALITY_CASES])
+def test_attention_equals_naive_float64(attn_type, overrides):
+    if attn_type in NOISE:   # noise off here; the replayed-noise test below covers it on
+        overrides = dict(overrides, noise_at_eval=False)
+    model = make_model(attn_type, **overrides).eval()
+    config = model.config
+    for layer_index, block in enumerate(model.transformer.h):
+        attn = block.attn
+        for T in (1, 7, 64, 100):
+            for B in (1, 3):
+                x = torch.randn(B, T, config.n_embd, dtype=F64)
+                with torch.no_grad():
+                    y = attn(x)
+                ref = NAIVE[attn_type](attn, x, **naive_kwargs(attn_type, layer_index, config))
+                assert y.shape == (B, T, config.n_embd) and y.dtype == F64
+                assert rel_err(y, ref) < 1e-10, (attn_type, layer_index, T, B, rel_err(y, ref))
+
+
+NOISE_CASES = [(v, p, s) for v in NOISE for p in ("sigma", "logvar") for s in (False, True)]
+
+
+@pytest.mark.parametrize("attn_type,noise_param,per_sample", NOISE_CASES)
+def test_noiseformer_equals_naive_with_replayed_noise(attn_type, noise_param, per_sample):
+    """Contract: eps = torch.randn(shape, dtype=x.dtype), shape (1 or B, 1 or H, T, T), one draw
+    per layer per forward; re-seeding and drawing the same shape replays it."""
+    model = make_model(attn_type, noise_param=noise_param, noise_per_sample=per_sample).train()
+    H = model.config.n_head
+    for block in model.transformer.h:
+        attn = block.attn
+        assert hasattr(attn, "noise_logvar" if noise_param == "logvar" else "noise_sigma")
+        assert attn.noise_mu.shape == ((1,) if attn_type == "noiseformer_v1" else (H,))
+        for T in (1, 7, 64, 100):
+            for B in (1, 3):
+                x = torch.randn(B, T, model.config.n_embd, dtype=F64)
+                torch.manual_seed(1234)
+                with torch.no_grad():
+                    y = attn(x)
+                torch.manual_seed(1234)
+                eps = torch.randn(noise_shape(attn_type, B, H, T, per_sample), dtype=F64)
+                ref = NAIVE[attn_type](attn, x, eps=eps)
+                assert rel_err(y, ref) < 1e-10, (T, B, rel_err(y, ref))
+                if T > 1:   # the noise really is in there
+                    assert rel_err(NAIVE[attn_type](attn, x, eps=None), ref) > 1e-3
+
+
+@pytest.mark.parametrize("attn_type", NOISE)
+def test_noise_shared_across_batch_unless_per_sample(attn_type):
+    for per_sample in (False, True):
+        model = make_model(attn_type, noise_per_sample=per_sample).train()
+        x = torch.randn(1, 12, 32, dtype=F64).expand(3, 12, 32).contiguous()
+        with torch.no_grad():
+            y = model.transformer.h[0].attn(x)
+        same = torch.equal(y[0], y[1]) and torch.equal(y[0], y[2])
+        assert same == (not per_sample)
+
+
+@pytest.mark.parametrize("attn_type", NOISE)
+def test_noise_switch_train_eval_noise_at_eval(attn_type):
+    """Noise is applied when attn.training or config.noise_at_eval; off it is symmetric attention."""
+    x = torch.randn(2, 10, 32, dtype=F64)
+    for noise_at_eval in (True, False):
+        model = make_model(attn_type, noise_at_eval=noise_at_eval)
+        attn = model.transformer.h[1].attn
+        for training in (True, False):
+            model.train(training)
+            torch.manual_seed(7)
+            with torch.no_grad():
+                y = attn(x)
+            noisy = training or noise_at_eval
+            torch.manual_seed(7)
+            eps = torch.randn(noise_shape(attn_type, 2, 4, 10, False), dtype=F64) if noisy else None
+            assert rel_err(y, NAIVE[attn_type](attn, x, eps=eps)) < 1e-10, (noise_at_eval, training)
+
+
+# ----------------------------------------------------------------------------- 2. causality
+
+@pytest.mark.parametrize("attn_type", VARIANTS)
+def test_causal_whole_model(attn_type):
+    model = make_model(attn_type).train()   # train(): noise on for noiseformer, held by re-seeding
+    T, V = 24, model.config.vocab_size
+    idx = torch.randint(0, V, (2, T), generator=torch.Generator().manual_seed(3))
+    torch.manual_seed(99)
+    ref = full_logits(model, idx).detach()
+    assert ref.shape == (2, T, V)
+    for t in (0, 1, 9, 16, T - 1):
+        changed = idx.clone()
+        changed[:, t] = (changed[:, t] + 1 + torch.arange(2)) % V
+        torch.manual_seed(99)
+        out = full_logits(model, changed).detach()
+        if t > 0:
+            assert (out[:, :t] - ref[:, :t]).abs().max().item() < 1e-12, t
+        assert (out[:, t] - ref[:, t]).abs().max().item() > 1e-6, t   # the change is seen at t
+
+
+@pytest.mark.parametrize("attn_type", ["base", "dint"])
+def test_targets_none_returns_last_position(attn_type):
+    model = make_model(attn_type).eval()
+    idx = torch.randint(0, 61, (3, 11))
+    logits, loss = model(idx)
+    assert loss is None and logits.shape == (3, 1, 61)
+    full, loss = model(idx, targets=idx)
+    assert torch.allclose(logits[:, 0], full[:, -1], rtol=0, atol=1e-12)
+    expected = torch.nn.functional.cross_entropy(full.reshape(-1, 61), idx.reshape(-1))
+    assert torch.allclose(loss, expected, rtol=1e-12)
+
+
+# ----------------------------------------------------------------------------- 3. parameter counts
+
+def gpt2_small_count(attn_type, vocab_size=50304, rank=32):
+    """Parameter count derived from the spec (lm_head tied to wte, counted once)."""
+    L, H, C, block = 12, 12, 768, 1024
+    d = C // H
+    layer = (2 * C                      # ln_1
+             + 3 * C * C + 3 * C        # c_attn
+             + C * C + C                # attn.c_proj
+             + 2 * C                    # ln_2
+             + 4 * C * C + 4 * C        # mlp.c_fc
+             + 4 * C * C + C)           # mlp.c_proj
+    base = vocab_size * C + block * C + L * layer + 2 * C   # wte, wpe, blocks, ln_f
+    extra = {
+        "base": 0, "linear": 0,
+        "symmetric": -L * (C * C + C),                       # no key projection
+        "noiseformer_v1": -L * (C * C + C) + 2 * L,          # (mu, sigma) per layer
+        "noiseformer_v2": -L * (C * C + C) + 2 * L * H,      # (mu, sigma) per head
+        "diff": L * (4 * d + 2 * d),                         # 4 lambda vectors (d), RMSNorm(2d)
+        "dint": L * (4 * d + 2 * d),
+        # q2/k2 down (C x r) and up (r x C), 4 lambda vectors (d), RMSNorm(d): every base head
+        # is one differential head of dim d
+        "dint_lowrank": L * (4 * C * rank + 4 * d + d),
+    }
+    return base + extra[attn_type]
+
+
+def test_gpt2_small_formula_figures():
+    base = gpt2_small_count("base")
+    assert base == 124_475_904                                # padded vocab 50304 (GPTConfig default)
+    assert gpt2_small_count("base", vocab_size=50257) == 124_439_808
+    assert gpt2_small_count("symmetric") == base - 7_087_104
+    assert round(100 * 7_087_104 / base, 2) == 5.69
+    assert gpt2_small_count("noiseformer_v1") == base - 7_087_104 + 24
+    assert gpt2_small_count("noiseformer_v2") == base - 7_087_104 + 288
+    assert gpt2_small_count("diff") == gpt2_small_count("dint") == base + 4_608
+    assert gpt2_small_count("dint_lowrank") == base + 12 * (4 * 768 * 32 + 4 * 64 + 64) == base + 1_183_488
+    assert gpt2_small_count("linear") == base
+
+
+def build_on_meta(config):
+    with torch.device("meta"):
+        return GPT(config)
+
+
+# the padded vocabulary (GPTConfig's default) for every variant; GPT-2's own 50257 only shifts wte
+COUNT_CASES = [(v, 50304) for v in VARIANTS] + [("base", 50257), ("dint_lowrank", 50257)]
+
+
+@pytest.mark.parametrize("attn_type,vocab_size", COUNT_CASES)
+def test_parameter_count_gpt2_small(attn_type, vocab_size):
+    """Built on the meta device: the real model code, no 124M-parameter allocation."""
+    config = GPTConfig(n_layer=12, n_head=12, n_embd=768, block_size=1024, vocab_size=vocab_size,
+                       bias=True, attn_type=attn_type)
+    model = build_on_meta(config)
+    assert model.lm_head.weight.device.type == "meta"
+    n = sum(p.numel() for p in model.parameters())
+    assert n == gpt2_small_count(attn_type, vocab_size=vocab_size), n
+    assert model.lm_head.weight is model.transformer.wte.weight
+    assert model.get_num_params(non_embedding=False) == n
+    assert model.get_num_params() == n - 1024 * 768          # nanoGPT: wpe not counted
+
+
+# ----------------------------------------------------------------------------- NoiseFormer facts
+
+def closed_form_kl(model):
+    total, terms = torch.zeros((), dtype=F64), 0
+    for block in model.transformer.h:
+        mu, sigma = noise_mu_sigma(block.attn)
+        total = total + (0.5 * (mu ** 2 + sigma ** 2 - torch.log(sigma ** 2) - 1)).sum()
+        terms += mu.numel()
+    return total, terms
+
+
+@pytest.mark.parametrize("noise_param", ["sigma", "logvar"])
+@pytest.mark.parametrize("attn_type", NOISE)
+def test_kl_divergence_closed_form(attn_type, noise_param):
+    model = make_model(attn_type, noise_param=noise_param, n_layer=3)
+    expected, terms = closed_form_kl(model)
+    assert terms == (3 if attn_type == "noiseformer_v1" else 3 * 4)
+    kl = model.kl_divergence()
+    assert kl.dim() == 0 and kl.requires_grad
+    assert abs(kl.item() - expected.item()) < 1e-12 * max(1.0, abs(expected.item()))
+    per_layer = sum(block.attn.kl_divergence() for block in model.transformer.h)
+    assert abs(per_layer.item() - expected.item()) < 1e-12 * max(1.0, abs(expected.item()))
+    # sigma exactly 0 must still give a finite KL and gradient (spec: guard log(sigma^2))
+    if noise_param == "sigma":
+        with torch.no_grad():
+            for block in model.transformer.h:
+                block.attn.noise_sigma.zero_()
+        kl = model.kl_divergence()
+        assert torch.isfinite(kl)
+        kl.backward()
+        assert all(torch.isfinite(b.attn.noise_sigma.grad).all() for b in model.transformer.h)
+
+
+@pytest.mark.parametrize("attn_type", ["base", "diff", "linear"])
+def test_kl_divergence_zero_without_noise(attn_type):
+    kl = make_model(attn_type).kl_divergence()
+    assert torch.is_tensor(kl) and kl.dim() == 0 and kl.item() == 0.0
+
+
+@pytest.mark.parametrize("noise_param", ["sigma", "logvar"])
+@pytest.mark.parametrize("attn_type", NOISE)
+def test_cross_entropy_gradient_zero_for_mu_not_sigma(attn_type, noise_param):
+    """softmax is invariant to a constant added to a whole row: dCE/dmu == 0, dCE/dsigma != 0."""
+    model = make_model(attn_type, noise_param=noise_param).train()
+    idx = torch.randint(0, 61, (2, 20), generator=torch.Generator().manual_seed(5))
+    torch.manual_seed(0)
+    _, loss = model(idx, targets=idx)
+    loss.backward()
+    scale_name = "noise_logvar" if noise_param == "logvar" else "noise_sigma"
+    for block in model.transformer.h:
+        attn = block.attn
+        assert attn.noise_mu.grad is not None
+        assert attn.noise_mu.grad.abs().max().item() < 1e-12
+        assert getattr(attn, scale_name).grad.abs().min().item() > 1e-8
+
+
+@pytest.mark.parametrize("attn_type", NOISE)
+def test_noise_off_at_eval_is_exactly_symmetric(attn_type):
+    noisy = make_model(attn_type, noise_at_eval=False)
+    symmetric = make_model("symmetric", seed=1)
+    missing, unexpected = symmetric.load_state_dict(noisy.state_dict(), strict=False)
+    assert missing == []
+    assert unexpected and all(re.search(r"\.noise_(mu|sigma|logvar)$", k) for k in unexpected)
+    idx = torch.randint(0, 61, (2, 30))
+    noisy.eval(), symmetric.eval()
+    with torch.no_grad():
+        a, b = full_logits(noisy, idx), full_logits(symmetric, idx)
+    assert torch.equal(a, b), (a - b).abs().max().item()
+    noisy.train()                                     # training always has the noise
+    with torch.no_grad():
+        assert (full_logits(noisy, idx) - b).abs().max().item() > 1e-6
+
+
+# ----------------------------------------------------------------------------- lambda_init
+
+@pytest.mark.parametrize("attn_type", DIFFERENTIAL)
+def test_lambda_init_schedule(attn_type):
+    model = make_model(attn_type, randomize=False, n_layer=12)
+    values = [block.attn.lambda_init for block in model.transformer.h]
+    assert f"{values[0]:.4f}" == "0.2000" and f"{values[-1]:.4f}" == "0.7779"
+    for i, value in enumerate(values):
+        assert isinstance(value, float)
+        assert abs(value - (0.8 - 0.6 * math.exp(-0.3 * i))) < 1e-15
+        assert abs(value - lambda_init_for(i)) < 1e-15
+
+
+# ----------------------------------------------------------------------------- gradients
+
+@pytest.mark.parametrize("attn_type", VARIANTS)
+def test_gradients_finite_for_every_parameter(attn_type):
+    idx = torch.randint(0, 61, (2, 16), generator=torch.Generator().manual_seed(2))
+    for randomize in (False, True):          # the variant's own init (float32), then random weights
+        model = make_model(attn_type, dtype=torch.float32, randomize=randomize).train()
+        torch.manual_seed(0)
+        _, loss = model(idx, targets=idx)
+        (loss + model.kl_divergence()).backward()
+        for name, p in model.named_parameters():
+            assert p.grad is not None, name
+            assert torch.isfinite(p.grad).all(), name
+            if randomize:                    # every tensor moves (mu through the KL term)
+                assert p.grad.abs().max().item() > 0, name
+
+
+# ----------------------------------------------------------------------------- KV-cache generation
+
+GEN_VARIANTS = [(v, {}) for v in VARIANTS if v not in NOISE] + [
+    (v, {"noise_at_eval": False}) for v in NOISE]
+GEN_CASES = [  # (prompt length, new tokens, block_size, temperature, top_k)
+    (5, 12, 32, 0.8, 5),       # within the block
+    (5, 30, 16, 1.0, None),    # runs past block_size while generating
+    (20, 6, 16, 0.7, 10),      # the prompt alone is longer than the block
+]
+
+
+@pytest.mark.parametrize("case", GEN_CASES, ids=["within", "past-block", "long-prompt"])
+@pytest.mark.parametrize("attn_type,overrides", GEN_VARIANTS, ids=[v for v, _ in GEN_VARIANTS])
+def test_kv_cache_generation_equals_cache_free(attn_type, overrides, case):
+    prompt_len, new, block, temperature, top_k = case
+    model = make_model(attn_type, block_size=block, linear_chunk_size=4, **overrides) \
+        if attn_type == "linear" else make_model(attn_type, block_size=block, **overrides)
+    model.eval()
+    prompt = torch.randint(0, 61, (2, prompt_len), generator=torch.Generator().manual_seed(4))
+    outs = []
+    for use_cache in (True, False):
+        torch.manual_seed(2024)
+        with torch.no_grad():
+            outs.append(model.generate(prompt.clone(), new, temperature=temperature, top_k=top_k,
+                                       use_cache=use_cache))
+    with_cache, without = outs
+    assert with_cache.shape == (2, prompt_len + new)
+    assert torch.equal(with_cache[:, :prompt_len], prompt)
+    assert torch.equal(with_cache, without), (with_cache, without)
+
+
+@pytest.mark.parametrize("attn_type", NOISE)
+def test_generation_with_noise_runs(attn_type):
+    model = make_model(attn_type, block_size=16).eval()          # noise_at_eval=True
+    out = model.generate(torch.zeros(1, 3, dtype=torch.long), 20, top_k=5)
+    assert out.shape == (1, 23) and int(out.max()) < 61
+
+
+def test_generate_default_uses_cache_and_matches():
+    """The contract's default is use_cache=True."""
+    model = make_model("dint", block_size=16).eval()
+    prompt = torch.randint(0, 61, (1, 4))
+    torch.manual_seed(5)
+    a = model.generate(prompt, 20, temperature=0.9, top_k=8)
+    torch.manual_seed(5)
+    b = model.generate(prompt, 20, temperature=0.9, top_k=8, use_cache=False)
+    assert torch.equal(a, b)
+
+
+# ----------------------------------------------------------------------------- bad configs
+
+BAD_CONFIGS = [
+    (dict(attn_type="noiseformer2"), r"attn_type[\s\S]*noiseformer_v2"),
+    (dict(attn_type="diff", n_head=3, n_embd=48), r"n_head"),
+    (dict(attn_type="dint", n_head=5, n_embd=40), r"n_head"),
+    (dict(attn_type="base", lowrank_rank=16), r"lowrank_rank"),
+    (dict(attn_type="diff", noise_param="logvar"), r"noise_param"),
+    (dict(attn_type="base", n_embd=30, n_head=4), r"n_embd"),
+    (dict(attn_type="symmetric", noise_per_sample=True), r"noise_per_sample"),
+    (dict(attn_type="linear", noise_init_std=0.02), r"noise_init_std"),
+    (dict(attn_type="dint", lowrank_score_divisor=16.0), r"lowrank_score_divisor"),
+    (dict(attn_type="base", linear_chunk_size=32), r"linear_chunk_size"),
+    (dict(attn_type="diff", noise_at_eval=False), r"noise_at_eval"),
+    (dict(attn_type="noiseformer_v1", noise_param="std"), r"noise_param"),
+]
+
+
+@pytest.mark.parametrize("kwargs,pattern", BAD_CONFIGS, ids=[str(k) for k, _ in BAD_CONFIGS])
+def test_bad_config_raises_naming_the_field(kwargs, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        GPTConfig(**kwargs)
+
+
+def test_unknown_attn_type_lists_valid_and_suggests():
+    with pytest.raises(ValueError) as info:
+        GPTConfig(attn_type="noiseformer2")
+    message = str(info.value)
+    assert re.search(r"did you mean", message, re.I) and "noiseformer_v2" in message
+    for name in VARIANTS:
+        assert name in message
+
+
+def test_good_configs_accepted():
+    GPTConfig(attn_type="dint_lowrank", n_head=3, n_embd=48)    # odd heads fine: one per base head
+    GPTConfig(attn_type="noiseformer_v2", noise_param="logvar", noise_per_sample=True)
+    GPTConfig(attn_type="linear", linear_chunk_size=32)
+    GPTConfig(attn_type="dint_lowrank", lowrank_rank=16, lowrank_score_divisor=16.0)
+
+
+# ----------------------------------------------------------------------------- nanoGPT compatibility
+
+def nanogpt_keys(n_layer, bias):
+    keys = ["transformer.wte.weight", "transformer.wpe.weight"]
+    for i in range(n_layer):
+        for mod in ("ln_1", "attn.c_attn", "attn.c_proj", "ln_2", "mlp.c_fc", "mlp.c_proj"):
+            keys.append(f"transformer.h.{i}.{mod}.weight")
+            if bias:
+                keys.append(f"transformer.h.{i}.{mod}.bias")
+    keys.append("transformer.ln_f.weight")
+    if bias:
+        keys.append("transformer.ln_f.bias")
+    return keys + ["lm_head.weight"]
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_base_state_dict_is_nanogpt(bias):
+    C, V, block = 32, 61, 128
+    model = GPT(tiny_config("base", bias=bias))
+    sd = model.state_dict()
+    assert sorted(sd) == sorted(nanogpt_keys(2, bias))
+    shapes = {"wte.weight": (V, C), "wpe.weight": (block, C), "c_attn.weight": (3 * C, C),
+              "c_attn.bias": (3 * C,), "attn.c_proj.weight": (C, C), "c_fc.weight": (4 * C, C),
+              "mlp.c_proj.weight": (C, 4 * C), "lm_head.weight": (V, C), "ln_1.weight": (C,)}
+    for key, tensor in sd.items():
+        for suffix, shape in shapes.items():
+            if key.endswith(suffix):
+                assert tuple(tensor.shape) == shape, key
+
+
+def save_tiny_hf_gpt2(path, activation_function="gelu_new"):
+    """A small random GPT-2 saved by transformers; weights moved far from init so logits are O(1).
+    'gelu_new' (tanh approximation) is GPT-2's own activation and transformers' default."""
+    transformers = pytest.importorskip("transformers")
+    hf_config = transformers.GPT2Config(vocab_size=97, n_positions=64, n_embd=48, n_layer=2,
+                                        n_head=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                        bos_token_id=0, eos_token_id=0,
+                                        activation_function=activation_function)
+    torch.manual_seed(0)
+    hf = transformers.GPT2LMHeadModel(hf_config).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(torch.randn_like(p) * (0.1 if p.dim() > 1 else 0.3))
+    hf.save_pretrained(path)
+    return hf
+
+
+def test_from_pretrained_local_hf_checkpoint(tmp_path):
+    """GPT.from_pretrained(<local dir>) gives Hugging Face's logits. The checkpoint uses exact GELU:
+    like nanoGPT, model.py uses exact GELU everywhere, while OpenAI's GPT-2 checkpoints declare
+    the tanh approximation ('gelu_new'), a known difference of ~1e-3 in the logits (docs/attention.md)."""
+    hf = save_tiny_hf_gpt2(tmp_path, "gelu")
+    model = GPT.from_pretrained(str(tmp_path)).eval()
+    assert model.config.attn_type == "base"
+    assert (model.config.n_layer, model.config.n_head, model.config.n_embd) == (2, 4, 48)
+    assert (model.config.vocab_size, model.config.block_size) == (97, 64)
+    idx = torch.randint(0, 97, (2, 40))
+    with torch.no_grad():
+        ours = full_logits(model, idx)
+        theirs = hf(idx).logits
+    assert theirs.abs().max() > 0.5
+    assert torch.allclose(ours, theirs, rtol=0, atol=1e-5), (ours - theirs).abs().max().item()
+
+
+# ----------------------------------------------------------------------------- dint_lowrank from base
+
+LOWRANK_NEW = {"attn.q2_down.weight", "attn.q2_up.weight", "attn.k2_down.weight",
+               "attn.k2_up.weight", "attn.lambda_q1", "attn.lambda_k1", "attn.lambda_q2",
+               "attn.lambda_k2", "attn.head_norm.weight"}
+
+
+def test_dint_lowrank_loads_base_weights():
+    base = make_model("base", seed=3)
+    lowrank = make_model("dint_lowrank", seed=4)
+    # a nanoGPT checkpoint saved from a torch.compile'd model carries the '_orig_mod.' prefix
+    sd = {"_orig_mod." + k: v for k, v in base.state_dict().items()}
+    new = lowrank.load_base_weights(sd)
+    assert set(new) == {f"transformer.h.{i}.{k}" for i in range(2) for k in LOWRANK_NEW}
+    own = lowrank.state_dict()
+    for key, value in base.state_dict().items():
+        assert torch.equal(own[key], value), key
+    assert lowrank.lm_head.weight is lowrank.transformer.wte.weight
+    # the first branch of every differential head is exactly the base head's attention
+    attn = lowrank.transformer.h[1].attn
+    assert attn.c_attn.weight.shape == base.transformer.h[1].attn.c_attn.weight.shape
+    x = torch.randn(2, 9, 32, dtype=F64)
+    ref = NAIVE["dint_lowrank"](attn, x, layer_index=1, score_divisor=81.0)
+    assert rel_err(attn(x).detach(), ref) < 1e-10
+
+
+@pytest.mark.parametrize("attn_type", ["symmetric", "noiseformer_v1"])
+def test_base_weights_that_do_not_fit_raise(attn_type):
+    model = make_model(attn_type)
+    with pytest.raises(ValueError, match=r"c_attn"):
+        model.load_base_weights(make_model("base").state_dict())
+
+
+def test_from_pretrained_into_dint_lowrank(tmp_path):
+    hf = save_tiny_hf_gpt2(tmp_path)
+    model = GPT.from_pretrained(str(tmp_path), override_args={"attn_type": "dint_lowrank"})
+    assert model.config.attn_type == "dint_lowrank"
+    hf_sd = hf.state_dict()
+    for i, block in enumerate(model.transformer.h):
+        # transformers' Conv1D stores (in, out): the transpose of nn.Linear's weight
+        assert torch.equal(block.attn.c_attn.weight, hf_sd[f"transformer.h.{i}.attn.c_attn.weight"].t())
+        assert torch.equal(block.mlp.c_fc.bias, hf_sd[f"transformer.h.{i}.mlp.c_fc.bias"])
+        assert block.attn.q2_down.weight.shape == (model.config.lowrank_rank, 48)
+    assert torch.equal(model.transformer.wte.weight, hf_sd["transformer.wte.weight"])
+    idx = torch.randint(0, 97, (1, 20))
+    logits, _ = model(idx, targets=idx)
+    assert torch.isfinite(logits).all()
+
+
+# ----------------------------------------------------------------------------- optimizer groups
+
+@pytest.mark.parametrize("attn_type", VARIANTS)
+def test_configure_optimizers_decay_groups(attn_type):
+    model = make_model(attn_type, dtype=torch.float32, randomize=False)
+    opt = model.configure_optimizers(0.1, 6e-4, (0.9, 0.95), "cpu")
+    assert isinstance(opt, torch.optim.AdamW)
+    decay = {id(p) for g in opt.param_groups if g["weight_decay"] == 0.1 for p in g["params"]}
+    no_decay = {id(p) for g in opt.param_groups if g["weight_decay"] == 0.0 for p in g["params"]}
+    all_ids = [id(p) for g in opt.param_groups for p in g["params"]]
+    assert len(all_ids) == len(set(all_ids))                      # nothing twice
+    assert set(all_ids) == {id(p) for p in model.parameters()}    # nothing left out
+    assert decay | no_decay == set(all_ids)
+    linear_weights = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    assert linear_weights and linear_weights <= decay
+    for name, p in model.named_parameters():
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf.startswith(("noise_", "lambda_")) or "norm" in name or "ln_" in name or p.dim() < 2:
+            assert id(p) in no_decay, name
+    for g in opt.param_groups:
+        assert g["lr"] == 6e-4 and tuple(g["betas"]) == (0.9, 0.95)
+
+
+# ----------------------------------------------------------------------------- crop_block_size
+
+@pytest.mark.parametrize("attn_type", VARIANTS)
+def test_crop_block_size_keeps_outputs(attn_type):
+    model = make_model(attn_type, block_size=64).train()
+    idx = torch.randint(0, 61, (2, 16))
+    torch.manual_seed(3)
+    before = full_logits(model, idx).detach()
+    model.crop_block_size(16)
+    assert model.config.block_size == 16 and model.transformer.wpe.weight.shape[0] == 16
+    torch.manual_seed(3)
+    after = full_logits(model, idx).detach()
+    assert rel_err(after, before) < 1e-12
