@@ -1,0 +1,95 @@
+"""
+Training batches from the token shards written by data/<name>/prepare.py: random (x, y) windows of
+a flat uint16 file, drawn from a dedicated torch.Generator whose state goes into checkpoints, so a
+resumed run draws exactly the batches the uninterrupted run would have drawn.
+"""
+import json
+import os
+import pickle
+
+import numpy as np
+import torch
+
+SCAN_CHUNK = 1 << 26  # tokens per step of the vocab check (128 MB of uint16): bounded work per call, stops early
+
+
+class TokenBatches:
+    """Random (x, y) windows from data_dir/{split}.bin (flat uint16 memmap); y is x shifted by one."""
+
+    def __init__(self, data_dir, split, block_size, batch_size, device="cpu", seed=1337, vocab_size=None):
+        self.path = os.path.join(data_dir, f"{split}.bin")
+        self.block_size, self.batch_size, self.device = block_size, batch_size, device
+        if not os.path.isfile(self.path):
+            raise FileNotFoundError(f"{self.path} not found: run the prepare.py of that dataset first "
+                                    f"(e.g. python3 data/shakespeare_char/prepare.py), or fix dataset/data_dir")
+        nbytes = os.path.getsize(self.path)
+        if nbytes % 2:
+            raise ValueError(f"{self.path} has an odd size ({nbytes} bytes), so it is not a uint16 token file: "
+                             f"it is truncated or not a .bin from prepare.py; run prepare.py again")
+        self.num_tokens = nbytes // 2
+        if self.num_tokens < block_size + 1:
+            raise ValueError(f"{self.path} has {self.num_tokens} tokens, fewer than block_size + 1 = {block_size + 1} "
+                             f"needed for one (x, y) window; lower block_size or prepare more data")
+        if vocab_size is not None:
+            self._check_ids(vocab_size)
+        self.generator = torch.Generator()
+        self.generator.manual_seed(seed)
+        # Pinned host memory + non_blocking overlaps the copy with compute; only CUDA benefits.
+        self.pin = torch.device(device).type == "cuda"
+
+    def _check_ids(self, vocab_size):
+        # Once, at construction: an id >= vocab_size would index past the embedding table much later,
+        # as an obscure device-side error. Vectorised max over the memmap, chunk by chunk.
+        data = np.memmap(self.path, dtype=np.uint16, mode="r")
+        for start in range(0, len(data), SCAN_CHUNK):
+            top = int(data[start:start + SCAN_CHUNK].max())
+            if top >= vocab_size:
+                at = start + int(np.argmax(data[start:start + SCAN_CHUNK] >= vocab_size))
+                raise ValueError(f"{self.path} holds token id {int(data[at])} at position {at}, but vocab_size is "
+                                 f"{vocab_size}: the file was made with another tokenizer; prepare it again or set "
+                                 f"vocab_size to the dataset's (see its meta.json)")
+
+    def get_batch(self, generator=None):
+        """(x, y), int64 tensors of shape (batch_size, block_size) on self.device. Draws the window
+        starts from `generator`, or from self.generator (the checkpointed one) when None."""
+        g = self.generator if generator is None else generator
+        ix = torch.randint(self.num_tokens - self.block_size, (self.batch_size,), generator=g).numpy()
+        # A fresh memmap per batch, as nanoGPT: a long-lived one keeps every page it touched mapped
+        # in this process, which shows up as a memory leak on large files.
+        data = np.memmap(self.path, dtype=np.uint16, mode="r")
+        w = torch.from_numpy(data[ix[:, None] + np.arange(self.block_size + 1)].astype(np.int64))  # one read per row
+        x, y = w[:, :-1], w[:, 1:]
+        if self.pin:
+            return x.pin_memory().to(self.device, non_blocking=True), y.pin_memory().to(self.device, non_blocking=True)
+        return x.to(self.device), y.to(self.device)
+
+    def state_dict(self):
+        return {"generator": self.generator.get_state()}
+
+    def load_state_dict(self, state):
+        self.generator.set_state(state["generator"])
+
+
+def load_meta(data_dir):
+    """The dataset's metadata: meta.json (prepare.py here) if present, else nanoGPT's meta.pkl, else None.
+    Always has 'vocab_size' and 'tokenizer' ('gpt2' or 'char'); char datasets also get 'stoi'/'itos'."""
+    json_path, pkl_path = os.path.join(data_dir, "meta.json"), os.path.join(data_dir, "meta.pkl")
+    if os.path.exists(json_path):
+        try:
+            with open(json_path) as f:
+                meta = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{json_path} is not valid JSON ({e}); run that dataset's prepare.py again") from e
+        if meta.get("tokenizer") == "char" and "chars" in meta:
+            meta["stoi"] = {ch: i for i, ch in enumerate(meta["chars"])}
+            meta["itos"] = dict(enumerate(meta["chars"]))
+    elif os.path.exists(pkl_path):
+        with open(pkl_path, "rb") as f:
+            meta = pickle.load(f)
+        meta.setdefault("tokenizer", "char")  # nanoGPT writes meta.pkl only for its character-level datasets
+    else:
+        return None
+    missing = {"vocab_size", "tokenizer"} - set(meta)
+    if missing:
+        raise ValueError(f"the metadata in {data_dir} lacks {sorted(missing)}; run that dataset's prepare.py again")
+    return meta

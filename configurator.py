@@ -1,0 +1,118 @@
+"""
+nanoGPT's "poor man's configurator", with every key checked.
+
+    python train.py config/train_shakespeare_char.py --batch_size=32 --compile=False
+
+Arguments are applied left to right: a plain argument is a config file (flat Python, executed in an
+empty namespace; only its assignments matter), `--key=value` overrides one key. Unlike nanoGPT's
+exec-into-globals version, a typo cannot silently create a new variable: every key must already
+be one of the script's defaults, and every value must have the default's type (an int is accepted
+where a float is expected; a default of None accepts anything). Errors raise ConfigError naming
+the file or argument and, for unknown keys, the closest valid key.
+
+Used by train.py (and sample.py / bench.py) as:
+
+    config = apply_config(sys.argv[1:], defaults)   # defaults: {key: default value}
+"""
+
+import ast
+import difflib
+import os
+import types
+
+
+class ConfigError(ValueError):
+    """A config file or --key=value override that cannot be applied. Scripts print it and exit 2."""
+
+
+def apply_config(argv, defaults):
+    """Return a new dict: `defaults` updated by the config files and --key=value overrides in argv."""
+    config = dict(defaults)
+    for arg in argv:
+        if arg.startswith('--'):
+            key, sep, text = arg[2:].partition('=')  # split on the first '=' only: --start=a=b
+            if not sep:
+                raise ConfigError(f"argument {arg!r}: overrides are written --key=value "
+                                  f"(e.g. --{key or 'batch_size'}=...)")
+            where = f"command line argument {arg!r}"
+            _check_key(key, defaults, where)
+            config[key] = _coerce(key, _parse_cli_value(text, defaults[key]), defaults[key], where)
+        else:
+            for key, value in _read_config_file(arg).items():
+                where = f"config file {arg}"
+                _check_key(key, defaults, where)
+                config[key] = _coerce(key, value, defaults[key], where)
+    return config
+
+
+def _read_config_file(path):
+    """The names a config file assigns, from executing it in an empty namespace."""
+    if not os.path.isfile(path):
+        hint = " (overrides need two dashes: --key=value)" if '=' in path else ""
+        raise ConfigError(f"config file {path} not found{hint}")
+    with open(path) as f:
+        source = f.read()
+    namespace = {}
+    try:
+        exec(compile(source, path, 'exec'), namespace)
+    except Exception as e:  # a syntax error or an expression that fails: say which file and line
+        line = getattr(e, 'lineno', None) or _traceback_line(e, path)
+        raise ConfigError(f"config file {path}{f', line {line}' if line else ''}: "
+                          f"{type(e).__name__}: {e}") from e
+    values = {}
+    for key, value in namespace.items():
+        if key.startswith('_'):
+            continue  # __builtins__, and private helpers a file may keep
+        if isinstance(value, (types.ModuleType, types.FunctionType, type)):
+            raise ConfigError(f"config file {path}: {key!r} is a {type(value).__name__}; config files "
+                              f"hold plain assignments of values (no imports, functions or classes)")
+        values[key] = value
+    return values
+
+
+def _traceback_line(exc, path):
+    tb = exc.__traceback__
+    line = None
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename == path:
+            line = tb.tb_lineno
+        tb = tb.tb_next
+    return line
+
+
+def _check_key(key, defaults, where):
+    if key in defaults:
+        return
+    close = difflib.get_close_matches(key, list(defaults), n=1, cutoff=0.6)
+    hint = f"; did you mean {close[0]!r}?" if close else "; run with a valid key (see the defaults at the top of the script)"
+    raise ConfigError(f"{where}: unknown config key {key!r}{hint}")
+
+
+def _parse_cli_value(text, default):
+    """--key=value text -> a Python value: a literal when it parses as one, else the raw string."""
+    if isinstance(default, bool) and text.lower() in ('true', 'false'):
+        return text.lower() == 'true'
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        return text  # e.g. --out_dir=out-run1, --init_from=gpt2
+    if isinstance(default, str) and not isinstance(value, str):
+        return text  # a string key keeps what was typed: --wandb_run_name=124 is the name '124'
+    return value
+
+
+def _coerce(key, value, default, where):
+    """value, checked against the type of default (int is widened to float)."""
+    if default is None:
+        return value
+    expected = type(default)
+    if expected is float and type(value) is int:  # bool is an int subclass, but not a number here
+        return float(value)
+    if type(value) is expected:
+        return value
+    if expected is bool:
+        wanted = "True or False"
+    else:
+        article = 'an' if expected.__name__[0] in 'aeiou' else 'a'
+        wanted = f"{article} {expected.__name__} like the default {default!r}"
+    raise ConfigError(f"{where}: {key} must be {wanted}, got {value!r} ({type(value).__name__})")

@@ -1,0 +1,273 @@
+"""
+Everything that differs between CUDA, Intel Gaudi (HPU), Apple MPS and CPU, in one place, so that
+train.py / sample.py / bench.py read the same on every device.
+
+Intel Gaudi: `habana_frameworks` is imported only when the device is 'hpu' (it exists only in
+Habana's containers, whose torch is 2.6-2.9: nothing here uses a newer API on that path). In lazy
+mode (PT_HPU_LAZY_MODE=1) ops are queued into a graph that runs at `mark_step()`, which the training
+loop calls after backward and after the optimizer step; in eager mode `compile_model` uses
+torch.compile(backend="hpu_backend"). bf16 autocast needs no GradScaler there.
+"""
+
+import contextlib
+import functools
+import importlib.util
+import os
+import time
+
+import torch
+
+DEVICE_TYPES = ('cuda', 'hpu', 'mps', 'cpu')
+DTYPES = ('float32', 'bfloat16', 'float16')
+
+_hpu_ready = False  # habana_frameworks imported and a Gaudi found
+_htcore = None  # habana_frameworks.torch.core when that Gaudi runs in lazy mode, else None
+
+
+# ----------------------------------------------------------------------------------------------
+# Which device and dtype
+
+def device_type(device):
+    """'cuda:1' -> 'cuda'."""
+    return str(device).split(':')[0]
+
+
+def resolve_device(name):
+    """'auto' -> the best available of cuda > hpu > mps > cpu; an explicit name is checked."""
+    if name == 'auto':
+        if torch.cuda.is_available():
+            return 'cuda'
+        if importlib.util.find_spec('habana_frameworks') is not None and _init_hpu():
+            return 'hpu'
+        if torch.backends.mps.is_available():
+            return 'mps'
+        return 'cpu'
+    kind = device_type(name)
+    if kind not in DEVICE_TYPES:
+        raise ValueError(f"device={name!r} is not supported; use one of auto, {', '.join(DEVICE_TYPES)} "
+                         f"(or cuda:N)")
+    if kind == 'cuda' and not torch.cuda.is_available():
+        raise ValueError(f"device={name!r} but this torch ({torch.__version__}) sees no CUDA GPU; "
+                         f"use --device=auto or --device=cpu")
+    if kind == 'mps' and not torch.backends.mps.is_available():
+        raise ValueError(f"device={name!r} but MPS is not available here; use --device=auto or --device=cpu")
+    if kind == 'hpu':
+        if importlib.util.find_spec('habana_frameworks') is None:
+            raise ValueError("device='hpu' needs Intel Gaudi's habana_frameworks package (use Habana's "
+                             "PyTorch container); use --device=auto or --device=cpu")
+        if not _init_hpu():
+            raise ValueError("device='hpu' but habana_frameworks sees no Gaudi device")
+    return name
+
+
+def _init_hpu():
+    """Import Habana's bridge (which registers the 'hpu' device) and note whether it is in lazy mode."""
+    global _hpu_ready, _htcore
+    import habana_frameworks.torch.core as htcore
+    from habana_frameworks.torch.utils.internal import is_lazy
+    _hpu_ready = torch.hpu.is_available()
+    _htcore = htcore if _hpu_ready and is_lazy() else None
+    return _hpu_ready
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_supports_bf16():
+    """True when the CPU has native bf16 matmul (x86 AVX512-BF16 / AMX, or Arm BF16). There, bf16
+    autocast is several times faster than float32; elsewhere it is emulated and slower."""
+    try:
+        with open('/proc/cpuinfo') as f:
+            words = set(f.read().split())
+    except OSError:  # not Linux
+        words = set()
+    if words & {'avx512_bf16', 'amx_bf16'}:
+        return True
+    # aarch64 lists its features on 'Features' lines; torch also reports AMX-capable x86 CPUs
+    return 'bf16' in words or 'AMX' in torch.backends.cpu.get_cpu_capability()
+
+
+def resolve_dtype(name, device):
+    """'auto' -> the fastest dtype that trains reliably on the device; an explicit name is checked."""
+    kind = device_type(device)
+    if name == 'auto':
+        if kind == 'cuda':
+            return 'bfloat16' if torch.cuda.is_bf16_supported() else 'float16'
+        if kind == 'hpu':
+            return 'bfloat16'
+        if kind == 'cpu' and cpu_supports_bf16():
+            return 'bfloat16'
+        return 'float32'
+    if name not in DTYPES:
+        raise ValueError(f"dtype={name!r} is not supported; use auto, {', '.join(DTYPES)}")
+    if name == 'float16' and kind != 'cuda':
+        raise ValueError(f"dtype='float16' needs a GradScaler, which is used on CUDA only; on "
+                         f"{kind} use --dtype=bfloat16 or --dtype=float32")
+    return name
+
+
+def setup(device):
+    """Per-process device settings before any tensor is made (DDP: device is 'cuda:<local_rank>')."""
+    if device_type(device) == 'cuda':
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = True  # float32 matmuls on tensor cores (nanoGPT)
+        torch.backends.cudnn.allow_tf32 = True
+
+
+def ddp_backend(device):
+    """The torch.distributed backend for the device: nccl (CUDA), hccl (Gaudi), gloo (CPU, MPS)."""
+    kind = device_type(device)
+    if kind == 'cuda':
+        return 'nccl'
+    if kind == 'hpu':
+        import habana_frameworks.torch.distributed.hccl  # noqa: F401  (registers the 'hccl' backend)
+        return 'hccl'
+    return 'gloo'
+
+
+def ddp_device_ids(device):
+    """device_ids for DistributedDataParallel: the GPU index on CUDA, None elsewhere."""
+    return [torch.device(device).index] if device_type(device) == 'cuda' else None
+
+
+# ----------------------------------------------------------------------------------------------
+# Numerics: autocast, GradScaler, seeding
+
+def torch_dtype(dtype):
+    return {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}[dtype]
+
+
+def autocast_context(device, dtype):
+    """Mixed precision for forward passes; float32 runs without autocast."""
+    if dtype == 'float32':
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device_type(device), dtype=torch_dtype(dtype))
+
+
+def grad_scaler(device, dtype):
+    """A GradScaler that is active only for float16 on CUDA (bf16 has float32's range)."""
+    enabled = dtype == 'float16' and device_type(device) == 'cuda'
+    return torch.amp.GradScaler(device_type(device), enabled=enabled)
+
+
+def manual_seed(seed):
+    """Seed torch's global generators (CPU, CUDA, and Gaudi's own, which torch.manual_seed skips)."""
+    torch.manual_seed(seed)
+    if _hpu_ready:
+        import habana_frameworks.torch.hpu.random as htrandom
+        htrandom.manual_seed(seed)
+
+
+# ----------------------------------------------------------------------------------------------
+# Gaudi lazy mode, compilation, fused optimizer
+
+def mark_step():
+    """Run the ops queued so far (Gaudi lazy mode); a no-op on every other device and HPU eager mode."""
+    if _htcore is not None:
+        _htcore.mark_step()
+
+
+def compile_model(model, device):
+    """torch.compile for the device: 'hpu_backend' in Gaudi eager mode; lazy mode has its own graph
+    compiler, so the model is returned unchanged there (with a note)."""
+    if device_type(device) == 'hpu':
+        if _htcore is not None:
+            print("compile=True ignored: Gaudi lazy mode (PT_HPU_LAZY_MODE=1) builds graphs itself; "
+                  "set PT_HPU_LAZY_MODE=0 to use torch.compile")
+            return model
+        return torch.compile(model, backend='hpu_backend')
+    return torch.compile(model)
+
+
+def fused_optimizer(optimizer, device):
+    """On Gaudi in lazy mode, Habana's FusedAdamW with the same parameter groups and settings;
+    elsewhere the optimizer unchanged (model.configure_optimizers already picks fused on CUDA)."""
+    if device_type(device) != 'hpu' or _htcore is None:
+        return optimizer
+    try:
+        from habana_frameworks.torch.hpex.optimizers import FusedAdamW
+    except ImportError:  # older / eager-only builds
+        return optimizer
+    d = optimizer.defaults
+    groups = [{'params': g['params'], 'weight_decay': g['weight_decay']} for g in optimizer.param_groups]
+    print("using Habana FusedAdamW")
+    return FusedAdamW(groups, lr=d['lr'], betas=d['betas'], eps=d['eps'], weight_decay=d['weight_decay'])
+
+
+# ----------------------------------------------------------------------------------------------
+# Timing and memory
+
+def synchronize(device):
+    """Wait for queued device work, so wall-clock timings measure it."""
+    kind = device_type(device)
+    if kind == 'cuda':
+        torch.cuda.synchronize(device)
+    elif kind == 'hpu':
+        mark_step()
+        torch.hpu.synchronize()
+    elif kind == 'mps':
+        torch.mps.synchronize()
+
+
+def max_memory_allocated(device):
+    """Peak bytes allocated by tensors on the device since the start (None where torch cannot tell)."""
+    kind = device_type(device)
+    if kind == 'cuda':
+        return torch.cuda.max_memory_allocated(device)
+    if kind == 'hpu':
+        return torch.hpu.max_memory_allocated()
+    return None
+
+
+# Dense peak FLOP/s (no sparsity) in TFLOP/s for (bf16/fp16, float32). float32 on NVIDIA Ampere and
+# later is TF32 on tensor cores (setup() enables it). Checked in order: a name matches its first
+# entry, so more specific names come first ('A100' before 'A10', 'H100 PCIe' before 'H100').
+_PEAK_TFLOPS = (
+    ('GH200', 989, 494), ('H200', 989, 494), ('H100 PCIe', 756, 378), ('H100', 989, 494),
+    ('H800', 989, 494), ('A100', 312, 156), ('A800', 312, 156), ('L40S', 362, 183), ('L40', 181, 90),
+    ('L4', 121, 60), ('A10G', 125, 35), ('A10', 125, 62), ('RTX 4090', 165, 83), ('RTX 3090', 71, 36),
+    ('V100', 125, 15.7), ('T4', 65, 8.1),
+    ('GAUDI3', 1835, None), ('GAUDI2', 432, None),  # Intel spec sheets (bf16 matrix)
+)
+
+
+def device_name(device):
+    kind = device_type(device)
+    if kind == 'cuda':
+        return torch.cuda.get_device_name(device)
+    if kind == 'hpu':
+        return torch.hpu.get_device_name()
+    return kind
+
+
+@functools.lru_cache(maxsize=None)
+def peak_flops(device, dtype):
+    """Peak FLOP/s of one device for matmuls in `dtype`, the denominator of MFU: the spec-sheet
+    figure for known accelerators, else (CPU, unknown GPUs) the best measured matmul throughput,
+    which takes about a second the first time and is cached for the process."""
+    if device_type(device) in ('cuda', 'hpu'):
+        name = device_name(device).upper()
+        for key, half, single in _PEAK_TFLOPS:
+            if key.upper() in name:
+                tflops = half if dtype in ('bfloat16', 'float16') else single
+                if tflops is not None:
+                    return tflops * 1e12
+                break
+    return _measured_matmul_flops(device, dtype)
+
+
+def _measured_matmul_flops(device, dtype, seconds=0.25):
+    n = 1024 if device_type(device) == 'cpu' else 4096
+    a = torch.randn(n, n, device=device, dtype=torch_dtype(dtype))
+    b = torch.randn(n, n, device=device, dtype=torch_dtype(dtype))
+    best = 0.0
+    deadline = time.perf_counter() + seconds
+    for i in range(100):
+        synchronize(device)
+        t0 = time.perf_counter()
+        a @ b
+        synchronize(device)
+        dt = time.perf_counter() - t0
+        if i > 0:  # the first call pays for allocation and kernel selection
+            best = max(best, 2 * n ** 3 / dt)
+        if i > 1 and time.perf_counter() > deadline:
+            break
+    return best

@@ -1,0 +1,165 @@
+"""configurator.apply_config: nanoGPT's config files and --key=value overrides, every key and type
+checked; and every config file the project ships is valid for train.py."""
+import ast
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from configurator import ConfigError, apply_config
+from model import GPT, GPTConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULTS = {'batch_size': 12, 'learning_rate': 6e-4, 'compile': False, 'out_dir': 'out',
+            'wandb_run_name': 'gpt2', 'n_layer': 12, 'anything': None}
+
+
+def write(tmp_path, text, name='cfg.py'):
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def test_file_then_cli_in_order_and_defaults_untouched(tmp_path):
+    cfg = write(tmp_path, "batch_size = 4\nout_dir = 'out-a'\nlearning_rate = 1e-3\n")
+    got = apply_config([cfg, '--batch_size=8', '--out_dir=out-b'], DEFAULTS)
+    assert got == {**DEFAULTS, 'batch_size': 8, 'out_dir': 'out-b', 'learning_rate': 1e-3}
+    assert DEFAULTS['batch_size'] == 12  # the defaults dict is not modified
+    # a later file overrides an earlier override, as in nanoGPT (arguments apply left to right)
+    assert apply_config(['--batch_size=8', cfg], DEFAULTS)['batch_size'] == 4
+
+
+def test_file_typo_names_file_and_closest_key(tmp_path):
+    cfg = write(tmp_path, "batch_size = 4\nn_layr = 6\n")
+    with pytest.raises(ConfigError) as e:
+        apply_config([cfg], DEFAULTS)
+    assert cfg in str(e.value) and "'n_layr'" in str(e.value) and "did you mean 'n_layer'" in str(e.value)
+
+
+def test_cli_typo_suggests_closest_key():
+    with pytest.raises(ConfigError) as e:
+        apply_config(['--batchsize=3'], DEFAULTS)
+    msg = str(e.value)
+    assert "--batchsize=3" in msg and "did you mean 'batch_size'" in msg
+    with pytest.raises(ConfigError, match="unknown config key 'zzz'"):
+        apply_config(['--zzz=1'], DEFAULTS)
+
+
+def test_int_is_widened_to_float_but_other_mismatches_are_named(tmp_path):
+    got = apply_config(['--learning_rate=1'], DEFAULTS)['learning_rate']
+    assert got == 1.0 and type(got) is float
+    assert type(apply_config([write(tmp_path, "learning_rate = 3\n")], DEFAULTS)['learning_rate']) is float
+    with pytest.raises(ConfigError, match=r"batch_size must be an int like the default 12, got 1\.5 \(float\)"):
+        apply_config(['--batch_size=1.5'], DEFAULTS)
+    with pytest.raises(ConfigError, match="learning_rate must be a float.*got 'fast' \\(str\\)"):
+        apply_config(['--learning_rate=fast'], DEFAULTS)
+    cfg = write(tmp_path, "batch_size = '12'\n")
+    with pytest.raises(ConfigError) as e:
+        apply_config([cfg], DEFAULTS)
+    assert cfg in str(e.value) and "batch_size must be an int" in str(e.value)
+
+
+def test_bools_from_true_false_only():
+    assert apply_config(['--compile=True'], DEFAULTS)['compile'] is True
+    assert apply_config(['--compile=False'], DEFAULTS)['compile'] is False
+    assert apply_config(['--compile=true'], DEFAULTS)['compile'] is True
+    for bad in ('1', 'yes', '0'):
+        with pytest.raises(ConfigError, match="compile must be True or False"):
+            apply_config([f'--compile={bad}'], DEFAULTS)
+    with pytest.raises(ConfigError, match="batch_size must be an int"):  # bool is not an int here
+        apply_config(['--batch_size=True'], DEFAULTS)
+
+
+def test_values_with_equals_signs_and_string_keys_keep_what_was_typed():
+    assert apply_config(['--out_dir=a=b=c'], DEFAULTS)['out_dir'] == 'a=b=c'
+    assert apply_config(['--wandb_run_name=124'], DEFAULTS)['wandb_run_name'] == '124'
+    assert apply_config(["--out_dir='quoted'"], DEFAULTS)['out_dir'] == 'quoted'
+    assert apply_config(['--anything=[1, 2]'], DEFAULTS)['anything'] == [1, 2]  # None accepts any type
+
+
+def test_malformed_arguments_and_files(tmp_path):
+    with pytest.raises(ConfigError, match="--key=value"):
+        apply_config(['--compile'], DEFAULTS)
+    with pytest.raises(ConfigError, match="not found"):
+        apply_config([str(tmp_path / 'missing.py')], DEFAULTS)
+    with pytest.raises(ConfigError, match="need two dashes"):
+        apply_config(['batch_size=3'], DEFAULTS)
+    cfg = write(tmp_path, "batch_size = 4\nn_layer = (\n")
+    with pytest.raises(ConfigError, match=f"{cfg}, line 2"):
+        apply_config([cfg], DEFAULTS)
+    cfg = write(tmp_path, "import os\nbatch_size = 4\n", name='imp.py')
+    with pytest.raises(ConfigError, match="'os' is a module"):
+        apply_config([cfg], DEFAULTS)
+    cfg = write(tmp_path, "batch_size = 4 * undefined_name\n", name='name.py')
+    with pytest.raises(ConfigError, match=f"{cfg}, line 1: NameError"):
+        apply_config([cfg], DEFAULTS)
+    assert issubclass(ConfigError, ValueError)
+
+
+# -----------------------------------------------------------------------------
+# The shipped config files against train.py's real defaults
+
+def train_defaults():
+    """train.py's settings: its top-level assignments before `config_keys`, evaluated like a
+    config file (so this test does not run the script)."""
+    tree = ast.parse((ROOT / 'train.py').read_text())
+    defaults = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and node.targets[0].id == 'config_keys':
+            break
+        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
+            defaults[node.targets[0].id] = eval(compile(ast.Expression(node.value), 'train.py', 'eval'), {})
+    return defaults
+
+
+CONFIGS = sorted(p.name for p in (ROOT / 'config').glob('*.py'))
+PAPER_CONFIGS = {'train_gpt2.py': 'base', 'symmetric.py': 'symmetric', 'noiseformer_v1.py': 'noiseformer_v1',
+                 'noiseformer_v2.py': 'noiseformer_v2', 'diff.py': 'diff', 'dint.py': 'dint',
+                 'dint_lowrank.py': 'dint_lowrank', 'linear.py': 'linear'}
+
+
+def test_train_defaults_match_gptconfig_defaults():
+    # train.py lists the model fields for readability; they must not drift from GPTConfig, or a
+    # default run would set a variant field on a variant that rejects it
+    defaults = train_defaults()
+    for f in dataclasses.fields(GPTConfig):
+        if f.name not in ('vocab_size', 'bias'):  # vocab from the data; bias=False as nanoGPT's train.py
+            assert defaults[f.name] == f.default, f.name
+
+
+def model_config(config):
+    fields = {f.name for f in dataclasses.fields(GPTConfig)}
+    return GPTConfig(**{k: v for k, v in config.items() if k in fields}, vocab_size=50304)
+
+
+@pytest.mark.parametrize('name', CONFIGS)
+def test_shipped_config_is_valid(name):
+    config = apply_config([str(ROOT / 'config' / name)], train_defaults())
+    model_config(config)  # GPTConfig validates attn_type, head counts and variant fields
+
+
+def test_paper_configs_share_the_recipe():
+    assert set(PAPER_CONFIGS) <= set(CONFIGS)
+    recipe = dict(batch_size=12, block_size=1024, gradient_accumulation_steps=40, learning_rate=6e-4,
+                  beta1=0.9, beta2=0.95, weight_decay=0.1, grad_clip=1.0, warmup_iters=2000,
+                  lr_decay_iters=600000, min_lr=6e-5, max_iters=100000, eval_interval=1000,
+                  eval_iters=200, kl_weight=5e-6, n_layer=12, n_head=12, n_embd=768, dropout=0.0)
+    out_dirs = set()
+    for name, attn_type in PAPER_CONFIGS.items():
+        config = apply_config([str(ROOT / 'config' / name)], train_defaults())
+        assert config['attn_type'] == attn_type
+        assert {k: config[k] for k in recipe} == recipe, name
+        out_dirs.add(config['out_dir'])
+    assert len(out_dirs) == len(PAPER_CONFIGS)  # runs of different variants never share a checkpoint
+
+
+def test_paper_models_build():
+    # all eight 124M models, on the meta device: every shape is built, no memory or init time spent
+    counts = {}
+    for name, attn_type in PAPER_CONFIGS.items():
+        with torch.device('meta'):
+            model = GPT(model_config(apply_config([str(ROOT / 'config' / name)], train_defaults())))
+        counts[attn_type] = model.get_num_params()
+    assert 120e6 < counts['base'] < 126e6
+    assert counts['base'] - counts['symmetric'] == 12 * 768 * 768  # no key projection (bias=False)

@@ -1,0 +1,349 @@
+"""Data pipeline: data/*/prepare.py run as a user runs them (subprocesses, offline, local inputs), and
+batches.TokenBatches / load_meta on the files they write."""
+import io
+import json
+import os
+import pickle
+import random
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import tiktoken
+import torch
+
+import batches
+from batches import TokenBatches, load_meta
+
+ROOT = Path(__file__).resolve().parents[1]
+OWT = ROOT / "data" / "openwebtext" / "prepare.py"
+FINEWEB = ROOT / "data" / "fineweb_edu" / "prepare.py"
+SHAKESPEARE = ROOT / "data" / "shakespeare_char" / "prepare.py"
+SHAKESPEARE_TXT = ROOT.parent / "shared" / "data" / "tinyshakespeare" / "input.txt"
+sys.path.insert(0, str(ROOT / "data"))
+import prepare_common  # noqa: E402
+from prepare_common import PrepareError  # noqa: E402
+
+ENC = tiktoken.get_encoding("gpt2")
+EOT = ENC.eot_token
+
+
+def make_docs(n, seed=0, max_words=300):
+    """Unique documents with what tokenisers trip on: unicode, emoji, newlines, an empty document,
+    and the literal text '<|endoftext|>' (plain text inside a document, as in nanoGPT)."""
+    rng = random.Random(seed)
+    words = ["alpha", "béta", "日本語", "🎉", "<|endoftext|>", "  spaced  ", "line\nbreak", "tab\t", "x" * 40]
+    docs = [f"doc {i}:" + " ".join(rng.choice(words) for _ in range(rng.randint(0, max_words))) for i in range(n)]
+    docs[1] = ""
+    return docs
+
+
+def write_jsonl(path, docs, field="text"):
+    with open(path, "w") as f:
+        for d in docs:
+            f.write(json.dumps({field: d, "id": len(d)}) + "\n")
+    return path
+
+
+def prepare(script, *args, check=True, **kwargs):
+    r = subprocess.run([sys.executable, str(script), *map(str, args)], cwd=ROOT, capture_output=True, text=True,
+                       timeout=180, **kwargs)
+    if check:
+        assert r.returncode == 0, r.stderr[-3000:]
+    return r
+
+
+def decode_bin(path):
+    """The documents of a .bin: split at EOT (every document ends with one), each checked to be
+    exactly encode_ordinary of its text."""
+    tokens = np.fromfile(path, dtype=np.uint16)
+    assert len(tokens) and tokens[-1] == EOT, f"{path} does not end with EOT"
+    docs = []
+    for seg in np.split(tokens, np.flatnonzero(tokens == EOT) + 1)[:-1]:
+        text = ENC.decode(seg[:-1].tolist())
+        assert seg[:-1].tolist() == ENC.encode_ordinary(text)
+        docs.append(text)
+    return docs
+
+
+def splits(out_dir):
+    return decode_bin(out_dir / "train.bin"), decode_bin(out_dir / "val.bin")
+
+
+def assert_partition(train, val, docs):
+    assert sorted(train + val) == sorted(docs), "the two .bin files must hold every input document exactly once"
+    assert not set(train) & set(val)
+
+
+# ---------------------------------------------------------------------------------- prepare.py
+
+DOCS = make_docs(40)
+
+
+@pytest.fixture(scope="module")
+def owt_jsonl(tmp_path_factory):
+    """openwebtext/prepare.py on a local jsonl, seed 1; its cache is reused by later tests."""
+    tmp = tmp_path_factory.mktemp("owt")
+    src = write_jsonl(tmp / "docs.jsonl", DOCS)
+    args = ["--input", src, "--val_fraction", 0.25, "--seed", 1, "--num_proc", 1, "--cache_dir", tmp / "cache"]
+    r = prepare(OWT, *args, "--out_dir", tmp / "out")
+    return tmp, args, r
+
+
+def test_prepare_jsonl_decodes_to_the_documents(owt_jsonl):
+    tmp, _, r = owt_jsonl
+    out = tmp / "out"
+    train, val = splits(out)
+    assert_partition(train, val, DOCS)
+    assert len(val) == 10  # ceil(0.25 * 40)
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["tokenizer"] == "gpt2" and meta["vocab_size"] == 50257 and meta["eot_token"] == EOT
+    assert meta["train_tokens"] * 2 == (out / "train.bin").stat().st_size
+    assert meta["val_tokens"] * 2 == (out / "val.bin").stat().st_size
+    assert (meta["train_documents"], meta["val_documents"]) == (30, 10)
+    assert meta["source"] == [str(tmp / "docs.jsonl")]
+    assert sorted(os.listdir(out)) == ["meta.json", "train.bin", "val.bin"]
+    assert "train.bin" in r.stdout
+
+
+def test_split_is_deterministic_per_seed(owt_jsonl, tmp_path):
+    tmp, args, _ = owt_jsonl
+    # same seed, fresh cache: the same split, byte for byte
+    prepare(OWT, *args[:-1], tmp_path / "cache", "--out_dir", tmp_path / "same")
+    for name in ["train.bin", "val.bin"]:
+        assert (tmp_path / "same" / name).read_bytes() == (tmp / "out" / name).read_bytes()
+    # another seed: another val set, still a partition
+    prepare(OWT, *args, "--seed", 2, "--out_dir", tmp_path / "other")
+    train, val = splits(tmp_path / "other")
+    assert_partition(train, val, DOCS)
+    assert set(val) != set(splits(tmp / "out")[1])
+
+
+PARQUET_DOCS = make_docs(2500, seed=1, max_words=30)  # > 2 x 1000-document batches, so --num_proc 2 really forks two workers
+
+
+@pytest.fixture(scope="module")
+def owt_parquet(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("parquet")
+    pq.write_table(pa.table({"content": PARQUET_DOCS, "n": range(len(PARQUET_DOCS))}), tmp / "docs.parquet")
+    args = ["--input", tmp / "*.parquet", "--text_column", "content", "--num_proc", 2, "--val_fraction", 0.1,
+            "--cache_dir", tmp / "cache"]
+    prepare(OWT, *args, "--out_dir", tmp / "out")
+    return tmp, args
+
+
+def test_prepare_parquet_in_parallel(owt_parquet):
+    tmp, _ = owt_parquet
+    train, val = splits(tmp / "out")
+    assert_partition(train, val, PARQUET_DOCS)
+    assert len(val) == 250
+    assert list((tmp / "cache").rglob("*_00001_of_00002.arrow")), "the tokenising map did not run two workers"
+
+
+def test_prepare_text_files_one_document_each(tmp_path):
+    docs = make_docs(6, seed=2)
+    for i, d in enumerate(docs):
+        (tmp_path / f"{i}.txt").write_text(d, encoding="utf-8")
+    prepare(OWT, "--input", tmp_path / "*.txt", "--val_fraction", 0.2, "--num_proc", 1,
+            "--cache_dir", tmp_path / "cache", "--out_dir", tmp_path / "out")
+    train, val = splits(tmp_path / "out")
+    assert_partition(train, val, docs)
+    assert len(val) == 2  # ceil(0.2 * 6)
+
+
+def test_fineweb_max_tokens_keeps_whole_documents(owt_parquet, tmp_path):
+    tmp, args = owt_parquet
+    full_train = decode_bin(tmp / "out" / "train.bin")
+    # a budget ending exactly at a document boundary, at 60% of the tokens: more than the first
+    # 1000-document sample holds, so the estimate-and-extend step runs too
+    ends = np.cumsum([len(ENC.encode_ordinary(d)) + 1 for d in full_train])
+    keep = int(np.searchsorted(ends, ends[-1] * 0.6))
+    budget = int(ends[keep - 1])
+    assert keep > 1000
+    prepare(FINEWEB, *args[:-1], tmp_path / "cache", "--max_tokens", budget, "--out_dir", tmp_path / "out")
+    train, val = splits(tmp_path / "out")
+    # the first `keep` of the same shuffled train documents (the one that ends on the budget included),
+    # and the same val.bin
+    assert train == full_train[:keep]
+    assert (tmp_path / "out" / "val.bin").read_bytes() == (tmp / "out" / "val.bin").read_bytes()
+    assert json.loads((tmp_path / "out" / "meta.json").read_text())["train_tokens"] == budget
+
+
+def _file_size_limit(nbytes):
+    """preexec_fn: a per-file size limit, like a disk that fills up: a longer write fails with EFBIG
+    (Python ignores SIGXFSZ, so the process is not killed but gets an OSError)."""
+    import resource
+    return lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, nbytes))
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="RLIMIT_FSIZE as on Linux")
+def test_interrupted_prepare_leaves_no_final_bin(owt_jsonl, tmp_path):
+    tmp, args, _ = owt_jsonl  # same command and cache: tokens come from the cache, only the outputs are written
+    train_bytes = (tmp / "out" / "train.bin").stat().st_size
+    assert train_bytes > 2 * (tmp / "out" / "val.bin").stat().st_size
+    out = tmp_path / "out"
+    # the disk fills while train.bin is written, after val.bin was: an error, and no file left behind
+    r = prepare(OWT, *args, "--out_dir", out, check=False, preexec_fn=_file_size_limit(train_bytes - 1))
+    assert r.returncode != 0 and "File too large" in r.stderr
+    assert "Run the same command again" in r.stderr and "wrote no train.bin" in r.stderr
+    assert os.listdir(out) == []
+    # a killed run can leave only '*.partial' files (nothing else is written before the final
+    # renames); the same command again finishes and replaces them
+    (out / "train.bin.partial").write_bytes(b"\x07" * 11)
+    prepare(OWT, *args, "--out_dir", out)
+    assert sorted(os.listdir(out)) == ["meta.json", "train.bin", "val.bin"]
+    assert (out / "train.bin").read_bytes() == (tmp / "out" / "train.bin").read_bytes()
+
+
+def test_prepare_cli_error_is_one_clear_line(tmp_path):
+    # the hub path with no network (an empty HF_HOME, so nothing cached can stand in)
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", HF_HOME=str(tmp_path / "hf"))
+    r = prepare(FINEWEB, "--out_dir", tmp_path / "out", "--cache_dir", tmp_path / "cache", check=False, env=env)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert "Couldn't reach 'HuggingFaceFW/fineweb-edu'" in r.stderr and "Rerun the same command" in r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def _args(*argv):
+    return prepare_common.make_parser("", ".").parse_args([str(a) for a in argv])
+
+
+def test_prepare_bad_inputs(tmp_path):
+    cache = ["--cache_dir", tmp_path / "cache", "--num_proc", 1]
+    with pytest.raises(PrepareError, match=r"--input '.*missing\*.jsonl' matches no file; check the path"):
+        prepare_common.load_documents(_args("--input", tmp_path / "missing*.jsonl", *cache), None)
+    (tmp_path / "docs.csv").write_text("text\nhello\n")
+    with pytest.raises(PrepareError, match=r"docs.csv: unknown input type; --input takes \.txt, \.jsonl"):
+        prepare_common.load_documents(_args("--input", tmp_path / "docs.csv", *cache), None)
+    write_jsonl(tmp_path / "content.jsonl", ["a", "b"], field="content")
+    with pytest.raises(PrepareError, match=r"no 'text' column \(it has \['content', 'id'\]\).*--text_column"):
+        prepare_common.load_documents(_args("--input", tmp_path / "content.jsonl", *cache), None)
+    assert prepare_common.load_documents(_args("--input", tmp_path / "content.jsonl", "--text_column", "content",
+                                               *cache), None)["text"][:] == ["a", "b"]
+    with pytest.raises(PrepareError, match="document 1 has no text"):
+        prepare_common.tokenize_batch({"text": ["fine", None]}, [0, 1])
+    write_jsonl(tmp_path / "one.jsonl", ["only one"])
+    with pytest.raises(PrepareError, match="has 1 document.*needs at least 2"):
+        prepare_common.run(_args("--input", tmp_path / "one.jsonl", "--out_dir", tmp_path / "out", *cache), None, None)
+    with pytest.raises(PrepareError, match="--val_fraction must be between 0 and 1"):
+        prepare_common.run(_args("--input", tmp_path / "one.jsonl", "--val_fraction", 1.5, *cache), None, None)
+    assert not (tmp_path / "out").exists()
+
+
+# ------------------------------------------------------------------------- shakespeare_char
+
+@pytest.mark.skipif(not SHAKESPEARE_TXT.exists(), reason=f"{SHAKESPEARE_TXT} not present")
+def test_shakespeare_char_as_nanogpt(tmp_path):
+    r = prepare(SHAKESPEARE, "--input", SHAKESPEARE_TXT, "--out_dir", tmp_path)
+    assert "vocab size 65" in r.stdout
+    text = SHAKESPEARE_TXT.read_text(encoding="utf-8")
+    with open(tmp_path / "meta.pkl", "rb") as f:
+        pkl = pickle.load(f)
+    assert pkl["vocab_size"] == 65 and set(pkl) == {"vocab_size", "itos", "stoi"}
+    train = np.fromfile(tmp_path / "train.bin", dtype=np.uint16)
+    val = np.fromfile(tmp_path / "val.bin", dtype=np.uint16)
+    assert (len(train), len(val)) == (1_003_854, 111_540)
+    assert "".join(pkl["itos"][i] for i in train.tolist()) + "".join(pkl["itos"][i] for i in val.tolist()) == text
+    meta = load_meta(tmp_path)  # meta.json, which alone can decode
+    assert meta["tokenizer"] == "char" and meta["vocab_size"] == 65
+    assert (meta["train_tokens"], meta["val_tokens"]) == (1_003_854, 111_540)
+    assert meta["itos"] == pkl["itos"] and meta["stoi"] == pkl["stoi"]
+
+
+def test_shakespeare_char_without_network_says_how_to_supply_the_file(tmp_path):
+    # a proxy on a closed local port: the download fails at once, as with no network
+    env = dict(os.environ, https_proxy="http://127.0.0.1:9", HTTPS_PROXY="http://127.0.0.1:9")
+    r = prepare(SHAKESPEARE, "--out_dir", tmp_path / "out", check=False, env=env)
+    assert r.returncode == 1 and "could not download" in r.stderr
+    assert "pass --input path/to/input.txt" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+# ------------------------------------------------------------------------------ TokenBatches
+
+def write_tokens(path, tokens):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    np.asarray(tokens, dtype=np.uint16).tofile(path)
+
+
+@pytest.fixture
+def positions(tmp_path):
+    """train.bin whose token at position i is i: a window shows where it was cut from."""
+    write_tokens(tmp_path / "train.bin", np.arange(300))
+    return tmp_path
+
+
+def test_windows_are_slices_of_the_file(positions):
+    tb = TokenBatches(positions, "train", block_size=16, batch_size=8, vocab_size=300)
+    starts = []
+    for _ in range(200):
+        x, y = tb.get_batch()
+        assert x.shape == y.shape == (8, 16) and x.dtype == y.dtype == torch.int64 and x.device.type == "cpu"
+        assert torch.equal(x, x[:, :1] + torch.arange(16)) and torch.equal(y, x + 1)
+        starts += x[:, 0].tolist()
+    assert min(starts) == 0 and max(starts) == 300 - 16 - 1  # every window start is reachable, none overruns
+
+
+def test_state_dict_round_trip_reproduces_batches(positions):
+    tb = TokenBatches(positions, "train", block_size=16, batch_size=4, seed=7)
+    tb.get_batch()
+    buf = io.BytesIO()
+    torch.save(tb.state_dict(), buf)  # as a checkpoint holds it
+    expected = [tb.get_batch() for _ in range(3)]
+    other = TokenBatches(positions, "train", block_size=16, batch_size=4, seed=999)
+    buf.seek(0)
+    other.load_state_dict(torch.load(buf))
+    for (x, y), (ex, ey) in zip([other.get_batch() for _ in range(3)], expected):
+        assert torch.equal(x, ex) and torch.equal(y, ey)
+
+
+def test_generator_argument_leaves_own_state_alone(positions):
+    tb = TokenBatches(positions, "train", block_size=16, batch_size=4, seed=7)
+    fresh = TokenBatches(positions, "train", block_size=16, batch_size=4, seed=7)
+    x, _ = tb.get_batch(generator=torch.Generator().manual_seed(0))
+    assert torch.equal(x, tb.get_batch(generator=torch.Generator().manual_seed(0))[0])  # drawn from the argument
+    assert torch.equal(tb.get_batch()[0], fresh.get_batch()[0])  # self's sequence is where it was
+
+
+def test_bad_token_files_fail_clearly(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"train.bin not found: run the prepare.py"):
+        TokenBatches(tmp_path / "nothing", "train", 8, 2)
+    (tmp_path / "val.bin").write_bytes(b"\x01\x00\x02")
+    with pytest.raises(ValueError, match=r"odd size \(3 bytes\).*not a uint16 token file"):
+        TokenBatches(tmp_path, "val", 8, 2)
+    write_tokens(tmp_path / "short" / "train.bin", np.arange(8))
+    with pytest.raises(ValueError, match=r"has 8 tokens, fewer than block_size \+ 1 = 9"):
+        TokenBatches(tmp_path / "short", "train", 8, 2)
+    TokenBatches(tmp_path / "short", "train", 7, 2)  # exactly block_size + 1 is enough
+
+
+def test_token_ids_checked_against_vocab_size(tmp_path, monkeypatch):
+    tokens = np.zeros(5000, dtype=np.uint16)
+    tokens[4321] = 50257
+    write_tokens(tmp_path / "train.bin", tokens)
+    TokenBatches(tmp_path, "train", 8, 2, vocab_size=50258)  # the largest id is vocab_size - 1: fine
+    TokenBatches(tmp_path, "train", 8, 2)  # no vocab_size, no check
+    monkeypatch.setattr(batches, "SCAN_CHUNK", 1000)  # several chunks; the bad id is in the fifth
+    with pytest.raises(ValueError, match=r"token id 50257 at position 4321, but vocab_size is 50257"):
+        TokenBatches(tmp_path, "train", 8, 2, vocab_size=50257)
+
+
+def test_load_meta_json_pkl_or_none(tmp_path):
+    assert load_meta(tmp_path) is None
+    with open(tmp_path / "meta.pkl", "wb") as f:  # a nanoGPT character-level dataset
+        pickle.dump({"vocab_size": 3, "itos": {0: "a", 1: "b", 2: "c"}, "stoi": {"a": 0, "b": 1, "c": 2}}, f)
+    meta = load_meta(tmp_path)
+    assert meta["tokenizer"] == "char" and meta["vocab_size"] == 3 and meta["itos"][2] == "c"
+    (tmp_path / "meta.json").write_text(json.dumps({"tokenizer": "gpt2", "vocab_size": 50257}))
+    assert load_meta(tmp_path) == {"tokenizer": "gpt2", "vocab_size": 50257}  # meta.json wins
+    (tmp_path / "meta.json").write_text('{"tokenizer": "gpt2", ')
+    with pytest.raises(ValueError, match="meta.json is not valid JSON"):
+        load_meta(tmp_path)
+    (tmp_path / "meta.json").write_text(json.dumps({"tokenizer": "gpt2"}))
+    with pytest.raises(ValueError, match=r"lacks \['vocab_size'\]"):
+        load_meta(tmp_path)

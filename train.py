@@ -1,0 +1,456 @@
+"""
+This training script runs on a single device (CUDA GPU, Intel Gaudi, Apple MPS or CPU) or with
+distributed data parallel (DDP) over many.
+
+On one device:
+$ python train.py config/train_shakespeare_char.py --max_iters=2000
+
+With DDP on 8 devices of one node (the paper recipe):
+$ torchrun --standalone --nproc_per_node=8 train.py config/noiseformer_v2.py
+
+Across 2 nodes (8 devices each): on the first (master) node, with IP 123.456.123.456:
+$ torchrun --nproc_per_node=8 --nnodes=2 --node_rank=0 --master_addr=123.456.123.456 --master_port=1234 train.py
+and on the worker node the same with --node_rank=1.
+(If your cluster does not have an Infiniband interconnect, prepend NCCL_IB_DISABLE=1.)
+
+Data order and randomness: micro-batch m of iteration it (m counts the iteration's
+gradient_accumulation_steps micro-batches over all ranks) is drawn by a generator seeded from
+(seed, it, m), and the model's own randomness (NoiseFormer's noise, dropout) is re-seeded from the
+same numbers before its forward pass. Rank r of W does micro-batches r, W + r, 2W + r, ..., so the
+W ranks together do exactly what one process with W times the accumulation steps does, and a
+resumed run continues exactly where the checkpoint left off (same device, same world size).
+Evaluation uses a fixed set of eval_iters batches per split (seeded the same way), shared out
+over the ranks, so val losses compare across evals, runs and attention variants.
+"""
+
+import dataclasses
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from batches import TokenBatches, load_meta
+from checkpoint import (CheckpointError, capture_rng_state, load_checkpoint, restore_rng_state,
+                        save_checkpoint)
+from configurator import ConfigError, apply_config
+from device import (autocast_context, compile_model, ddp_backend, ddp_device_ids, device_type,
+                    fused_optimizer, grad_scaler, manual_seed, mark_step, peak_flops, resolve_device,
+                    resolve_dtype, setup)
+from lr_schedule import check_schedule, get_lr
+from model import GPT, GPTConfig
+
+# -----------------------------------------------------------------------------
+# default config values designed to train a gpt2 (124M) on OpenWebText
+# I/O
+out_dir = 'out'
+eval_interval = 2000
+log_interval = 1
+eval_iters = 200  # batches per split in each evaluation (the same batches every time)
+eval_only = False  # if True, script exits right after the first eval
+always_save_checkpoint = True  # if True, always save a checkpoint after each eval
+init_from = 'scratch'  # 'scratch' or 'resume' (from out_dir/ckpt.pt) or 'gpt2*'
+# wandb logging
+wandb_log = False  # disabled by default; works offline with WANDB_MODE=offline
+wandb_project = 'owt'
+wandb_run_name = 'gpt2'  # 'run' + str(time.time())
+# data
+dataset = 'openwebtext'  # a folder under data/, or an absolute path to one
+gradient_accumulation_steps = 5 * 8  # micro-batches per iteration, summed over all ranks
+batch_size = 12  # micro-batch size (sequences per rank per micro-step)
+block_size = 1024
+# model
+n_layer = 12
+n_head = 12
+n_embd = 768
+dropout = 0.0  # for pretraining 0 is good, for finetuning try 0.1+
+bias = False  # do we use bias inside LayerNorm and Linear layers?
+attn_type = 'base'  # base | symmetric | noiseformer_v1 | noiseformer_v2 | diff | dint | dint_lowrank | linear
+noise_init_std = 0.01  # noiseformer: mu, sigma ~ noise_init_std * N(0, 1)
+noise_per_sample = False  # noiseformer: one noise draw per sequence instead of per batch
+noise_param = 'sigma'  # noiseformer: learn 'sigma' or 'logvar'
+noise_at_eval = True  # noiseformer: keep the noise on in evaluation and sampling (as the paper)
+lowrank_rank = 32  # dint_lowrank
+lowrank_score_divisor = 81.0  # dint_lowrank
+linear_chunk_size = 64  # linear
+kl_weight = 5e-6  # loss = cross-entropy + kl_weight * KL(noise || N(0, 1)); KL is 0 without noise
+# adamw optimizer
+learning_rate = 6e-4  # max learning rate
+max_iters = 600000  # total number of training iterations
+weight_decay = 1e-1
+beta1 = 0.9
+beta2 = 0.95
+grad_clip = 1.0  # clip gradients at this value, or disable if == 0.0
+nonfinite = 'stop'  # non-finite loss or grad norm: 'stop' (exit 3) or 'skip' the step
+# learning rate decay settings
+decay_lr = True  # whether to decay the learning rate
+warmup_iters = 2000  # how many steps to warm up for
+lr_decay_iters = 600000  # should be ~= max_iters per Chinchilla
+min_lr = 6e-5  # minimum learning rate, should be ~= learning_rate/10 per Chinchilla
+# system
+device = 'auto'  # 'auto' (cuda > hpu > mps > cpu), 'cuda', 'cuda:1', 'hpu', 'mps', 'cpu'
+dtype = 'auto'  # 'auto', 'float32', 'bfloat16' or 'float16' (float16 only on CUDA, with a GradScaler)
+compile = False  # use torch.compile to make the model faster (worth it on GPUs; slow to start)
+backend = 'auto'  # DDP backend: 'auto' follows the device (nccl / hccl / gloo)
+seed = 1337
+# -----------------------------------------------------------------------------
+config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str))]
+
+
+def fail(message):
+    """A setting or input that cannot work: say what and how to fix it, exit 2 (no traceback)."""
+    print(f"train.py: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+try:
+    globals().update(apply_config(sys.argv[1:], {k: globals()[k] for k in config_keys}))
+except ConfigError as e:
+    fail(e)
+config = {k: globals()[k] for k in config_keys}  # will be useful for logging and checkpoints
+# -----------------------------------------------------------------------------
+
+try:
+    if decay_lr:
+        check_schedule(learning_rate, warmup_iters, lr_decay_iters, min_lr)
+    for key in ('eval_interval', 'log_interval', 'eval_iters', 'gradient_accumulation_steps', 'batch_size'):
+        if globals()[key] < 1:
+            raise ValueError(f"{key}={globals()[key]} must be at least 1")
+    if nonfinite not in ('stop', 'skip'):
+        raise ValueError(f"nonfinite={nonfinite!r} must be 'stop' or 'skip'")
+    if init_from not in ('scratch', 'resume') and not init_from.startswith('gpt2'):
+        raise ValueError(f"init_from={init_from!r} must be 'scratch', 'resume' or a GPT-2 model "
+                         f"name (gpt2, gpt2-medium, gpt2-large, gpt2-xl)")
+    device = resolve_device(device)
+except ValueError as e:
+    fail(e)
+
+# various inits, derived attributes, I/O setup
+ddp = int(os.environ.get('RANK', -1)) != -1  # is this a ddp run?
+if ddp:
+    ddp_rank = int(os.environ['RANK'])
+    ddp_local_rank = int(os.environ['LOCAL_RANK'])
+    ddp_world_size = int(os.environ['WORLD_SIZE'])
+    if device_type(device) == 'cuda':
+        device = f'cuda:{ddp_local_rank}'
+    setup(device)
+    dist.init_process_group(backend=ddp_backend(device) if backend == 'auto' else backend)
+    master_process = ddp_rank == 0  # this process will do logging, checkpointing etc.
+    # world_size processes train simultaneously: each does its share of the micro-batches
+    if gradient_accumulation_steps % ddp_world_size != 0:
+        fail(f"gradient_accumulation_steps={gradient_accumulation_steps} (the total over all ranks) "
+             f"must be divisible by the number of processes, {ddp_world_size}; use a multiple of "
+             f"{ddp_world_size}, e.g. {ddp_world_size * max(1, gradient_accumulation_steps // ddp_world_size)}")
+    gradient_accumulation_steps //= ddp_world_size
+else:
+    # if not ddp, we are running on a single device and one process
+    setup(device)
+    master_process = True
+    ddp_rank = 0
+    ddp_world_size = 1
+tokens_per_iter = gradient_accumulation_steps * ddp_world_size * batch_size * block_size
+try:
+    dtype = resolve_dtype(dtype, device)
+except ValueError as e:
+    fail(e)
+if master_process:
+    print(f"device {device} ({dtype}), {ddp_world_size} process(es), "
+          f"tokens per iteration will be: {tokens_per_iter:,}")
+    os.makedirs(out_dir, exist_ok=True)
+ctx = autocast_context(device, dtype)
+
+
+def batch_seed(*key):
+    """A 63-bit seed that depends only on (seed, *key): see the module docstring."""
+    return int(np.random.SeedSequence([seed, *key]).generate_state(1, np.uint64)[0] >> np.uint64(1))
+
+
+# data loader: random windows of the token files, drawn by a generator we seed per micro-batch
+data_dir = os.path.join('data', dataset)
+try:
+    meta = load_meta(data_dir)
+    meta_vocab_size = meta['vocab_size'] if meta else None
+    batches = {split: TokenBatches(data_dir, split, block_size, batch_size, device=device, seed=seed,
+                                   vocab_size=meta_vocab_size) for split in ('train', 'val')}
+except (FileNotFoundError, ValueError) as e:
+    fail(e)
+data_generator = torch.Generator()
+SPLIT_KEYS = {'train': 0, 'val': 1}
+
+
+def get_batch(split, batch_key):
+    data_generator.manual_seed(batch_seed(*batch_key))
+    return batches[split].get_batch(generator=data_generator)
+
+
+# model init
+model_args = dict(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=block_size, bias=bias,
+                  vocab_size=None, dropout=dropout, attn_type=attn_type, noise_init_std=noise_init_std,
+                  noise_per_sample=noise_per_sample, noise_param=noise_param, noise_at_eval=noise_at_eval,
+                  lowrank_rank=lowrank_rank, lowrank_score_divisor=lowrank_score_divisor,
+                  linear_chunk_size=linear_chunk_size)
+# settings that change how the model runs, not what its weights mean: a resumed run may change them
+RUNTIME_MODEL_ARGS = ('dropout', 'noise_at_eval', 'linear_chunk_size')
+manual_seed(seed)  # the same initial weights in every run and on every rank
+iter_num = 0
+best_val_loss = 1e9
+checkpoint = None
+try:
+    if init_from == 'scratch':
+        if master_process:
+            print("Initializing a new model from scratch")
+        if meta_vocab_size is None and master_process:
+            print("defaulting to vocab_size of GPT-2 to 50304 (50257 rounded up for efficiency)")
+        model_args['vocab_size'] = meta_vocab_size if meta_vocab_size is not None else 50304
+        model = GPT(GPTConfig(**model_args))
+    elif init_from == 'resume':
+        if master_process:
+            print(f"Resuming training from {out_dir}")
+        checkpoint = load_checkpoint(out_dir, map_location='cpu')
+        # the architecture comes from the checkpoint; a config that disagrees is a mistake to report
+        model_args['vocab_size'] = meta_vocab_size if meta_vocab_size is not None else 50304
+        defaults = {f.name: f.default for f in dataclasses.fields(GPTConfig)}
+        saved = {**defaults, **checkpoint['model_args']}  # nanoGPT checkpoints lack the variant keys
+        changed = [f"  {k}: checkpoint {saved[k]!r}, this run {model_args[k]!r}" for k in model_args
+                   if k not in RUNTIME_MODEL_ARGS and saved[k] != model_args[k]]
+        if changed:
+            fail(f"init_from='resume': this run's model settings differ from the checkpoint in "
+                 f"{out_dir}:\n" + "\n".join(changed) + "\nPass the config the checkpoint was trained "
+                 f"with (it is stored in the checkpoint's 'config'), or start a new out_dir.")
+        model_args = {**saved, **{k: model_args[k] for k in RUNTIME_MODEL_ARGS}}
+        model = GPT(GPTConfig(**model_args))
+        model.load_state_dict(checkpoint['model'])
+        iter_num = checkpoint['iter_num']
+        best_val_loss = checkpoint['best_val_loss']
+    else:  # init_from.startswith('gpt2')
+        if master_process:
+            print(f"Initializing from OpenAI GPT-2 weights: {init_from}")
+        model = GPT.from_pretrained(init_from, dict(dropout=dropout, attn_type=attn_type))
+        model_args = dataclasses.asdict(model.config)
+except (ValueError, FileNotFoundError, CheckpointError) as e:
+    fail(e)
+# crop down the model block size if desired, using model surgery
+if block_size < model.config.block_size:
+    model.crop_block_size(block_size)
+    model_args['block_size'] = block_size  # so that the checkpoint will have the right value
+if master_process:
+    print(f"number of parameters: {model.get_num_params() / 1e6:.2f}M ({attn_type})")
+model.to(device)
+
+# initialize a GradScaler. If enabled=False scaler is a no-op
+scaler = grad_scaler(device, dtype)
+
+# optimizer
+optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type(device))
+optimizer = fused_optimizer(optimizer, device)
+if init_from == 'resume':
+    optimizer.load_state_dict(checkpoint['optimizer'])
+    if 'rng' in checkpoint:  # written by this train.py (a nanoGPT checkpoint has model and optimizer only)
+        scaler.load_state_dict(checkpoint['scaler'])
+        restore_rng_state(checkpoint['rng'], device_type(device))
+        batches['train'].load_state_dict(checkpoint['train_batches'])
+checkpoint = None  # free up memory
+
+raw_model = model  # the plain module: its state_dict, KL and MFU, whatever wraps it below
+if compile:
+    if master_process:
+        print("compiling the model... (takes a ~minute)")
+    model = compile_model(model, device)
+
+# wrap model into DDP container
+if ddp:
+    model = DDP(model, device_ids=ddp_device_ids(device))
+
+
+@torch.no_grad()
+def estimate_loss():
+    """Mean cross-entropy over the same eval_iters batches of each split at every call: batch j is
+    seeded by (seed, split, j) for its data and noise, rank r evaluates batches r, r + W, ...,
+    and sums of losses and counts are all-reduced."""
+    out = {}
+    net = model.module if ddp else model  # no DDP: no gradients here, and ranks do unequal counts
+    net.eval()
+    for split in ('train', 'val'):
+        totals = torch.zeros(2, device=device)
+        for j in range(ddp_rank, eval_iters, ddp_world_size):
+            key = (2, SPLIT_KEYS[split], j)  # 2: evaluation (training batches use key (0, it, m))
+            X, Y = get_batch(split, key)
+            manual_seed(batch_seed(*key))  # the same noise every evaluation
+            with ctx:
+                _, loss = net(X, Y)
+            totals[0] += loss.float()
+            totals[1] += 1
+            mark_step()
+        if ddp:
+            dist.all_reduce(totals)
+        out[split] = (totals[0] / totals[1]).item()
+    net.train()
+    return out
+
+
+def save(reason):
+    state = {
+        'model': raw_model.state_dict(),
+        'optimizer': optimizer.state_dict(),
+        'model_args': model_args,
+        'iter_num': iter_num,
+        'best_val_loss': best_val_loss,
+        'config': config,
+        'scaler': scaler.state_dict(),
+        'rng': capture_rng_state(device_type(device)),
+        'train_batches': batches['train'].state_dict(),
+    }
+    path = save_checkpoint(state, out_dir)
+    print(f"saved checkpoint to {path} (iter {iter_num}, {reason})")
+
+
+# SIGTERM (a scheduler's preemption, `kill`): finish the current step, checkpoint, exit 0
+stop_requested = False
+
+
+def request_stop(signum, frame):
+    global stop_requested
+    stop_requested = True
+
+
+signal.signal(signal.SIGTERM, request_stop)
+
+# logging
+if wandb_log and master_process:
+    import wandb
+    wandb.init(project=wandb_project, name=wandb_run_name, config=config, dir=out_dir)
+peak = peak_flops(device, dtype) if master_process else None  # MFU denominator (measured on CPU)
+
+# training loop
+t0 = time.time()
+local_iter_num = 0  # number of iterations in the lifetime of this process
+running_mfu = -1.0
+saved_iter = None  # iteration of the last checkpoint this process wrote
+stopping = False
+while True:
+
+    # determine and set the learning rate for this iteration
+    lr = get_lr(iter_num, learning_rate, warmup_iters, lr_decay_iters, min_lr) if decay_lr else learning_rate
+    for param_group in optimizer.param_groups:
+        param_group['lr'] = lr
+
+    # evaluate the loss on train/val sets and write checkpoints
+    if not stopping and (iter_num % eval_interval == 0 or iter_num >= max_iters or eval_only):
+        losses = estimate_loss()
+        if master_process:
+            print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
+            if wandb_log:
+                wandb.log({"iter": iter_num, "train/loss": losses['train'], "val/loss": losses['val'],
+                           "lr": lr, "mfu": running_mfu * 100})
+            improved = losses['val'] < best_val_loss
+            best_val_loss = min(best_val_loss, losses['val'])
+            if (improved or always_save_checkpoint) and iter_num > 0 and not eval_only:
+                save(f"val loss {losses['val']:.4f}")
+                saved_iter = iter_num
+        t0 = time.time()  # evaluation time is not training time
+    if eval_only or stopping or iter_num >= max_iters:
+        break
+
+    # forward backward update, with optional gradient accumulation to simulate larger batch size
+    # and using the GradScaler if data type is float16
+    loss_sum = torch.zeros((), device=device)
+    ce_sum = torch.zeros((), device=device)
+    m = ddp_rank  # index of this rank's micro-batch among the iteration's micro-batches
+    X, Y = get_batch('train', (0, iter_num, m))
+    for micro_step in range(gradient_accumulation_steps):
+        if ddp:
+            # in DDP training we only need to sync gradients at the last micro step.
+            # the official way to do this is with model.no_sync() context manager, but
+            # I really dislike that this bloats the code and forces us to repeat code
+            # looking at the source of that context manager, it just toggles this variable
+            model.require_backward_grad_sync = (micro_step == gradient_accumulation_steps - 1)
+        manual_seed(batch_seed(0, iter_num, m))  # noise and dropout of micro-batch m
+        with ctx:
+            logits, ce = model(X, Y)
+            kl = raw_model.kl_divergence()
+            loss = ce + kl_weight * kl
+        loss_sum += loss.detach().float()
+        ce_sum += ce.detach().float()
+        # immediately async prefetch next batch while model is doing the forward pass on the device
+        m += ddp_world_size
+        if micro_step < gradient_accumulation_steps - 1:
+            X, Y = get_batch('train', (0, iter_num, m))
+        # backward pass, with gradient scaling if training in fp16
+        scaler.scale(loss / gradient_accumulation_steps).backward()
+        mark_step()
+    # clip the gradient (max_norm=inf only measures it, for the non-finite check)
+    scaler.unscale_(optimizer)
+    grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), grad_clip if grad_clip != 0.0 else float('inf'))
+    # one all-reduce for what every rank must agree on: the logged means, non-finite values, SIGTERM.
+    # Under fp16 an inf grad norm is the GradScaler's business (it skips the step), not an error.
+    local_bad = ~torch.isfinite(loss_sum) if scaler.is_enabled() else ~(torch.isfinite(loss_sum) & torch.isfinite(grad_norm))
+    stats = torch.stack([loss_sum, ce_sum, kl.detach().float(), local_bad.float(),
+                         torch.tensor(float(stop_requested), device=device)])
+    if ddp:
+        dist.all_reduce(stats)
+    loss_mean, ce_mean, kl_mean, n_bad, n_stop = stats.tolist()
+    loss_mean /= gradient_accumulation_steps * ddp_world_size
+    ce_mean /= gradient_accumulation_steps * ddp_world_size
+    kl_mean /= ddp_world_size
+    if n_bad > 0:
+        if local_bad.item():
+            print(f"rank {ddp_rank}: non-finite loss or gradient at iter {iter_num} "
+                  f"(loss {loss_sum.item() / gradient_accumulation_steps}, grad norm {grad_norm.item()})",
+                  file=sys.stderr)
+        if nonfinite == 'stop':
+            if master_process:
+                print(f"stopping at iter {iter_num}: non-finite loss or gradient (nonfinite='stop'). "
+                      f"Resume from the last checkpoint with a lower learning_rate, or set "
+                      f"--nonfinite=skip to skip such steps.", file=sys.stderr)
+            if ddp:
+                dist.destroy_process_group()
+            sys.exit(3)
+        if master_process:
+            print(f"iter {iter_num}: skipping the update (non-finite loss or gradient, nonfinite='skip')")
+        scaler.update()
+    else:
+        # step the optimizer and scaler if training in fp16
+        scaler.step(optimizer)
+        scaler.update()
+        mark_step()
+    # flush the gradients as soon as we can, no need for this memory anymore
+    optimizer.zero_grad(set_to_none=True)
+
+    # timing and logging
+    t1 = time.time()
+    dt = t1 - t0
+    t0 = t1
+    if iter_num % log_interval == 0 and master_process:
+        if local_iter_num >= 5:  # let the training loop settle a bit
+            mfu = raw_model.estimate_mfu(batch_size * gradient_accumulation_steps, dt, peak)
+            running_mfu = mfu if running_mfu == -1.0 else 0.9 * running_mfu + 0.1 * mfu
+        print(f"iter {iter_num}: loss {loss_mean:.6f}, ce {ce_mean:.6f}, kl {kl_mean:.4g}, lr {lr:.3e}, "
+              f"{dt * 1000:.2f}ms/iter, {tokens_per_iter / dt:,.0f} tok/s, mfu {running_mfu * 100:.2f}%")
+        if wandb_log:
+            wandb.log({"iter": iter_num, "train/loss_step": loss_mean, "train/ce": ce_mean,
+                       "train/kl": kl_mean, "lr": lr})
+    iter_num += 1
+    local_iter_num += 1
+    if n_stop > 0:
+        stopping = True
+        if master_process:
+            print(f"SIGTERM received: stopping after iter {iter_num - 1}")
+
+# The final evaluation above saved by the usual rule: the last state, or with
+# always_save_checkpoint=False only an improvement (ckpt.pt stays the best). SIGTERM always saves
+# (to resume from), and so does a run that has not saved at all.
+if master_process and not eval_only:
+    if stopping or (saved_iter != iter_num and (always_save_checkpoint or saved_iter is None)):
+        save("SIGTERM" if stopping else "end of training")
+        saved_iter = iter_num
+    print(f"checkpoint: {os.path.join(out_dir, 'ckpt.pt')} (iter {saved_iter}, best val loss {best_val_loss:.4f})")
+    print(f"sample from it with: python sample.py --out_dir={out_dir}")
+if wandb_log and master_process:
+    wandb.finish()
+if ddp:
+    dist.barrier()  # rank 0 may still be writing the checkpoint: leave together
+    dist.destroy_process_group()
