@@ -12,7 +12,6 @@ torch.compile(backend="hpu_backend"). bf16 autocast needs no GradScaler there.
 import contextlib
 import functools
 import importlib.util
-import os
 import time
 
 import torch
@@ -73,7 +72,7 @@ def _init_hpu():
 @functools.lru_cache(maxsize=None)
 def cpu_supports_bf16():
     """True when the CPU has native bf16 matmul (x86 AVX512-BF16 / AMX, or Arm BF16). There, bf16
-    autocast is several times faster than float32; elsewhere it is emulated and slower."""
+    matmuls are faster than float32 ones; elsewhere bf16 is emulated and slower."""
     try:
         with open('/proc/cpuinfo') as f:
             words = set(f.read().split())
@@ -223,7 +222,7 @@ def max_memory_allocated(device):
 _PEAK_TFLOPS = (
     ('GH200', 989, 494), ('H200', 989, 494), ('H100 PCIe', 756, 378), ('H100', 989, 494),
     ('H800', 989, 494), ('A100', 312, 156), ('A800', 312, 156), ('L40S', 362, 183), ('L40', 181, 90),
-    ('L4', 121, 60), ('A10G', 125, 35), ('A10', 125, 62), ('RTX 4090', 165, 83), ('RTX 3090', 71, 36),
+    ('L4', 121, 60), ('A10', 125, 62), ('RTX 4090', 165, 83), ('RTX 3090', 71, 36),
     ('V100', 125, 15.7), ('T4', 65, 8.1),
     ('GAUDI3', 1835, None), ('GAUDI2', 432, None),  # Intel spec sheets (bf16 matrix)
 )

@@ -17,8 +17,9 @@ Data order and randomness: micro-batch m of iteration it (m counts the iteration
 gradient_accumulation_steps micro-batches over all ranks) is drawn by a generator seeded from
 (seed, it, m), and the model's own randomness (NoiseFormer's noise, dropout) is re-seeded from the
 same numbers before its forward pass. Rank r of W does micro-batches r, W + r, 2W + r, ..., so the
-W ranks together do exactly what one process with W times the accumulation steps does, and a
-resumed run continues exactly where the checkpoint left off (same device, same world size).
+W ranks together do exactly what one process does with the same gradient_accumulation_steps (the
+total over all ranks, as in nanoGPT), and a resumed run continues exactly where the checkpoint
+left off (same device type and world size, so that the arithmetic is the same too).
 Evaluation uses a fixed set of eval_iters batches per split (seeded the same way), shared out
 over the ranks, so val losses compare across evals, runs and attention variants.
 """
@@ -108,10 +109,11 @@ def fail(message):
 
 
 try:
-    globals().update(apply_config(sys.argv[1:], {k: globals()[k] for k in config_keys}))
+    config = apply_config(sys.argv[1:], {k: globals()[k] for k in config_keys})
 except ConfigError as e:
     fail(e)
-config = {k: globals()[k] for k in config_keys}  # will be useful for logging and checkpoints
+given = {k for k in config_keys if config[k] != globals()[k]}  # set by a config file or --key=value
+globals().update(config)  # config is also useful for logging and checkpoints
 # -----------------------------------------------------------------------------
 
 try:
@@ -122,9 +124,9 @@ try:
             raise ValueError(f"{key}={globals()[key]} must be at least 1")
     if nonfinite not in ('stop', 'skip'):
         raise ValueError(f"nonfinite={nonfinite!r} must be 'stop' or 'skip'")
-    if init_from not in ('scratch', 'resume') and not init_from.startswith('gpt2'):
-        raise ValueError(f"init_from={init_from!r} must be 'scratch', 'resume' or a GPT-2 model "
-                         f"name (gpt2, gpt2-medium, gpt2-large, gpt2-xl)")
+    if init_from not in ('scratch', 'resume') and not init_from.startswith('gpt2') and not os.path.isdir(init_from):
+        raise ValueError(f"init_from={init_from!r} must be 'scratch', 'resume', a GPT-2 model name (gpt2, "
+                         f"gpt2-medium, gpt2-large, gpt2-xl) or a local directory saved by transformers")
     device = resolve_device(device)
 except ValueError as e:
     fail(e)
@@ -135,31 +137,29 @@ if ddp:
     ddp_rank = int(os.environ['RANK'])
     ddp_local_rank = int(os.environ['LOCAL_RANK'])
     ddp_world_size = int(os.environ['WORLD_SIZE'])
-    if device_type(device) == 'cuda':
-        device = f'cuda:{ddp_local_rank}'
-    setup(device)
-    dist.init_process_group(backend=ddp_backend(device) if backend == 'auto' else backend)
-    master_process = ddp_rank == 0  # this process will do logging, checkpointing etc.
     # world_size processes train simultaneously: each does its share of the micro-batches
     if gradient_accumulation_steps % ddp_world_size != 0:
         fail(f"gradient_accumulation_steps={gradient_accumulation_steps} (the total over all ranks) "
              f"must be divisible by the number of processes, {ddp_world_size}; use a multiple of "
              f"{ddp_world_size}, e.g. {ddp_world_size * max(1, gradient_accumulation_steps // ddp_world_size)}")
     gradient_accumulation_steps //= ddp_world_size
+    if device_type(device) == 'cuda':
+        device = f'cuda:{ddp_local_rank}'
+    setup(device)
+    dist.init_process_group(backend=ddp_backend(device) if backend == 'auto' else backend)
+    master_process = ddp_rank == 0  # this process will do logging, checkpointing etc.
 else:
     # if not ddp, we are running on a single device and one process
     setup(device)
     master_process = True
     ddp_rank = 0
     ddp_world_size = 1
-tokens_per_iter = gradient_accumulation_steps * ddp_world_size * batch_size * block_size
 try:
     dtype = resolve_dtype(dtype, device)
 except ValueError as e:
     fail(e)
 if master_process:
-    print(f"device {device} ({dtype}), {ddp_world_size} process(es), "
-          f"tokens per iteration will be: {tokens_per_iter:,}")
+    print(f"device {device} ({dtype}), {ddp_world_size} process(es)")
     os.makedirs(out_dir, exist_ok=True)
 ctx = autocast_context(device, dtype)
 
@@ -169,21 +169,20 @@ def batch_seed(*key):
     return int(np.random.SeedSequence([seed, *key]).generate_state(1, np.uint64)[0] >> np.uint64(1))
 
 
-# data loader: random windows of the token files, drawn by a generator we seed per micro-batch
+# data: the vocabulary now; the batch loaders below, once the model (and block_size) is settled.
+# Random windows of the token files, drawn by a generator we seed per micro-batch.
 data_dir = os.path.join('data', dataset)
 try:
     meta = load_meta(data_dir)
-    meta_vocab_size = meta['vocab_size'] if meta else None
-    batches = {split: TokenBatches(data_dir, split, block_size, batch_size, device=device, seed=seed,
-                                   vocab_size=meta_vocab_size) for split in ('train', 'val')}
-except (FileNotFoundError, ValueError) as e:
+except ValueError as e:
     fail(e)
+meta_vocab_size = meta['vocab_size'] if meta else None
 data_generator = torch.Generator()
 SPLIT_KEYS = {'train': 0, 'val': 1}
 
 
-def get_batch(split, batch_key):
-    data_generator.manual_seed(batch_seed(*batch_key))
+def get_batch(split, seed_value):
+    data_generator.manual_seed(seed_value)
     return batches[split].get_batch(generator=data_generator)
 
 
@@ -211,22 +210,25 @@ try:
         if master_process:
             print(f"Resuming training from {out_dir}")
         checkpoint = load_checkpoint(out_dir, map_location='cpu')
-        # the architecture comes from the checkpoint; a config that disagrees is a mistake to report
-        model_args['vocab_size'] = meta_vocab_size if meta_vocab_size is not None else 50304
+        # The architecture comes from the checkpoint. A setting this run gives that disagrees with
+        # it is a mistake to report (a wrong config or out_dir), not something to silently ignore.
         defaults = {f.name: f.default for f in dataclasses.fields(GPTConfig)}
         saved = {**defaults, **checkpoint['model_args']}  # nanoGPT checkpoints lack the variant keys
         changed = [f"  {k}: checkpoint {saved[k]!r}, this run {model_args[k]!r}" for k in model_args
-                   if k not in RUNTIME_MODEL_ARGS and saved[k] != model_args[k]]
+                   if k in given and k not in RUNTIME_MODEL_ARGS and saved[k] != model_args[k]]
+        if meta_vocab_size is not None and meta_vocab_size > saved['vocab_size']:
+            changed.append(f"  vocab_size: checkpoint {saved['vocab_size']}, dataset {dataset!r} has {meta_vocab_size}")
         if changed:
-            fail(f"init_from='resume': this run's model settings differ from the checkpoint in "
-                 f"{out_dir}:\n" + "\n".join(changed) + "\nPass the config the checkpoint was trained "
-                 f"with (it is stored in the checkpoint's 'config'), or start a new out_dir.")
+            fail(f"init_from='resume': the checkpoint in {out_dir} has a different model:\n" + "\n".join(changed) +
+                 "\nPass the config it was trained with (saved in the checkpoint's 'config'), leave these "
+                 "settings out to take the checkpoint's, or start a new out_dir.")
         model_args = {**saved, **{k: model_args[k] for k in RUNTIME_MODEL_ARGS}}
+        block_size = model_args['block_size']
         model = GPT(GPTConfig(**model_args))
         model.load_state_dict(checkpoint['model'])
         iter_num = checkpoint['iter_num']
         best_val_loss = checkpoint['best_val_loss']
-    else:  # init_from.startswith('gpt2')
+    else:  # a GPT-2 name or a local transformers directory
         if master_process:
             print(f"Initializing from OpenAI GPT-2 weights: {init_from}")
         model = GPT.from_pretrained(init_from, dict(dropout=dropout, attn_type=attn_type))
@@ -237,9 +239,21 @@ except (ValueError, FileNotFoundError, CheckpointError) as e:
 if block_size < model.config.block_size:
     model.crop_block_size(block_size)
     model_args['block_size'] = block_size  # so that the checkpoint will have the right value
+elif block_size > model.config.block_size:
+    fail(f"block_size={block_size} is longer than {init_from}'s context of {model.config.block_size}")
 if master_process:
-    print(f"number of parameters: {model.get_num_params() / 1e6:.2f}M ({attn_type})")
+    print(f"number of parameters: {model.get_num_params() / 1e6:.2f}M ({model.config.attn_type})")
 model.to(device)
+
+# data loaders
+try:
+    batches = {split: TokenBatches(data_dir, split, block_size, batch_size, device=device, seed=seed,
+                                   vocab_size=meta_vocab_size) for split in ('train', 'val')}
+except (FileNotFoundError, ValueError) as e:
+    fail(e)
+tokens_per_iter = gradient_accumulation_steps * ddp_world_size * batch_size * block_size
+if master_process:
+    print(f"tokens per iteration will be: {tokens_per_iter:,}")
 
 # initialize a GradScaler. If enabled=False scaler is a no-op
 scaler = grad_scaler(device, dtype)
@@ -277,9 +291,9 @@ def estimate_loss():
     for split in ('train', 'val'):
         totals = torch.zeros(2, device=device)
         for j in range(ddp_rank, eval_iters, ddp_world_size):
-            key = (2, SPLIT_KEYS[split], j)  # 2: evaluation (training batches use key (0, it, m))
-            X, Y = get_batch(split, key)
-            manual_seed(batch_seed(*key))  # the same noise every evaluation
+            s = batch_seed(2, SPLIT_KEYS[split], j)  # 2: evaluation (training uses (0, it, m))
+            X, Y = get_batch(split, s)
+            manual_seed(s)  # the same noise every evaluation
             with ctx:
                 _, loss = net(X, Y)
             totals[0] += loss.float()
@@ -301,6 +315,8 @@ def save(reason):
         'best_val_loss': best_val_loss,
         'config': config,
         'scaler': scaler.state_dict(),
+        # batches and model noise are re-seeded from (seed, iter, micro-batch) anyway; these make
+        # any other use of randomness resume exactly too
         'rng': capture_rng_state(device_type(device)),
         'train_batches': batches['train'].state_dict(),
     }
@@ -360,7 +376,8 @@ while True:
     loss_sum = torch.zeros((), device=device)
     ce_sum = torch.zeros((), device=device)
     m = ddp_rank  # index of this rank's micro-batch among the iteration's micro-batches
-    X, Y = get_batch('train', (0, iter_num, m))
+    s = batch_seed(0, iter_num, m)
+    X, Y = get_batch('train', s)
     for micro_step in range(gradient_accumulation_steps):
         if ddp:
             # in DDP training we only need to sync gradients at the last micro step.
@@ -368,7 +385,7 @@ while True:
             # I really dislike that this bloats the code and forces us to repeat code
             # looking at the source of that context manager, it just toggles this variable
             model.require_backward_grad_sync = (micro_step == gradient_accumulation_steps - 1)
-        manual_seed(batch_seed(0, iter_num, m))  # noise and dropout of micro-batch m
+        manual_seed(s)  # noise and dropout of micro-batch m
         with ctx:
             logits, ce = model(X, Y)
             kl = raw_model.kl_divergence()
@@ -376,9 +393,10 @@ while True:
         loss_sum += loss.detach().float()
         ce_sum += ce.detach().float()
         # immediately async prefetch next batch while model is doing the forward pass on the device
-        m += ddp_world_size
         if micro_step < gradient_accumulation_steps - 1:
-            X, Y = get_batch('train', (0, iter_num, m))
+            m += ddp_world_size
+            s = batch_seed(0, iter_num, m)
+            X, Y = get_batch('train', s)
         # backward pass, with gradient scaling if training in fp16
         scaler.scale(loss / gradient_accumulation_steps).backward()
         mark_step()
@@ -431,8 +449,8 @@ while True:
         print(f"iter {iter_num}: loss {loss_mean:.6f}, ce {ce_mean:.6f}, kl {kl_mean:.4g}, lr {lr:.3e}, "
               f"{dt * 1000:.2f}ms/iter, {tokens_per_iter / dt:,.0f} tok/s, mfu {running_mfu * 100:.2f}%")
         if wandb_log:
-            wandb.log({"iter": iter_num, "train/loss_step": loss_mean, "train/ce": ce_mean,
-                       "train/kl": kl_mean, "lr": lr})
+            wandb.log({"iter": iter_num, "step/loss": loss_mean, "step/ce": ce_mean, "step/kl": kl_mean,
+                       "lr": lr})
     iter_num += 1
     local_iter_num += 1
     if n_stop > 0:
@@ -442,12 +460,12 @@ while True:
 
 # The final evaluation above saved by the usual rule: the last state, or with
 # always_save_checkpoint=False only an improvement (ckpt.pt stays the best). SIGTERM always saves
-# (to resume from), and so does a run that has not saved at all.
+# (to resume from), and so does a run that would otherwise leave no checkpoint at all.
 if master_process and not eval_only:
-    if stopping or (saved_iter != iter_num and (always_save_checkpoint or saved_iter is None)):
+    ckpt_path = os.path.join(out_dir, 'ckpt.pt')
+    if stopping or (saved_iter != iter_num and (always_save_checkpoint or not os.path.exists(ckpt_path))):
         save("SIGTERM" if stopping else "end of training")
-        saved_iter = iter_num
-    print(f"checkpoint: {os.path.join(out_dir, 'ckpt.pt')} (iter {saved_iter}, best val loss {best_val_loss:.4f})")
+    print(f"checkpoint: {ckpt_path} (best val loss {best_val_loss:.4f})")
     print(f"sample from it with: python sample.py --out_dir={out_dir}")
 if wandb_log and master_process:
     wandb.finish()

@@ -7,8 +7,8 @@
 
 wandb_log = True
 wandb_project = 'owt'
-wandb_run_name = 'gpt2-124M-dint_lowrank'
-out_dir = 'out-dint_lowrank'
+wandb_run_name = 'gpt2-124M-dint-lowrank'
+out_dir = 'out-dint-lowrank'
 dataset = 'openwebtext'
 
 attn_type = 'dint_lowrank'

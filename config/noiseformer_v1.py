@@ -5,8 +5,8 @@
 
 wandb_log = True
 wandb_project = 'owt'
-wandb_run_name = 'gpt2-124M-noiseformer_v1'
-out_dir = 'out-noiseformer_v1'
+wandb_run_name = 'gpt2-124M-noiseformer-v1'
+out_dir = 'out-noiseformer-v1'
 dataset = 'openwebtext'
 
 attn_type = 'noiseformer_v1'

@@ -5,8 +5,8 @@
 
 wandb_log = True
 wandb_project = 'owt'
-wandb_run_name = 'gpt2-124M-noiseformer_v2'
-out_dir = 'out-noiseformer_v2'
+wandb_run_name = 'gpt2-124M-noiseformer-v2'
+out_dir = 'out-noiseformer-v2'
 dataset = 'openwebtext'
 
 attn_type = 'noiseformer_v2'

@@ -1,0 +1,315 @@
+"""train.py end to end on CPU (tiny model, OMP_NUM_THREADS=1 subprocesses, torch.compile off):
+exact resume after SIGKILL and SIGTERM, DDP (gloo) equal to one process, non-finite handling,
+every attention variant learning; and the LR schedule."""
+import dataclasses
+import json
+import math
+import os
+import re
+import runpy
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from checkpoint import load_checkpoint, save_checkpoint
+from configurator import apply_config
+from lr_schedule import check_schedule, get_lr
+from model import ATTENTION_TYPES, GPT, GPTConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / 'config' / 'test_tiny.py'
+VOCAB = 48
+
+
+# -----------------------------------------------------------------------------
+# helpers (also used by test_device.py)
+
+def make_dataset(tmp_path, n_train=30_000, n_val=6_000, seed=0):
+    """Token files as data/<name>/ holds them (train.bin, val.bin: flat uint16; meta.json), from a
+    Markov chain that mostly follows a fixed random successor table: learnable in a few dozen
+    iterations, unlike uniform noise."""
+    rng = np.random.default_rng(seed)
+    successor = rng.permutation(VOCAB)
+    tokens = np.empty(n_train + n_val, dtype=np.uint16)
+    tokens[0] = 0
+    jump = rng.random(len(tokens)) < 0.15
+    random_tokens = rng.integers(0, VOCAB, len(tokens))
+    for i in range(1, len(tokens)):
+        tokens[i] = random_tokens[i] if jump[i] else successor[tokens[i - 1]]
+    data = tmp_path / 'data'
+    data.mkdir(exist_ok=True)
+    tokens[:n_train].tofile(data / 'train.bin')
+    tokens[n_train:].tofile(data / 'val.bin')
+    (data / 'meta.json').write_text(json.dumps({'tokenizer': 'char', 'vocab_size': VOCAB, 'train_tokens': n_train,
+                                                'val_tokens': n_val, 'source': 'synthetic (tests)'}))
+    return data
+
+
+def subprocess_env(**extra):
+    return {**os.environ, 'OMP_NUM_THREADS': '1', 'PYTHONUNBUFFERED': '1', 'WANDB_MODE': 'offline',
+            'WANDB_SILENT': 'true', **extra}
+
+
+def train_command(out_dir, data, *args, nproc=1):
+    launcher = [sys.executable, 'train.py'] if nproc == 1 else [
+        sys.executable, '-m', 'torch.distributed.run', '--standalone', f'--nproc_per_node={nproc}', 'train.py']
+    return launcher + [str(TINY), f'--dataset={data}', f'--out_dir={out_dir}', *args]
+
+
+def run_train(out_dir, data, *args, nproc=1, env=None, expect_rc=0):
+    proc = subprocess.run(train_command(out_dir, data, *args, nproc=nproc), cwd=ROOT, env=env or subprocess_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == expect_rc, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    return proc
+
+
+ITER_LINE = re.compile(r"^iter (\d+): loss (\S+), ce (\S+), kl (\S+),", re.M)
+EVAL_LINE = re.compile(r"^step (\d+): train loss (\S+), val loss (\S+)", re.M)
+
+
+def iter_losses(stdout):
+    """{iter: printed loss} (the printed value is the global mean, to 6 decimals)."""
+    return {int(m[1]): float(m[2]) for m in ITER_LINE.finditer(stdout)}
+
+
+def eval_losses(stdout):
+    return {int(m[1]): float(m[3]) for m in EVAL_LINE.finditer(stdout)}
+
+
+# -----------------------------------------------------------------------------
+# LR schedule: values from the formula, written out here
+
+def test_lr_schedule_warmup_cosine_floor():
+    lr, warmup, decay, min_lr = 6e-4, 2000, 600000, 6e-5
+    f = lambda it: get_lr(it, lr, warmup, decay, min_lr)  # noqa: E731
+    assert f(0) == pytest.approx(lr * 1 / 2001)
+    assert f(999) == pytest.approx(lr * 1000 / 2001)
+    assert f(1999) == pytest.approx(lr * 2000 / 2001)
+    assert f(2000) == pytest.approx(lr)  # end of warmup: cos(0) = 1
+    mid = (warmup + decay) // 2
+    assert f(mid) == pytest.approx(min_lr + 0.5 * (lr - min_lr))  # cos(pi/2) = 0
+    r = (100000 - warmup) / (decay - warmup)
+    assert f(100000) == pytest.approx(min_lr + 0.5 * (1 + math.cos(math.pi * r)) * (lr - min_lr))
+    assert f(decay) == pytest.approx(min_lr)  # cos(pi) = -1
+    assert f(decay + 1) == min_lr and f(10 * decay) == min_lr
+    values = [f(it) for it in range(0, decay + 2000, 997)]
+    peak = values.index(max(values))
+    assert all(a <= b for a, b in zip(values[:peak], values[1:peak + 1]))  # up, then
+    assert all(a >= b for a, b in zip(values[peak:], values[peak + 1:]))  # down
+    assert get_lr(0, lr, 0, decay, min_lr) == lr  # no warmup
+
+
+def test_lr_schedule_rejects_impossible_settings():
+    with pytest.raises(ValueError, match="lr_decay_iters=100 must be larger than warmup_iters=100"):
+        check_schedule(6e-4, 100, 100, 6e-5)
+    with pytest.raises(ValueError, match="min_lr"):
+        check_schedule(6e-4, 10, 100, 1e-3)
+    with pytest.raises(ValueError, match="warmup_iters"):
+        check_schedule(6e-4, -1, 100, 6e-5)
+    check_schedule(6e-4, 2000, 600000, 6e-5)
+
+
+# -----------------------------------------------------------------------------
+# exact resume: SIGKILL after a checkpoint, then SIGTERM, then to the end == one uninterrupted run
+
+def run_until_signal(out_dir, data, sig, after_iter, *args):
+    """Start train.py, send `sig` once it has printed iteration `after_iter`; return (rc, stdout, stderr)."""
+    proc = subprocess.Popen(train_command(out_dir, data, *args), cwd=ROOT, env=subprocess_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        m = ITER_LINE.match(line)
+        if m and int(m[1]) >= after_iter:
+            proc.send_signal(sig)
+            break
+    rest, err = proc.communicate(timeout=60)
+    return proc.returncode, ''.join(lines) + rest, err
+
+
+def test_resume_after_sigkill_and_sigterm_reproduces_the_uninterrupted_run(tmp_path):
+    data = make_dataset(tmp_path)
+    n = 60
+    # noiseformer_v2: noise drawn at every forward must replay too; the LR schedule spans the run
+    common = ['--attn_type=noiseformer_v2', '--eval_interval=10', f'--lr_decay_iters={n}']
+    full = run_train(tmp_path / 'full', data, *common, f'--max_iters={n}', '--wandb_log=True')
+    reference = iter_losses(full.stdout)
+    assert sorted(reference) == list(range(n)) and len(set(reference.values())) > n // 2
+    assert list((tmp_path / 'full' / 'wandb').glob('offline-run-*')), "wandb offline run not written"
+
+    out = tmp_path / 'interrupted'
+    # 1) SIGKILL a few iterations after the checkpoint at iter 10 (the run would go on for ever)
+    rc, stdout1, _ = run_until_signal(out, data, signal.SIGKILL, 12, *common, '--max_iters=1000000')
+    assert rc == -signal.SIGKILL
+    k1 = load_checkpoint(out)['iter_num']
+    assert 10 <= k1 < n
+    # 2) resume; SIGTERM: the step in progress finishes, a checkpoint is written, exit 0
+    rc, stdout2, err = run_until_signal(out, data, signal.SIGTERM, k1 + 3, *common, '--init_from=resume',
+                                        '--max_iters=1000000')
+    assert rc == 0, err
+    k2 = load_checkpoint(out)['iter_num']
+    assert k1 + 3 < k2 < n and max(iter_losses(stdout2)) == k2 - 1
+    assert f"SIGTERM received: stopping after iter {k2 - 1}" in stdout2
+    # 3) resume to the end
+    stdout3 = run_train(out, data, *common, '--init_from=resume', f'--max_iters={n}').stdout
+    assert f"python sample.py --out_dir={out}" in stdout3
+
+    for part in (stdout1, stdout2, stdout3):
+        for it, loss in iter_losses(part).items():
+            assert loss == reference[it], f"iter {it}: {loss} after resuming, {reference[it]} uninterrupted"
+    assert set(iter_losses(stdout1)) | set(iter_losses(stdout2)) | set(iter_losses(stdout3)) == set(range(n))
+    assert eval_losses(stdout3)[n] == eval_losses(full.stdout)[n]
+    a, b = load_checkpoint(tmp_path / 'full'), load_checkpoint(out)
+    assert a['iter_num'] == b['iter_num'] == n
+    assert a['model'].keys() == b['model'].keys()
+    for name in a['model']:
+        assert torch.equal(a['model'][name], b['model'][name]), name
+    for pa, pb in zip(a['optimizer']['state'].values(), b['optimizer']['state'].values()):
+        assert torch.equal(pa['exp_avg_sq'], pb['exp_avg_sq'])
+
+
+def test_resume_refuses_a_changed_architecture_and_fills_in_what_is_not_given(tmp_path):
+    data = make_dataset(tmp_path)
+    run_train(tmp_path / 'out', data, '--max_iters=0')  # writes a checkpoint at iter 0
+    proc = run_train(tmp_path / 'out', data, '--init_from=resume', '--n_layer=3', '--attn_type=symmetric',
+                     '--dropout=0.1', expect_rc=2)
+    assert "the checkpoint in" in proc.stderr and "has a different model" in proc.stderr
+    assert "n_layer: checkpoint 2, this run 3" in proc.stderr
+    assert "attn_type: checkpoint 'base', this run 'symmetric'" in proc.stderr
+    assert "dropout" not in proc.stderr  # a runtime setting may change on resume
+    # without the config file (nanoGPT's way), the architecture and block_size come from the checkpoint
+    proc = subprocess.run([sys.executable, 'train.py', '--init_from=resume', f'--dataset={data}',
+                           f'--out_dir={tmp_path / "out"}', '--device=cpu', '--max_iters=1', '--eval_iters=2',
+                           '--gradient_accumulation_steps=1', '--batch_size=2'],
+                          cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    ckpt = load_checkpoint(tmp_path / 'out')
+    assert ckpt['iter_num'] == 1
+    assert (ckpt['model_args']['n_layer'], ckpt['model_args']['block_size']) == (2, 32)
+
+
+def test_init_from_a_local_gpt2_checkpoint_into_a_variant(tmp_path):
+    """init_from takes GPT-2 weights (a name, or a transformers directory: offline here); with
+    attn_type=dint_lowrank the base weights load and only the new parameters start at init."""
+    transformers = pytest.importorskip('transformers')
+    hf_config = transformers.GPT2Config(vocab_size=64, n_positions=64, n_embd=32, n_layer=2, n_head=2)
+    transformers.GPT2LMHeadModel(hf_config).save_pretrained(tmp_path / 'hf')
+    data = make_dataset(tmp_path)
+    proc = run_train(tmp_path / 'out', data, f'--init_from={tmp_path / "hf"}', '--attn_type=dint_lowrank',
+                     '--max_iters=2', '--eval_interval=2')
+    assert "parameters not in the base weights" in proc.stdout
+    args = load_checkpoint(tmp_path / 'out')['model_args']
+    assert (args['attn_type'], args['n_layer'], args['vocab_size'], args['bias']) == ('dint_lowrank', 2, 64, True)
+    assert args['block_size'] == 32  # test_tiny's block_size: the 64 positions were cropped
+
+
+# -----------------------------------------------------------------------------
+# DDP with gloo: 2 ranks == 1 process with the same total accumulation
+
+def test_ddp_two_ranks_match_one_process(tmp_path):
+    data = make_dataset(tmp_path)
+    args = ['--attn_type=noiseformer_v2', '--gradient_accumulation_steps=4', '--max_iters=8',
+            '--eval_interval=4', '--eval_iters=5', '--lr_decay_iters=8']  # 5 eval batches: 3 + 2 per rank
+    one = run_train(tmp_path / 'one', data, *args)
+    two = run_train(tmp_path / 'two', data, *args, nproc=2)
+    assert '1 process(es)' in one.stdout and '2 process(es)' in two.stdout
+    l1, l2 = iter_losses(one.stdout), iter_losses(two.stdout)
+    assert sorted(l1) == sorted(l2) == list(range(8))
+    for it in l1:
+        assert abs(l1[it] - l2[it]) < 1e-5, (it, l1[it], l2[it])
+    e1, e2 = eval_losses(one.stdout), eval_losses(two.stdout)
+    assert sorted(e1) == sorted(e2) == [0, 4, 8]
+    for it in e1:
+        assert abs(e1[it] - e2[it]) < 1e-5
+    # only rank 0 saves (twice: at the evaluations of iters 4 and 8); the results agree
+    assert one.stdout.count('saved checkpoint') == two.stdout.count('saved checkpoint') == 2
+    assert sorted(os.listdir(tmp_path / 'two')) == ['ckpt.prev.pt', 'ckpt.pt']
+    w1, w2 = load_checkpoint(tmp_path / 'one')['model'], load_checkpoint(tmp_path / 'two')['model']
+    for name in w1:
+        torch.testing.assert_close(w1[name], w2[name], rtol=0, atol=1e-5)
+    # accumulation steps that do not split over the ranks: a clear error, not a silent change
+    bad = run_train(tmp_path / 'bad', data, '--gradient_accumulation_steps=3', nproc=2, expect_rc=1)
+    assert "gradient_accumulation_steps=3 (the total over all ranks) must be divisible by the number " \
+           "of processes, 2" in bad.stderr
+
+
+# -----------------------------------------------------------------------------
+# non-finite loss: a checkpoint with a NaN weight
+
+def nan_checkpoint(out_dir):
+    """A nanoGPT-format checkpoint (no RNG state) of the test_tiny model with one NaN weight."""
+    tiny = runpy.run_path(str(TINY))
+    names = {f.name for f in dataclasses.fields(GPTConfig)}
+    model_args = dataclasses.asdict(GPTConfig(**{k: v for k, v in tiny.items() if k in names}, vocab_size=VOCAB))
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**model_args))
+    with torch.no_grad():
+        model.transformer.h[0].mlp.c_fc.weight[0, 0] = float('nan')
+    optimizer = model.configure_optimizers(0.1, 1e-3, (0.9, 0.99), 'cpu')
+    save_checkpoint({'model': model.state_dict(), 'optimizer': optimizer.state_dict(), 'model_args': model_args,
+                     'iter_num': 0, 'best_val_loss': 1e9, 'config': {}}, out_dir)
+    return model.state_dict()
+
+
+def test_nonfinite_loss_stops_by_default(tmp_path):
+    data = make_dataset(tmp_path)
+    nan_checkpoint(tmp_path / 'out')
+    proc = run_train(tmp_path / 'out', data, '--init_from=resume', '--max_iters=3', expect_rc=3)
+    assert "rank 0: non-finite loss or gradient at iter 0" in proc.stderr
+    assert "stopping at iter 0" in proc.stderr and "--nonfinite=skip" in proc.stderr
+    assert ITER_LINE.search(proc.stdout) is None  # stopped before logging a step
+    assert load_checkpoint(tmp_path / 'out')['iter_num'] == 0  # nothing was saved over it
+
+
+def test_nonfinite_loss_skips_the_step_when_asked(tmp_path):
+    data = make_dataset(tmp_path)
+    weights = nan_checkpoint(tmp_path / 'out')
+    proc = run_train(tmp_path / 'out', data, '--init_from=resume', '--max_iters=3', '--nonfinite=skip')
+    for it in range(3):
+        assert f"iter {it}: skipping the update" in proc.stdout
+    ckpt = load_checkpoint(tmp_path / 'out')
+    assert ckpt['iter_num'] == 3
+    assert ckpt['optimizer']['state'] == {}  # no optimizer step was taken
+    for name, w in weights.items():  # and no weight moved
+        torch.testing.assert_close(ckpt['model'][name], w, rtol=0, atol=0, equal_nan=True)
+
+
+# -----------------------------------------------------------------------------
+# every attention variant learns (in-process: one torch import for all eight)
+
+def run_in_process(argv, capsys):
+    saved = sys.argv, signal.getsignal(signal.SIGTERM), torch.get_num_threads()
+    sys.argv = ['train.py', *argv]
+    torch.set_num_threads(1)
+    try:
+        runpy.run_path(str(ROOT / 'train.py'))
+    finally:
+        sys.argv = saved[0]
+        signal.signal(signal.SIGTERM, saved[1])
+        torch.set_num_threads(saved[2])
+    return capsys.readouterr().out
+
+
+@pytest.mark.parametrize('attn_type', list(ATTENTION_TYPES))
+def test_every_attention_variant_trains(attn_type, tmp_path, capsys):
+    data = make_dataset(tmp_path)
+    out = run_in_process([str(TINY), f'--dataset={data}', f'--out_dir={tmp_path / "out"}', f'--attn_type={attn_type}',
+                          '--max_iters=50', '--lr_decay_iters=50', '--eval_interval=50', '--log_interval=5'], capsys)
+    val = eval_losses(out)
+    assert sorted(val) == [0, 50]
+    assert val[50] < val[0] - 0.5, val  # the same val batches before and after: it learned
+    kl = [float(m[4]) for m in ITER_LINE.finditer(out)]
+    assert all(k > 0 for k in kl) if attn_type.startswith('noiseformer') else all(k == 0 for k in kl)
+    assert load_checkpoint(tmp_path / 'out')['iter_num'] == 50
+
+
+def test_config_typo_exits_2_with_the_suggestion(tmp_path):
+    proc = run_train(tmp_path / 'out', make_dataset(tmp_path), '--n_layr=3', expect_rc=2)
+    assert "train.py: error: command line argument '--n_layr=3': unknown config key 'n_layr'; did you mean " \
+           "'n_layer'?" in proc.stderr
+    assert 'Traceback' not in proc.stderr
