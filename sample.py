@@ -1,0 +1,403 @@
+"""
+Sample from a trained model: plain text, a ready-to-paste Markdown or LaTeX appendix, or JSON lines.
+
+$ python sample.py --out_dir=out-shakespeare-char
+$ python sample.py --out_dir=out-owt-noiseformer_v2 --prompts_file=prompts.txt --format=latex > appendix.tex
+$ python sample.py --init_from=gpt2-xl --start="What is the answer to life, the universe, and everything?"
+
+Prompts come from --start (the text itself, or FILE:path to use a whole file as one prompt) or from
+--prompts_file (one prompt per line, blank lines skipped). Every prompt gets num_samples completions
+of max_new_tokens tokens, generated with the model's KV cache (model.generate). Before prompt i the
+random generators are seeded with seed + i, so a command prints the same samples every time it runs
+(same device and dtype), and adding a prompt to the file does not change the others' samples.
+
+Only the samples go to stdout; messages go to stderr, so `> appendix.md` captures a clean file.
+Formats:
+  text      nanoGPT's output: each sample (prompt + completion) followed by a line of dashes
+  markdown  a heading per prompt, the completions (the generated text only) as code blocks separated
+            by horizontal rules, the model and checkpoint named once at the top
+  latex     the same as \\subsection* / \\subsubsection* / quote environments; every LaTeX special
+            character is escaped and line breaks and indentation are kept, so any sample compiles
+  jsonl     one JSON object per completion: prompt, completion, and the model and sampling settings
+Special tokens (GPT-2's <|endoftext|>) are kept as readable markers: `<|endoftext|>`.
+NoiseFormer models keep their attention noise on while sampling (as in the paper) unless
+--noise_at_eval=False.
+"""
+
+import contextlib
+import json
+import os
+import pickle
+import re
+import sys
+
+import tiktoken
+import torch
+
+from batches import load_meta
+from checkpoint import CheckpointError, load_checkpoint
+from configurator import ConfigError, apply_config
+from device import autocast_context, manual_seed, resolve_device, resolve_dtype, setup
+from model import ATTENTION_TYPES, GPT, GPTConfig
+
+# -----------------------------------------------------------------------------
+init_from = 'resume'  # either 'resume' (from an out_dir) or a gpt2 variant (e.g. 'gpt2-xl')
+out_dir = 'out'  # ignored if init_from is not 'resume'
+start = "\n"  # or "<|endoftext|>" or etc. Can also specify a file, use as: "FILE:prompt.txt"
+prompts_file = ''  # a file with one prompt per line (blank lines skipped), instead of start
+num_samples = 3  # number of completions per prompt
+max_new_tokens = 100  # number of tokens generated in each completion
+temperature = 0.8  # 1.0 = no change, < 1.0 = less random, > 1.0 = more random; 0 = always the likeliest
+top_k = 200  # retain only the top_k most likely tokens, clamp others to have 0 probability (0: keep all)
+seed = 1337  # prompt i is sampled after seeding with seed + i
+device = 'auto'  # 'auto' (cuda > hpu > mps > cpu), 'cpu', 'cuda', 'cuda:1', 'hpu', 'mps'
+dtype = 'auto'  # 'auto', 'float32', 'bfloat16' or 'float16'
+format = 'text'  # 'text', 'markdown', 'latex' or 'jsonl' (see the top of this file)
+noise_at_eval = None  # NoiseFormer only: None keeps the checkpoint's setting (noise on), False turns it off
+kv_cache = True  # generate with the KV cache; False recomputes the whole context for every token
+dataset = ''  # char-level models: the data/ folder with meta.pkl (default: the checkpoint's dataset)
+# -----------------------------------------------------------------------------
+config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str, type(None)))]
+FORMATS = ('text', 'markdown', 'latex', 'jsonl')
+
+
+def fail(message):
+    """A setting or input that cannot work: say what and how to fix it, exit 2 (no traceback)."""
+    print(f"sample.py: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def log(message):
+    print(message, file=sys.stderr)
+
+
+try:
+    globals().update(apply_config(sys.argv[1:], {k: globals()[k] for k in config_keys}))
+except ConfigError as e:
+    fail(e)
+if isinstance(noise_at_eval, str) and noise_at_eval.lower() in ('true', 'false'):
+    noise_at_eval = noise_at_eval.lower() == 'true'
+if noise_at_eval not in (None, True, False):
+    fail(f"noise_at_eval={noise_at_eval!r} must be True or False")
+if format not in FORMATS:
+    fail(f"format={format!r} is not one of {', '.join(FORMATS)}")
+for key in ('num_samples', 'max_new_tokens'):
+    if globals()[key] < 1:
+        fail(f"{key}={globals()[key]} must be at least 1")
+if temperature < 0 or top_k < 0:
+    fail(f"temperature={temperature} and top_k={top_k} must not be negative (top_k=0 keeps all tokens)")
+if init_from != 'resume' and not init_from.startswith('gpt2'):
+    fail(f"init_from={init_from!r} must be 'resume' (a checkpoint in out_dir) or a GPT-2 model name "
+         f"(gpt2, gpt2-medium, gpt2-large, gpt2-xl)")
+
+# -----------------------------------------------------------------------------
+# prompts first: a typo in a file name should not cost a model load
+
+
+def read_text(path, what):
+    try:
+        with open(path, encoding='utf-8') as f:
+            return f.read()
+    except FileNotFoundError:
+        fail(f"{what} {path!r} not found (relative paths start from {os.getcwd()})")
+    except (OSError, UnicodeDecodeError) as e:
+        fail(f"cannot read {what} {path!r}: {e}")
+
+
+if prompts_file:
+    if start != "\n":
+        fail("give the prompts either with --start or with --prompts_file, not both")
+    prompts = [line for line in read_text(prompts_file, 'prompts_file').splitlines() if line.strip()]
+    if not prompts:
+        fail(f"prompts_file {prompts_file!r} has no prompts: write one prompt per line "
+             f"(blank lines are skipped)")
+elif start.startswith('FILE:'):
+    prompts = [read_text(start[5:], 'prompt file (start=FILE:...)')]
+    if not prompts[0]:
+        fail(f"prompt file {start[5:]!r} is empty")
+else:
+    prompts = [start]
+    if not start:
+        fail("start='' is an empty prompt; give some text, e.g. --start='\\n' or --start='<|endoftext|>'")
+
+# -----------------------------------------------------------------------------
+# model
+
+try:
+    device = resolve_device(device)
+    dtype = resolve_dtype(dtype, device)
+except ValueError as e:
+    fail(e)
+setup(device)
+ctx = autocast_context(device, dtype)
+
+checkpoint = None
+if init_from == 'resume':
+    try:
+        checkpoint = load_checkpoint(out_dir, map_location='cpu')
+    except FileNotFoundError as e:
+        fail(f"{e}\n(sample.py loads out_dir/ckpt.pt with init_from='resume'; for OpenAI's weights "
+             f"use --init_from=gpt2)")
+    except CheckpointError as e:
+        fail(e)
+    model_args = dict(checkpoint['model_args'])
+    attn_type = model_args.get('attn_type', 'base')  # nanoGPT checkpoints have no attn_type
+else:
+    model_args = None
+    attn_type = 'base'
+if noise_at_eval is not None:
+    if attn_type not in ATTENTION_TYPES or 'noise_at_eval' not in ATTENTION_TYPES[attn_type].config_fields:
+        users = ' / '.join(k for k, cls in ATTENTION_TYPES.items() if 'noise_at_eval' in cls.config_fields)
+        fail(f"noise_at_eval applies to NoiseFormer models ({users}) only; this model is "
+             f"attn_type={attn_type!r}: drop --noise_at_eval")
+
+if checkpoint is not None:
+    if noise_at_eval is not None:
+        model_args['noise_at_eval'] = noise_at_eval
+    try:
+        model = GPT(GPTConfig(**model_args))
+        model.load_state_dict(checkpoint['model'])
+    except (TypeError, ValueError, RuntimeError) as e:
+        fail(f"the checkpoint in {out_dir} does not build a model: {e}")
+else:
+    try:
+        with contextlib.redirect_stdout(sys.stderr):  # from_pretrained prints progress
+            model = GPT.from_pretrained(init_from, dict(dropout=0.0))
+    except ImportError:
+        fail(f"init_from={init_from!r} needs the transformers package: pip install transformers")
+    except (OSError, ValueError) as e:
+        fail(f"cannot load the {init_from!r} weights: {e}")
+model.eval()
+model.to(device)
+
+if checkpoint is not None:
+    val = checkpoint['best_val_loss']
+    val = float(val.item() if torch.is_tensor(val) else val)
+    model_info = dict(attn_type=attn_type, checkpoint=os.path.join(out_dir, 'ckpt.pt'),
+                      iter=int(checkpoint['iter_num']), best_val_loss=val if val < 1e9 else None)
+else:
+    model_info = dict(attn_type=attn_type, checkpoint=init_from, iter=None, best_val_loss=None)
+model_info['params'] = model.get_num_params()
+noise_on = 'noise_at_eval' in ATTENTION_TYPES[attn_type].config_fields and model.config.noise_at_eval
+
+# -----------------------------------------------------------------------------
+# tokenizer: the char-level vocabulary of the checkpoint's dataset (meta.pkl), else GPT-2's BPE
+
+meta_dir = None
+if dataset:
+    meta_dir = os.path.join('data', dataset)
+elif checkpoint is not None and 'dataset' in checkpoint.get('config', {}):
+    meta_dir = os.path.join('data', checkpoint['config']['dataset'])
+try:
+    meta = load_meta(meta_dir) if meta_dir and os.path.isdir(meta_dir) else None
+except ValueError as e:
+    fail(e)
+meta_pkl = os.path.join(meta_dir, 'meta.pkl') if meta_dir else None
+if meta is not None and 'stoi' not in meta and meta.get('tokenizer') == 'char':
+    if not os.path.isfile(meta_pkl):
+        fail(f"{meta_dir} is a char-level dataset but has no meta.pkl (its vocabulary); "
+             f"run its prepare.py again")
+    with open(meta_pkl, 'rb') as f:
+        meta = {**meta, **pickle.load(f)}
+char_level = meta is not None and 'stoi' in meta
+vocab_size = model.config.vocab_size
+if char_level:
+    log(f"loading the char-level vocabulary from {meta_dir}")
+    stoi, itos = meta['stoi'], meta['itos']
+    if len(itos) > vocab_size:
+        fail(f"the vocabulary in {meta_dir} has {len(itos)} characters but the model only "
+             f"{vocab_size} token ids: pass --dataset=<the folder the model was trained on>")
+    eot = None
+else:
+    if vocab_size < 50257:
+        where = f"in {meta_dir} " if meta_dir else ""
+        fail(f"the model has a vocabulary of {vocab_size} tokens, so it was not trained with GPT-2's "
+             f"tokenizer, and no meta.pkl with its vocabulary was found {where}(the checkpoint's "
+             f"config names dataset={checkpoint['config'].get('dataset') if checkpoint else None!r}): "
+             f"pass --dataset=<data folder with meta.pkl>")
+    log("no meta.pkl found, assuming GPT-2 encodings...")
+    try:
+        enc = tiktoken.get_encoding("gpt2")
+    except Exception as e:  # tiktoken downloads its files once; offline that is a network error
+        fail(f"cannot load tiktoken's gpt2 encoding ({type(e).__name__}: {e}); it is downloaded on first "
+             f"use: connect once, or point TIKTOKEN_CACHE_DIR at a directory that holds its files")
+    eot = enc.eot_token
+
+
+def encode(s):
+    if char_level:
+        unknown = sorted(set(c for c in s if c not in stoi))
+        if unknown:
+            fail(f"the prompt {s[:60]!r} has characters the model's vocabulary ({len(stoi)} characters, "
+                 f"{meta_dir}) does not contain: {''.join(unknown)!r}")
+        return [stoi[c] for c in s]
+    return enc.encode(s, allowed_special={"<|endoftext|>"})
+
+
+def decode_pieces(ids):
+    """Token ids -> [(text, is_special)]. Special tokens (<|endoftext|>) and ids the tokenizer has no
+    text for (the vocabulary's padding, 50257..50303) are pieces of their own, shown as <|...|>."""
+    pieces, run = [], []
+    for i in ids + [None]:
+        ordinary = i is not None and (i < len(itos) if char_level else i < eot)
+        if ordinary:
+            run.append(i)
+            continue
+        if run:
+            pieces.append((''.join(itos[j] for j in run) if char_level else enc.decode(run), False))
+            run = []
+        if i is not None:
+            pieces.append(("<|endoftext|>" if i == eot else f"<|token {i}|>", True))
+    return pieces
+
+
+def plain(pieces):
+    return ''.join(text for text, _ in pieces)
+
+
+# -----------------------------------------------------------------------------
+# output formats
+
+MD_SPECIAL = re.compile(r'([\\`*_\[\]<>#|~&])')  # what can start markup inside a heading line
+LATEX_SPECIAL = {'\\': r'\textbackslash{}', '{': r'\{', '}': r'\}', '$': r'\$', '&': r'\&', '#': r'\#',
+                 '%': r'\%', '_': r'\_', '^': r'\textasciicircum{}', '~': r'\textasciitilde{}',
+                 '<': r'\textless{}', '>': r'\textgreater{}', '|': r'\textbar{}', '\ufffd': '?'}
+
+
+def one_line(s, limit=80):
+    """A prompt as a heading: newlines shown as \\n, cut at `limit` characters."""
+    s = s.replace('\r', '').replace('\n', '\\n').replace('\t', ' ')
+    return s if len(s) <= limit else s[:limit - 3] + '...'
+
+
+def md_escape(s):
+    return MD_SPECIAL.sub(r'\\\1', s)
+
+
+def md_code(text):
+    fence = '`' * max(3, 1 + max((len(m) for m in re.findall(r'`+', text)), default=0))
+    return f"{fence}text\n{text}\n{fence}"
+
+
+def latex_escape(s):
+    out = []
+    for c in s:
+        if c in LATEX_SPECIAL:
+            out.append(LATEX_SPECIAL[c])
+        elif c == '\t':
+            out.append(' ')
+        elif ord(c) < 32 and c != '\n':
+            out.append('?')  # control characters have no glyph
+        else:
+            out.append(c)
+    return ''.join(out)
+
+
+def latex_block(pieces):
+    """Text that typesets as it reads: specials escaped, each line break kept (\\\\), runs of spaces
+    and indentation kept (~), empty lines kept (\\mbox{}), special tokens in typewriter type."""
+    body = ''.join(latex_tt(t) if special else latex_escape(t) for t, special in pieces)
+    lines = []
+    for line in body.split('\n'):
+        line = re.sub(r'^ +', lambda m: '~' * len(m.group()), line)
+        line = re.sub(r'(?<= ) +', lambda m: '~' * len(m.group()), line)
+        lines.append(line if line.strip() else r'\mbox{}')
+    return '\\\\\n'.join(lines)
+
+
+def model_sentence(tt, quote):
+    """'base attention, checkpoint out/ckpt.pt (iter 5000, best val loss 1.4697, 10.65M parameters)'"""
+    i = model_info
+    details = [f"iter {i['iter']}"] if i['iter'] is not None else []
+    if i['best_val_loss'] is not None:
+        details.append(f"best val loss {i['best_val_loss']:.4f}")
+    details.append(f"{i['params'] / 1e6:.2f}M parameters")
+    source = (f"checkpoint {tt(i['checkpoint'])}" if checkpoint is not None
+              else f"OpenAI GPT-2 weights {tt(i['checkpoint'])}")
+    return f"{tt(i['attn_type'])} attention, {source} ({', '.join(quote(d) for d in details)})"
+
+
+def sampling_sentence():
+    s = (f"{num_samples} completion{'s' if num_samples > 1 else ''} per prompt, {max_new_tokens} new tokens each, temperature "
+         f"{temperature:g}, top-k {top_k if top_k else 'off'}, seed {seed}")
+    if noise_on:
+        s += ", NoiseFormer attention noise on"
+    elif 'noise_at_eval' in ATTENTION_TYPES[attn_type].config_fields:
+        s += ", NoiseFormer attention noise off (noise_at_eval=False)"
+    return s
+
+
+def md_tt(s):
+    return '`' + s + '`'
+
+
+def latex_tt(s):
+    return '\\texttt{' + latex_escape(s) + '}'
+
+
+def header():
+    if format == 'markdown':
+        return (f"## Samples: `{attn_type}` model\n\n"
+                f"Model: {model_sentence(md_tt, str)}.  \n"
+                f"Sampling: {sampling_sentence()}.  \n"
+                f"Each completion below continues the prompt in its heading.\n")
+    if format == 'latex':
+        return ("% Model samples written by sample.py. Plain LaTeX: every special character is escaped.\n"
+                "% Text beyond ASCII needs \\usepackage[utf8]{inputenc} (the default since 2018) or\n"
+                "% xelatex/lualatex; \\usepackage[T1]{fontenc} gives the best < > | glyphs.\n"
+                f"\\subsection*{{Samples: {latex_escape(attn_type)} model}}\n"
+                f"\\noindent Model: {model_sentence(latex_tt, latex_escape)}.\\\\\n"
+                f"Sampling: {latex_escape(sampling_sentence())}.\\\\\n"
+                f"Each completion continues the prompt in its heading.\n")
+    return None
+
+
+def render_prompt(i, prompt, prompt_ids, completions):
+    """completions: one list of pieces (the generated tokens only) per sample."""
+    n = len(prompts)
+    if format == 'text':  # nanoGPT's: the whole sequence, then a line of dashes
+        lines = [f"=== prompt {i + 1}/{n}: {one_line(prompt)} ===" if n > 1 else None]
+        for c in completions:
+            lines += [plain(decode_pieces(prompt_ids)) + plain(c), '---------------']
+        return '\n'.join(l for l in lines if l is not None)
+    if format == 'jsonl':
+        return '\n'.join(json.dumps(dict(prompt_index=i, prompt=prompt, sample=j, completion=plain(c),
+                                         **model_info, max_new_tokens=max_new_tokens,
+                                         temperature=temperature, top_k=top_k or None, seed=seed + i,
+                                         noise_on=bool(noise_on)), ensure_ascii=False)
+                         for j, c in enumerate(completions))
+    full = '\n' not in prompt.strip('\n') and len(prompt) <= 80  # the heading shows all of it
+    if format == 'markdown':
+        out = [f"### Prompt {i + 1}: {md_escape(one_line(prompt))}", ""]
+        if not full:
+            out += ["Prompt:", "", md_code(prompt), ""]
+        out.append("\n\n---\n\n".join(md_code(plain(c)) for c in completions))
+        return '\n'.join(out) + '\n'
+    out = [f"\\subsubsection*{{Prompt {i + 1}: {latex_escape(one_line(prompt))}}}"]
+    if not full:
+        out.append(f"\\noindent Prompt:\n\\begin{{quote}}\n{latex_block([(prompt, False)])}\n\\end{{quote}}")
+    out.append("\n\\noindent\\rule{\\linewidth}{0.4pt}\n".join(
+        f"\\begin{{quote}}\n{latex_block(c)}\n\\end{{quote}}" for c in completions))
+    return '\n'.join(out) + '\n'
+
+
+# -----------------------------------------------------------------------------
+# run generation
+
+encoded = [encode(p) for p in prompts]  # every prompt checked before any output
+log(f"{model_sentence(str, str)}; device {device} ({dtype})")
+if header() is not None:
+    print(header())
+for i, (prompt, prompt_ids) in enumerate(zip(prompts, encoded)):
+    if len(prompt_ids) > model.config.block_size:
+        log(f"prompt {i + 1} has {len(prompt_ids)} tokens, more than block_size={model.config.block_size}: "
+            f"only its last {model.config.block_size} tokens condition the samples")
+    x = torch.tensor(prompt_ids, dtype=torch.long, device=device)[None, ...]
+    manual_seed(seed + i)
+    completions = []
+    with torch.no_grad(), ctx:
+        for _ in range(num_samples):
+            y = model.generate(x, max_new_tokens, temperature=temperature, top_k=top_k or None,
+                               use_cache=kv_cache)
+            completions.append(decode_pieces(y[0, len(prompt_ids):].tolist()))
+    print(render_prompt(i, prompt, prompt_ids, completions), flush=True)

@@ -1,0 +1,225 @@
+"""sample.py run as a user runs it (a subprocess in the repo root) on tiny checkpoints made here.
+
+Every output format is parsed back and counted: 3 completions per prompt, and the completions of
+markdown, LaTeX and plain text are exactly the ones the JSON lines give for the same seed (LaTeX after
+undoing its escapes). Same seed -> same output; NoiseFormer noise on by default and off on request;
+bad inputs exit non-zero with a message that names the problem.
+"""
+import dataclasses
+import json
+import os
+import pickle
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from checkpoint import save_checkpoint
+from model import GPT, GPTConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+# a character vocabulary with every LaTeX / Markdown special character in it
+CHARS = sorted(set("\n !$%&#_{}~^\\<>|`*'.,:;?-0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"))
+PROMPTS = ["ROMEO:", "50% of $x_1$ & {y} #2 ~^ \\ <a|b> `c`"]
+NUM_SAMPLES = 3
+NEW_TOKENS = 100
+
+
+def make_checkpoint(out_dir, attn_type, vocab_size, dataset, tweak=None, best_val_loss=3.25):
+    """A tiny untrained model saved as train.py saves it; tweak(model) may set weights first."""
+    torch.manual_seed(0)
+    config = GPTConfig(block_size=64, vocab_size=vocab_size, n_layer=2, n_head=2, n_embd=32, attn_type=attn_type)
+    model = GPT(config)
+    if tweak is not None:
+        with torch.no_grad():
+            tweak(model)
+    save_checkpoint({'model': model.state_dict(), 'optimizer': {}, 'model_args': dataclasses.asdict(config),
+                     'iter_num': 7, 'best_val_loss': best_val_loss, 'config': {'dataset': str(dataset)}}, out_dir)
+    return out_dir
+
+
+def loud_noise(model):
+    """NoiseFormer noise large enough to change what is sampled."""
+    for block in model.transformer.h:
+        block.attn.noise_sigma.fill_(3.0)
+
+
+def always_endoftext(model):
+    """The final hidden state becomes the ln_f bias, which only the <|endoftext|> row of lm_head matches."""
+    model.transformer.ln_f.weight.zero_()
+    b = torch.randn(model.config.n_embd)
+    model.transformer.ln_f.bias.copy_(b)
+    model.lm_head.weight[50256] = 10 * b / b.norm()
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sample")
+    data = root / "data-char"
+    data.mkdir()
+    with open(data / "meta.pkl", "wb") as f:  # nanoGPT's char-level meta.pkl
+        pickle.dump({'vocab_size': len(CHARS), 'itos': dict(enumerate(CHARS)),
+                     'stoi': {c: i for i, c in enumerate(CHARS)}}, f)
+    (root / "prompts.txt").write_text(f"\n{PROMPTS[0]}\n\n   \n{PROMPTS[1]}\n")  # blank lines skipped
+    return {
+        'root': root, 'prompts': root / "prompts.txt",
+        'noisy': make_checkpoint(root / "out-noisy", "noiseformer_v1", len(CHARS), data, loud_noise),
+        'base': make_checkpoint(root / "out-base", "base", len(CHARS), data),
+        # GPT-2's vocabulary and no meta.pkl in its (missing) dataset folder: tiktoken's gpt2 encoding
+        'gpt2': make_checkpoint(root / "out-gpt2", "base", 50304, root / "no-such-dataset", always_endoftext,
+                                best_val_loss=1e9),
+    }
+
+
+def launch(*args):
+    # one thread: a tiny model gains nothing from two, and OpenMP's spinning threads run ten times
+    # slower when other processes keep the second core busy
+    env = {**os.environ, 'OMP_NUM_THREADS': '1'}
+    return subprocess.Popen([sys.executable, "sample.py", *args], cwd=ROOT, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+@pytest.fixture(scope="module")
+def runs(ckpts):
+    """Every sample.py command of this file, run at once (each is a second or two of start-up)."""
+    root, prompts = ckpts['root'], f"--prompts_file={ckpts['prompts']}"
+    noisy, base = f"--out_dir={ckpts['noisy']}", f"--out_dir={ckpts['base']}"
+    (root / "empty.txt").write_text("\n  \n\n")
+    (root / "no-ckpt").mkdir(exist_ok=True)
+    commands = {
+        'jsonl': [noisy, prompts, "--format=jsonl"],
+        'jsonl_again': [noisy, prompts, "--format=jsonl"],
+        'text': [noisy, prompts],
+        'markdown': [noisy, prompts, "--format=markdown"],
+        'latex': [noisy, prompts, "--format=latex"],
+        'noise_off': [noisy, prompts, "--format=jsonl", "--noise_at_eval=False"],
+        'noise_flag_on_base': [base, "--noise_at_eval=False"],
+        'missing': [base, f"--prompts_file={root / 'nope.txt'}"],
+        'empty': [base, f"--prompts_file={root / 'empty.txt'}"],
+        'no_checkpoint': [f"--out_dir={root / 'no-ckpt'}"],
+        'gpt2_eot': [f"--out_dir={ckpts['gpt2']}", "--start=Hello world", "--temperature=0",
+                     "--max_new_tokens=3", "--num_samples=1", "--format=latex"],
+    }
+    procs = {name: launch(*args) for name, args in commands.items()}
+    results = {}
+    for name, p in procs.items():
+        stdout, stderr = p.communicate(timeout=300)
+        results[name] = subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr)
+    return results
+
+
+def output(runs, name):
+    proc = runs[name]
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+@pytest.fixture(scope="module")
+def reference(runs):
+    """The JSON lines records: every other format must give the same completions."""
+    return [json.loads(line) for line in output(runs, 'jsonl').splitlines()]
+
+
+def completions_by_prompt(records):
+    return [[r['completion'] for r in records if r['prompt_index'] == i] for i in range(len(PROMPTS))]
+
+
+def test_jsonl_three_completions_per_prompt_reproducible(runs, reference):
+    records = reference
+    assert output(runs, 'jsonl') == output(runs, 'jsonl_again'), "the same seed must give the same samples"
+    assert len(records) == len(PROMPTS) * NUM_SAMPLES  # blank lines of the prompts file skipped
+    assert [r['prompt'] for r in records] == [p for p in PROMPTS for _ in range(NUM_SAMPLES)]
+    for r in records:
+        assert len(r['completion']) == NEW_TOKENS  # one character per token
+        assert (r['attn_type'], r['iter'], r['best_val_loss'], r['noise_on']) == ("noiseformer_v1", 7, 3.25, True)
+    for comps in completions_by_prompt(records):
+        assert len(set(comps)) == NUM_SAMPLES, "the samples of a prompt must differ"
+
+
+def test_text_format_is_nanogpts(runs, reference):
+    out = output(runs, 'text')
+    blocks = out.split("\n---------------\n")
+    assert out.endswith("---------------\n") and len(blocks) == len(PROMPTS) * NUM_SAMPLES + 1
+    expected = completions_by_prompt(reference)
+    for i, prompt in enumerate(PROMPTS):
+        for j in range(NUM_SAMPLES):
+            block = blocks[i * NUM_SAMPLES + j]
+            if j == 0:  # several prompts: each one's samples start with a header line
+                header, block = block.split("\n", 1)
+                assert header.startswith(f"=== prompt {i + 1}/{len(PROMPTS)}")
+            assert block == prompt + expected[i][j]
+
+
+def test_markdown_appendix(runs, reference):
+    out = output(runs, 'markdown')
+    head, *sections = re.split(r"^### ", out, flags=re.M)
+    assert out.count("ckpt.pt") == 1 and "noiseformer_v1" in head and "iter 7" in head and "3.2500" in head
+    assert len(sections) == len(PROMPTS)
+    expected = completions_by_prompt(reference)
+    for i, section in enumerate(sections):
+        assert section.startswith(f"Prompt {i + 1}: ")
+        blocks = re.findall(r"^(`{3,})text\n(.*?)\n\1$", section, flags=re.M | re.S)
+        assert [b for _, b in blocks] == expected[i]
+        assert len(re.findall(r"^---$", section, flags=re.M)) == NUM_SAMPLES - 1
+    # the heading of the second prompt escapes what Markdown would read as markup
+    assert sections[1].splitlines()[0] == r"Prompt 2: 50% of $x\_1$ \& {y} \#2 \~^ \\ \<a\|b\> \`c\`"
+
+
+LATEX_ESCAPES = {r'\textbackslash{}': '\\', r'\textasciicircum{}': '^', r'\textasciitilde{}': '~',
+                 r'\textless{}': '<', r'\textgreater{}': '>', r'\textbar{}': '|', r'\mbox{}': '',
+                 '\\\\\n': '\n', '~': ' ', **{'\\' + c: c for c in '{}$&#%_'}}
+
+
+def unlatex(s):
+    return re.sub('|'.join(re.escape(k) for k in sorted(LATEX_ESCAPES, key=len, reverse=True)),
+                  lambda m: LATEX_ESCAPES[m.group()], s)
+
+
+def test_latex_appendix(runs, reference):
+    out = output(runs, 'latex')
+    head, *sections = re.split(r"^\\subsubsection\*", out, flags=re.M)
+    assert out.count("ckpt.pt") == 1 and r"noiseformer\_v1" in head and "iter 7" in head
+    assert len(sections) == len(PROMPTS)
+    expected = completions_by_prompt(reference)
+    for i, section in enumerate(sections):
+        bodies = re.findall(r"\\begin\{quote\}\n(.*?)\n\\end\{quote\}", section, flags=re.S)
+        assert len(bodies) == NUM_SAMPLES
+        assert section.count(r"\noindent\rule{\linewidth}{0.4pt}") == NUM_SAMPLES - 1
+        for body, text in zip(bodies, expected[i]):
+            # nothing LaTeX would interpret is left: only our escapes and line breaks
+            assert not re.search(r"[\\{}$&#%_^]", re.sub(r"\\[a-z]+\{\}|\\[{}$&#%_]|\\\\$", "", body, flags=re.M))
+            assert unlatex(body) == text
+    assert sections[1].startswith(r"{Prompt 2: 50\% of \$x\_1\$ \& \{y\} \#2 \textasciitilde{}\textasciicircum{} "
+                                  r"\textbackslash{} \textless{}a\textbar{}b\textgreater{} `c`}")
+
+
+def test_noise_on_by_default_and_off_on_request(runs, reference):
+    off = [json.loads(line) for line in output(runs, 'noise_off').splitlines()]
+    assert all(r['noise_on'] for r in reference) and not any(r['noise_on'] for r in off)
+    assert completions_by_prompt(off) != completions_by_prompt(reference)
+
+
+@pytest.mark.parametrize("problem, expected", [
+    ("noise_flag_on_base", ["noise_at_eval", "noiseformer", "attn_type='base'"]),
+    ("missing", ["prompts_file", "nope.txt", "not found"]),
+    ("empty", ["empty.txt", "no prompts", "one prompt per line"]),
+    ("no_checkpoint", ["no checkpoint", "ckpt.pt"]),
+])
+def test_bad_inputs_fail_clearly(runs, problem, expected):
+    proc = runs[problem]
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr
+    for words in expected:
+        assert words in proc.stderr, proc.stderr
+    assert proc.stdout == ""
+
+
+def test_gpt2_vocab_special_tokens_readable(runs):
+    """A GPT-2-vocabulary checkpoint (tiktoken, no meta.pkl) that always predicts <|endoftext|>."""
+    out = output(runs, 'gpt2_eot')
+    eot = r"\texttt{\textless{}\textbar{}endoftext\textbar{}\textgreater{}}"
+    assert re.search(r"\\begin\{quote\}\n(.*?)\n\\end\{quote\}", out, re.S).group(1) == eot * 3
+    assert "Hello world" in out and "best val loss" not in out  # never evaluated: not shown
