@@ -14,7 +14,6 @@ import argparse
 import glob
 import json
 import os
-import signal
 import sys
 from contextlib import contextmanager
 
@@ -189,7 +188,8 @@ def write_bin(tok, path, desc):
 def atomic_outputs(out_dir, names):
     """Yield {name: temporary path}. Only when the block finishes are they renamed to their final
     names (in the order given: put meta.json last); on any error or Ctrl-C they are deleted. A
-    killed process (SIGKILL) can only leave '<name>.partial' files, never a finished-looking .bin."""
+    killed process (`kill`, SIGKILL, power loss) can only leave '<name>.partial' files, never a
+    finished-looking .bin, and the next run overwrites them."""
     os.makedirs(out_dir, exist_ok=True)
     tmp = {name: os.path.join(out_dir, name + ".partial") for name in names}
     try:
@@ -240,13 +240,8 @@ def run(args, hub_path, hub_name):
           f"val.bin {val_tokens:,} tokens ({len(val_tok):,} documents), meta.json")
 
 
-def _exit_on_sigterm(signum, frame):
-    sys.exit(128 + signum)  # raise SystemExit so that `kill` cleans up like Ctrl-C does
-
-
 def main(description, hub_path, hub_name=None, out_dir="."):
     args = make_parser(description, out_dir).parse_args()
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         run(args, hub_path, hub_name)
     except PrepareError as e:

@@ -1,0 +1,389 @@
+"""
+How fast each attention variant trains (and, optionally, generates) on this device.
+
+$ python bench.py                                  # GPT-2 small (nanoGPT's bench), every attn_type
+$ python bench.py --attn_types=base,diff,dint --batch_size=8 --block_size=256 --n_layer=4 --n_head=4 --n_embd=256
+$ python bench.py --attn_types=base --dtype=float32 --json_out=bench-fp32.json
+$ python bench.py --generate=True                  # also: tokens/s of generation with / without the KV cache
+
+For each attn_type: build the model (same seed), run warmup_iters training steps, then time
+bench_iters steps one at a time (the device synchronised around each) and report the median:
+ms/iter, tokens/s, MFU (model.estimate_mfu against device.peak_flops: the spec-sheet peak of known
+GPUs and Gaudis; on CPU and unknown devices the best measured matmul throughput), peak memory, and
+the ratio of ms/iter to base's in the same run. The step is train.py's: autocast forward, loss =
+cross-entropy + kl_weight * KL, backward, gradient clipping, AdamW (model.configure_optimizers),
+zero_grad. Fetching the batch is not timed. rounds > 1 repeats the whole list, interleaved
+(base, diff, base, diff, ...), and reports the median over every timed step, so that background
+load on a shared machine hits all variants alike.
+
+Peak memory: CUDA / Gaudi: max_memory_allocated (tensors only). CPU (Linux): the peak resident set
+size of the process while the variant ran minus its resident size just before the model was built;
+the kernel's peak counter is reset through /proc/self/clear_refs and glibc's free memory handed back
+(malloc_trim) before each variant. It counts every page the process touched (allocator slack, the
+oneDNN scratch space), so it is an upper bound on the tensors' memory. Elsewhere: n/a.
+"""
+
+import contextlib
+import ctypes
+import gc
+import io
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+from configurator import ConfigError, apply_config
+from device import (autocast_context, compile_model, device_name, device_type, fused_optimizer,
+                    grad_scaler, manual_seed, mark_step, max_memory_allocated, peak_flops,
+                    resolve_device, resolve_dtype, setup, synchronize)
+import device as device_module
+from model import ATTENTION_TYPES, GPT, GPTConfig
+
+# -----------------------------------------------------------------------------
+attn_types = 'all'  # comma-separated attn_type values (e.g. 'base,diff'), or 'all'
+# model: nanoGPT's bench.py defaults (GPT-2 small at batch 12, block 1024)
+batch_size = 12
+block_size = 1024
+n_layer = 12
+n_head = 12
+n_embd = 768
+vocab_size = 50304  # with --dataset, the dataset's own vocabulary size when it has one
+bias = False
+dropout = 0.0
+dataset = ''  # '' = synthetic random tokens, else real batches from data/<dataset>/train.bin
+# the training step (as in train.py)
+learning_rate = 6e-4
+weight_decay = 1e-1
+beta1 = 0.9
+beta2 = 0.95
+grad_clip = 1.0
+kl_weight = 5e-6
+# timing
+warmup_iters = 5  # untimed steps first (allocator, kernel selection, compile)
+bench_iters = 10  # timed steps per variant and round; the median is reported
+rounds = 1  # run the whole list this many times, interleaved
+profile = False  # after timing, print torch.profiler's top operators of 3 steps for each variant
+# generation benchmark
+generate = False  # also time model.generate with and without the KV cache
+max_new_tokens = 100
+gen_prompt_len = 1  # prompt tokens (random ids); generation uses temperature 0.8, top_k 200 like sample.py
+# system
+device = 'auto'  # 'auto' (cuda > hpu > mps > cpu), 'cpu', 'cuda', 'cuda:1', 'hpu', 'mps'
+dtype = 'auto'  # 'auto', 'float32', 'bfloat16' or 'float16'
+compile = False  # torch.compile the model (timed after warm-up; slow to start)
+seed = 1337
+json_out = ''  # write the results here as JSON too
+# -----------------------------------------------------------------------------
+config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str))]
+
+
+def fail(message):
+    """A setting that cannot work: say what and how to fix it, exit 2 (no traceback)."""
+    print(f"bench.py: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+try:
+    globals().update(apply_config(sys.argv[1:], {k: globals()[k] for k in config_keys}))
+except ConfigError as e:
+    fail(e)
+config = {k: globals()[k] for k in config_keys}
+
+variants = list(ATTENTION_TYPES) if attn_types == 'all' else [a.strip() for a in attn_types.split(',') if a.strip()]
+unknown = [a for a in variants if a not in ATTENTION_TYPES]
+if unknown or not variants:
+    fail(f"attn_types={attn_types!r}: {'unknown ' + ', '.join(map(repr, unknown)) if unknown else 'empty'}; "
+         f"use 'all' or a comma-separated list of {', '.join(ATTENTION_TYPES)}")
+variants = list(dict.fromkeys(variants))  # drop repeats, keep the order
+for key in ('batch_size', 'block_size', 'bench_iters', 'rounds', 'max_new_tokens', 'gen_prompt_len'):
+    if globals()[key] < 1:
+        fail(f"{key}={globals()[key]} must be at least 1")
+if warmup_iters < 0:
+    fail(f"warmup_iters={warmup_iters} must not be negative")
+try:
+    device = resolve_device(device)
+    dtype = resolve_dtype(dtype, device)
+    for a in variants:  # every variant's shape checks before anything runs
+        GPTConfig(block_size=block_size, vocab_size=vocab_size, n_layer=n_layer, n_head=n_head,
+                  n_embd=n_embd, bias=bias, dropout=dropout, attn_type=a)
+except ValueError as e:
+    fail(e)
+setup(device)
+kind = device_type(device)
+ctx = autocast_context(device, dtype)
+
+# data: one fixed random batch (nanoGPT's real_data=False), or windows of a prepared dataset
+batches = None
+if dataset:
+    from batches import TokenBatches, load_meta
+    data_dir = os.path.join('data', dataset)
+    try:
+        meta = load_meta(data_dir)
+        if meta is not None:
+            vocab_size = meta['vocab_size']
+        batches = TokenBatches(data_dir, 'train', block_size, batch_size, device=device, seed=seed,
+                               vocab_size=vocab_size)
+    except (FileNotFoundError, ValueError) as e:
+        fail(f"{e}\n(prepare the dataset first, e.g. python data/{dataset}/prepare.py, or leave "
+             f"--dataset empty for synthetic tokens)")
+else:
+    g = torch.Generator().manual_seed(seed)
+    X = torch.randint(vocab_size, (batch_size, block_size), generator=g).to(device)
+    Y = torch.randint(vocab_size, (batch_size, block_size), generator=g).to(device)
+
+
+def get_batch():
+    return batches.get_batch() if batches is not None else (X, Y)
+
+
+# -----------------------------------------------------------------------------
+# peak memory
+
+
+def _libc():
+    try:
+        return ctypes.CDLL('libc.so.6')
+    except OSError:
+        return None
+
+
+LIBC = _libc() if kind == 'cpu' and sys.platform.startswith('linux') else None
+
+
+def proc_status_kib(field):
+    with open('/proc/self/status') as f:
+        for line in f:
+            if line.startswith(field + ':'):
+                return int(line.split()[1])
+    raise KeyError(field)
+
+
+def cpu_peak_rss_supported():
+    try:
+        proc_status_kib('VmHWM')
+        with open('/proc/self/clear_refs', 'w') as f:
+            f.write('5')
+        return True
+    except (OSError, KeyError):
+        return False
+
+
+if kind in ('cuda', 'hpu'):
+    memory_method = f'{kind} max_memory_allocated'
+elif kind == 'cpu' and cpu_peak_rss_supported():
+    memory_method = 'peak RSS delta (Linux /proc/self/status VmHWM)'
+else:
+    memory_method = None
+
+
+def memory_start():
+    """Forget earlier variants' memory; return the baseline to subtract (bytes)."""
+    gc.collect()
+    if kind == 'cuda':
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    elif kind == 'hpu' and hasattr(torch.hpu, 'reset_peak_memory_stats'):
+        torch.hpu.reset_peak_memory_stats()
+    elif memory_method is not None:  # cpu
+        if LIBC is not None and hasattr(LIBC, 'malloc_trim'):
+            LIBC.malloc_trim(0)
+        with open('/proc/self/clear_refs', 'w') as f:
+            f.write('5')  # resets VmHWM to the current VmRSS
+        return proc_status_kib('VmRSS') * 1024
+    return 0
+
+
+def memory_peak(baseline):
+    if memory_method is None:
+        return None
+    if kind in ('cuda', 'hpu'):
+        return max_memory_allocated(device)
+    return proc_status_kib('VmHWM') * 1024 - baseline
+
+
+# -----------------------------------------------------------------------------
+# one variant
+
+
+def build(attn_type):
+    manual_seed(seed)
+    model = GPT(GPTConfig(block_size=block_size, vocab_size=vocab_size, n_layer=n_layer, n_head=n_head,
+                          n_embd=n_embd, bias=bias, dropout=dropout, attn_type=attn_type))
+    model.to(device)
+    return model
+
+
+def train_steps(attn_type):
+    """Warm up, time bench_iters steps; returns (per-step seconds, peak memory bytes, params, model)."""
+    baseline = memory_start()
+    model = build(attn_type)
+    with contextlib.redirect_stdout(io.StringIO()):  # configure_optimizers reports its groups
+        optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), kind)
+        optimizer = fused_optimizer(optimizer, device)
+    scaler = grad_scaler(device, dtype)
+    raw_model = model
+    if compile:
+        model = compile_model(model, device)
+
+    def step():
+        x, y = get_batch()
+        synchronize(device)
+        t0 = time.perf_counter()
+        with ctx:
+            _, ce = model(x, y)
+            loss = ce + kl_weight * raw_model.kl_divergence()
+        scaler.scale(loss).backward()
+        mark_step()
+        if grad_clip != 0.0:
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(raw_model.parameters(), grad_clip)
+        scaler.step(optimizer)
+        scaler.update()
+        mark_step()
+        optimizer.zero_grad(set_to_none=True)
+        synchronize(device)
+        return time.perf_counter() - t0
+
+    for _ in range(warmup_iters):
+        step()
+    times = [step() for _ in range(bench_iters)]
+    peak_mem = memory_peak(baseline)
+    if profile:
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as torch_profile
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if kind == 'cuda' else [])
+        with torch_profile(activities=activities) as prof:
+            for _ in range(3):
+                step()
+        sort = 'self_cuda_time_total' if kind == 'cuda' else 'self_cpu_time_total'
+        print(f"\n--- {attn_type}: top operators over 3 steps ---")
+        print(prof.key_averages().table(sort_by=sort, row_limit=15, max_name_column_width=60))
+    del optimizer
+    return times, peak_mem, raw_model.get_num_params(), raw_model
+
+
+def generation(model):
+    """Seconds to generate max_new_tokens tokens after a gen_prompt_len prompt, with and without the cache."""
+    model.eval()
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(model.config.vocab_size, (1, gen_prompt_len), generator=g).to(device)
+    out = {}
+    for use_cache in (True, False):
+        with torch.no_grad(), ctx:
+            model.generate(prompt, min(5, max_new_tokens), temperature=0.8, top_k=200, use_cache=use_cache)  # warm-up
+            manual_seed(seed)
+            synchronize(device)
+            t0 = time.perf_counter()
+            model.generate(prompt, max_new_tokens, temperature=0.8, top_k=200, use_cache=use_cache)
+            synchronize(device)
+        out[use_cache] = time.perf_counter() - t0
+    model.train()
+    return out
+
+
+# -----------------------------------------------------------------------------
+# run
+
+if generate and gen_prompt_len + max_new_tokens > block_size:
+    print(f"note: gen_prompt_len + max_new_tokens = {gen_prompt_len + max_new_tokens} > block_size = "
+          f"{block_size}: past block_size, generate() crops the context and recomputes it every token, "
+          f"with or without the cache")
+peak = peak_flops(device, dtype)
+# device.peak_flops takes a known accelerator's spec-sheet figure, else measures a matmul
+known = kind in ('cuda', 'hpu') and any(key.upper() in device_name(device).upper() and
+                                        (half if dtype != 'float32' else single) is not None
+                                        for key, half, single in device_module._PEAK_TFLOPS)
+peak_source = f"{device_name(device)} spec sheet" if known else f"measured {dtype} matmul"
+cpu_name = platform.processor() or platform.machine()
+if sys.platform.startswith('linux'):
+    with contextlib.suppress(OSError), open('/proc/cpuinfo') as f:
+        names = [l.split(':', 1)[1].strip() for l in f if l.startswith('model name')]
+        cpu_name = names[0] if names else cpu_name
+hardware = device_name(device) if kind in ('cuda', 'hpu') else f"{cpu_name}, {torch.get_num_threads()} thread{'s' if torch.get_num_threads() > 1 else ''}" if kind == 'cpu' else kind
+tokens_per_iter = batch_size * block_size
+print(f"device {device} ({dtype}): {hardware}; torch {torch.__version__}")
+print(f"model: n_layer {n_layer}, n_head {n_head}, n_embd {n_embd}, block_size {block_size}, vocab_size "
+      f"{vocab_size}, bias {bias}; batch_size {batch_size} ({tokens_per_iter:,} tokens/iter), "
+      f"{os.path.join('data', dataset) if dataset else 'synthetic tokens'}{', compiled' if compile else ''}")
+print(f"MFU against {peak / 1e12:.3g} TFLOP/s ({peak_source}); peak memory: {memory_method or 'n/a on this device'}")
+print(f"timing: {warmup_iters} warm-up + {bench_iters} timed steps per variant, {rounds} round(s), "
+      f"median per step", flush=True)
+
+# one small training step first: libraries initialise lazily (thread pools, kernel caches), and
+# that one-time memory and time should not be charged to whichever variant happens to run first
+with contextlib.redirect_stdout(io.StringIO()):
+    _m = GPT(GPTConfig(block_size=16, vocab_size=64, n_layer=1, n_head=2, n_embd=32)).to(device)
+    _opt = _m.configure_optimizers(0.0, 1e-3, (0.9, 0.95), kind)
+    with ctx:
+        _loss = _m(torch.zeros(1, 16, dtype=torch.long, device=device), torch.zeros(1, 16, dtype=torch.long, device=device))[1]
+    _loss.backward()
+    _opt.step()
+    synchronize(device)
+    del _m, _opt, _loss
+
+step_times = {a: [] for a in variants}
+peak_memory = {a: None for a in variants}
+num_params = {}
+flops_per_iter = {}  # estimate_mfu at 1 s/iter against 1 FLOP/s = the FLOPs of one iteration
+gen_times = {a: {True: [], False: []} for a in variants}
+for r in range(rounds):
+    for a in variants:
+        times, mem, n_params, model = train_steps(a)
+        step_times[a] += times
+        num_params[a] = n_params
+        flops_per_iter[a] = model.estimate_mfu(batch_size, 1.0, 1.0)
+        if mem is not None:
+            peak_memory[a] = max(mem, peak_memory[a] or 0)
+        if generate:
+            for use_cache, t in generation(model).items():
+                gen_times[a][use_cache].append(t)
+        del model
+        print(f"  round {r + 1}/{rounds} {a}: {statistics.median(times) * 1000:.1f} ms/iter", flush=True)
+
+results = []
+base_ms = statistics.median(step_times['base']) * 1000 if 'base' in variants else None
+for a in variants:
+    ms = statistics.median(step_times[a]) * 1000
+    results.append(dict(attn_type=a, params=num_params[a], ms_per_iter=ms,
+                        ms_per_iter_min=min(step_times[a]) * 1000, tokens_per_s=tokens_per_iter / (ms / 1000),
+                        mfu=flops_per_iter[a] / (ms / 1000) / peak, peak_memory_bytes=peak_memory[a],
+                        ratio_to_base=ms / base_ms if base_ms else None))
+    if generate:
+        cached, uncached = (statistics.median(gen_times[a][c]) for c in (True, False))
+        results[-1].update(gen_tokens_per_s_cache=max_new_tokens / cached,
+                           gen_tokens_per_s_no_cache=max_new_tokens / uncached, gen_cache_speedup=uncached / cached)
+
+
+def fmt_bytes(b):
+    return 'n/a' if b is None else f"{b / 2**30:.2f} GiB" if b >= 2**30 else f"{b / 2**20:.0f} MiB"
+
+
+print()
+print(f"{'attn_type':<16}{'params':>9}{'ms/iter':>10}{'tokens/s':>10}{'MFU':>8}{'peak mem':>11}{'vs base':>9}")
+for r in results:
+    ratio = f"{r['ratio_to_base']:.2f}x" if r['ratio_to_base'] is not None else '-'
+    print(f"{r['attn_type']:<16}{r['params'] / 1e6:>8.2f}M{r['ms_per_iter']:>10.1f}{r['tokens_per_s']:>10,.0f}"
+          f"{r['mfu'] * 100:>7.1f}%{fmt_bytes(r['peak_memory_bytes']):>11}{ratio:>9}")
+if base_ms is None:
+    print("\n(add base to --attn_types for the 'vs base' column)")
+if generate:
+    print()
+    print(f"generation: {max_new_tokens} new tokens after a {gen_prompt_len}-token prompt, batch 1, "
+          f"temperature 0.8, top_k 200")
+    print(f"{'attn_type':<16}{'KV cache tok/s':>16}{'no cache tok/s':>16}{'speed-up':>10}")
+    for r in results:
+        print(f"{r['attn_type']:<16}{r['gen_tokens_per_s_cache']:>16.1f}{r['gen_tokens_per_s_no_cache']:>16.1f}"
+              f"{r['gen_cache_speedup']:>9.2f}x")
+
+if json_out:
+    report = dict(device=device, device_name=hardware, dtype=dtype, torch=torch.__version__,
+                  peak_flops=peak, peak_flops_source=peak_source, memory_method=memory_method,
+                  tokens_per_iter=tokens_per_iter, command=' '.join(['python', 'bench.py'] + sys.argv[1:]),
+                  config=config, results=results)
+    with open(json_out, 'w') as f:
+        json.dump(report, f, indent=2)
+    print(f"\nwrote {json_out}")

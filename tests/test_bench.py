@@ -1,0 +1,111 @@
+"""bench.py run as a user runs it, on a tiny model: what it prints and writes, not how fast it is."""
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from model import ATTENTION_TYPES
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_size=2", "--vocab_size=96",
+        "--warmup_iters=1", "--bench_iters=2"]
+
+
+def bench(*args):
+    # one thread: OpenMP's spinning threads run ten times slower when other processes keep the
+    # second core busy, and a tiny model gains nothing from two
+    env = {**os.environ, 'OMP_NUM_THREADS': '1'}
+    return subprocess.run([sys.executable, "bench.py", *TINY, *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+def table_rows(stdout, marker):
+    """{first column: other columns} of the table whose header line contains `marker`."""
+    lines = stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if marker in line) + 1
+    rows = {}
+    for line in lines[start:]:
+        if not line.strip():
+            break
+        name, *cells = line.split()
+        rows[name] = cells
+    return rows
+
+
+@pytest.fixture(scope="module")
+def all_variants(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench") / "bench.json"
+    proc = bench("--attn_types=all", "--generate=True", "--max_new_tokens=8", f"--json_out={out}")
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout, json.loads(out.read_text())
+
+
+def test_table_has_every_variant_and_base_ratio_one(all_variants):
+    stdout, _ = all_variants
+    rows = table_rows(stdout, "vs base")
+    assert list(rows) == list(ATTENTION_TYPES)
+    for name, (params, ms, tokens_s, mfu, mem, mem_unit, ratio) in rows.items():
+        assert params.endswith("M") and float(ms) > 0 and int(tokens_s.replace(",", "")) > 0
+        assert mfu.endswith("%") and 0 < float(mfu[:-1]) < 100
+        assert mem_unit in ("MiB", "GiB") and float(mem) >= 0  # Linux: peak RSS delta
+        assert re.fullmatch(r"\d+\.\d\dx", ratio)
+    assert rows['base'][-1] == "1.00x"
+    assert "peak RSS" in stdout and re.search(r"measured (bfloat16|float32) matmul", stdout)
+    gen = table_rows(stdout, "KV cache tok/s")
+    assert list(gen) == list(ATTENTION_TYPES)
+    assert all(float(c) > 0 and float(n) > 0 and s.endswith("x") for c, n, s in gen.values())
+
+
+def test_json_report(all_variants):
+    stdout, report = all_variants
+    for key in ("device", "device_name", "dtype", "torch", "peak_flops", "peak_flops_source", "memory_method",
+                "tokens_per_iter", "command", "config", "results"):
+        assert key in report, key
+    assert report["device"] == "cpu" and report["peak_flops"] > 0 and report["tokens_per_iter"] == 64
+    assert report["config"]["n_embd"] == 32 and report["command"].startswith("python bench.py")
+    results = {r["attn_type"]: r for r in report["results"]}
+    assert list(results) == list(ATTENTION_TYPES)
+    assert results["base"]["ratio_to_base"] == 1.0
+    for r in results.values():
+        assert r["ms_per_iter"] >= r["ms_per_iter_min"] > 0
+        assert r["tokens_per_s"] == pytest.approx(64 / (r["ms_per_iter"] / 1000))
+        assert r["ratio_to_base"] == pytest.approx(r["ms_per_iter"] / results["base"]["ms_per_iter"])
+        assert 0 < r["mfu"] < 1 and r["params"] > 0 and r["peak_memory_bytes"] >= 0
+        assert r["gen_tokens_per_s_cache"] > 0 and r["gen_tokens_per_s_no_cache"] > 0
+        assert r["gen_cache_speedup"] == pytest.approx(r["gen_tokens_per_s_cache"] / r["gen_tokens_per_s_no_cache"])
+        # the table shows the same numbers
+        assert f"{r['ms_per_iter']:.1f}" in stdout
+    # dint_lowrank adds its low-rank factors: more parameters than base
+    assert results["dint_lowrank"]["params"] > results["base"]["params"] > results["symmetric"]["params"]
+
+
+def test_real_data_float32_subset_without_base(tmp_path):
+    data = tmp_path / "tiny"
+    data.mkdir()
+    np.random.default_rng(0).integers(0, 50, 4096, dtype=np.uint16).tofile(data / "train.bin")
+    (data / "meta.json").write_text(json.dumps({"tokenizer": "char", "vocab_size": 50}))
+    proc = bench("--attn_types=diff, linear", f"--dataset={data}", "--dtype=float32")
+    assert proc.returncode == 0, proc.stderr
+    assert str(data) in proc.stdout and "vocab_size 50" in proc.stdout and "(float32)" in proc.stdout
+    rows = table_rows(proc.stdout, "vs base")
+    assert list(rows) == ["diff", "linear"] and all(cells[-1] == "-" for cells in rows.values())
+    assert "add base to --attn_types" in proc.stdout
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--attn_types=base,difff"], ["'difff'", "dint_lowrank", "all"]),
+    (["--bench_iters=0"], ["bench_iters", "at least 1"]),
+    pytest.param(["--device=cuda"], ["cuda", "--device=cpu"],
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")),
+])
+def test_bad_settings_fail_clearly(args, words):
+    proc = bench(*args)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    for w in words:
+        assert w in proc.stderr, proc.stderr
