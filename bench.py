@@ -234,7 +234,7 @@ def train_steps(attn_type):
         synchronize(device)
         t0 = time.perf_counter()
         with ctx:
-            _, ce = model(x, y)
+            _, ce = model(x, y, return_logits=False)  # as train.py
             loss = ce + kl_weight * raw_model.kl_divergence()
         scaler.scale(loss).backward()
         mark_step()

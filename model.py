@@ -423,6 +423,62 @@ ATTENTION_TYPES = {
 
 
 # ----------------------------------------------------------------------------------------------
+# The loss: lm_head + cross-entropy, fused and chunked
+
+class LMHeadCrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy of x @ weight^T against targets (-1 ignored), the same numbers as
+    F.cross_entropy(lm_head(x)) (log-softmax in float32 on the matmul-dtype logits), but the float32
+    log-probabilities exist for `chunk` rows at a time only, and d loss / d logits = softmax - onehot
+    is written over the logits in the same pass: no (N, V) float32 tensors, no separate backward
+    pass over them. At vocab 50304 that was most of a small model's step on CPU."""
+
+    @staticmethod
+    def forward(ctx, x, weight, targets, compute_dtype, chunk, needs_grad):
+        xc, wc = x.to(compute_dtype), weight.to(compute_dtype)
+        logits = xc @ wc.t()  # (N, V) in the matmul dtype; becomes the gradient below
+        valid = targets != -1
+        n_valid = valid.sum().clamp_min(1)
+        safe = targets.clamp_min(0)
+        total = torch.zeros((), dtype=upcast(logits[:1, :1]).dtype, device=x.device)  # float32 at least
+        for s in range(0, logits.size(0), chunk):
+            g, t, v = logits[s:s + chunk], safe[s:s + chunk], valid[s:s + chunk]
+            rows = torch.arange(t.size(0), device=x.device)
+            logp = torch.log_softmax(upcast(g), dim=-1)
+            logp_t = logp[rows, t]
+            total -= (logp_t * v).sum()
+            if needs_grad:
+                torch.exp(logp, out=g)  # softmax
+                g[rows, t] = (logp_t.exp() - 1).to(g.dtype)  # minus the one-hot, in float32
+        if needs_grad:
+            if not bool(valid.all()):
+                logits[~valid] = 0
+            ctx.save_for_backward(logits, xc, wc, n_valid)
+            ctx.dtypes = (x.dtype, weight.dtype)
+        return total / n_valid
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad, xc, wc, n_valid = ctx.saved_tensors
+        scale = grad_loss / n_valid
+        gx = gw = None
+        if ctx.needs_input_grad[0]:
+            gx = (grad @ wc).to(ctx.dtypes[0]) * scale
+        if ctx.needs_input_grad[1]:
+            gw = (grad.t() @ (xc * scale.to(xc.dtype))).to(ctx.dtypes[1])
+        return gx, gw, None, None, None, None
+
+
+def lm_head_cross_entropy(x, weight, targets, chunk=32):
+    """(B, T, C) activations, the (V, C) lm_head weight, (B, T) targets -> mean CE (float32 scalar).
+    Under autocast the matmuls run in the autocast dtype, as lm_head would."""
+    kind = x.device.type
+    compute_dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
+    needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    return LMHeadCrossEntropy.apply(x.reshape(-1, x.size(-1)), weight, targets.reshape(-1),
+                                    compute_dtype, chunk, needs_grad)
+
+
+# ----------------------------------------------------------------------------------------------
 # The rest of the transformer: nanoGPT's
 
 class MLP(nn.Module):
@@ -495,7 +551,7 @@ class GPT(nn.Module):
         elif isinstance(module, nn.Embedding):
             torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    def forward(self, idx, targets=None, kv_cache=None):
+    def forward(self, idx, targets=None, kv_cache=None, return_logits=True):
         b, t = idx.size()
         start = kv_cache.length if kv_cache is not None else 0
         if start + t > self.config.block_size:
@@ -511,7 +567,11 @@ class GPT(nn.Module):
         if kv_cache is not None:
             kv_cache.length += t
 
-        if targets is not None:
+        if targets is not None and not return_logits:
+            # training: the loss without materialising float32 logits (see lm_head_cross_entropy)
+            logits = None
+            loss = lm_head_cross_entropy(x, self.lm_head.weight, targets)
+        elif targets is not None:
             logits = self.lm_head(x)
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
         else:
@@ -589,7 +649,7 @@ class GPT(nn.Module):
         print(f"num decayed parameter tensors: {len(decay_params)}, with {num_decay_params:,} parameters")
         print(f"num non-decayed parameter tensors: {len(nodecay_params)}, with {num_nodecay_params:,} parameters")
         fused_available = 'fused' in inspect.signature(torch.optim.AdamW).parameters
-        use_fused = fused_available and device_type == 'cuda'
+        use_fused = fused_available and device_type in ('cuda', 'cpu')  # CPU: fused since torch 2.4
         extra_args = dict(fused=True) if use_fused else dict()
         optimizer = torch.optim.AdamW(optim_groups, lr=learning_rate, betas=betas, **extra_args)
         print(f"using fused AdamW: {use_fused}")
@@ -629,10 +689,10 @@ class GPT(nn.Module):
                 idx_next = logits.argmax(dim=-1, keepdim=True)
             else:
                 logits = logits / temperature
-                if top_k is not None:
-                    v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
-                    logits[logits < v[:, [-1]]] = -float('Inf')
-                probs = F.softmax(logits.float(), dim=-1)
-                idx_next = torch.multinomial(probs, num_samples=1)
+                if top_k is not None:  # sample among the top_k only: the same distribution, 50x cheaper
+                    v, ix = torch.topk(logits, min(top_k, logits.size(-1)))
+                    idx_next = ix.gather(-1, torch.multinomial(F.softmax(v.float(), dim=-1), num_samples=1))
+                else:
+                    idx_next = torch.multinomial(F.softmax(logits.float(), dim=-1), num_samples=1)
             idx = torch.cat((idx, idx_next), dim=1)
         return idx

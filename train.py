@@ -387,7 +387,7 @@ while True:
             model.require_backward_grad_sync = (micro_step == gradient_accumulation_steps - 1)
         manual_seed(s)  # noise and dropout of micro-batch m
         with ctx:
-            logits, ce = model(X, Y)
+            _, ce = model(X, Y, return_logits=False)  # fused, chunked lm_head + cross-entropy
             kl = raw_model.kl_divergence()
             loss = ce + kl_weight * kl
         loss_sum += loss.detach().float()

@@ -640,3 +640,42 @@ def test_crop_block_size_keeps_outputs(attn_type):
     torch.manual_seed(3)
     after = full_logits(model, idx).detach()
     assert rel_err(after, before) < 1e-12
+
+
+# ----------------------------------------------------------------------------- fused lm_head + CE
+
+@pytest.mark.parametrize("ignore", [False, True])
+def test_fused_cross_entropy_equals_reference_float64(ignore):
+    """forward(..., return_logits=False) (chunked lm_head + cross-entropy, training's path) gives
+    F.cross_entropy's loss and every parameter's gradient, in float64, with ignored (-1) targets."""
+    torch.manual_seed(0)
+    cfg = GPTConfig(block_size=40, vocab_size=97, n_layer=1, n_head=2, n_embd=16)
+    idx = torch.randint(0, 97, (3, 40))
+    targets = torch.randint(0, 97, (3, 40))
+    if ignore:
+        targets[:, ::3] = -1
+    grads, losses = [], []
+    for return_logits in (True, False):
+        torch.manual_seed(1)
+        model = GPT(cfg).double()
+        logits, loss = model(idx, targets, return_logits=return_logits)
+        assert (logits is None) == (not return_logits)
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    assert torch.allclose(losses[0], losses[1], rtol=1e-12, atol=0)
+    for name, g in grads[0].items():
+        assert torch.allclose(g, grads[1][name], rtol=1e-9, atol=1e-14), name
+
+
+def test_fused_cross_entropy_bf16_autocast_close_to_float32():
+    """Under bf16 autocast the fused loss is as close to the float32 loss as F.cross_entropy's."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=32, vocab_size=500, n_layer=1, n_head=2, n_embd=32))
+    idx, targets = torch.randint(0, 500, (4, 32)), torch.randint(0, 500, (4, 32))
+    with torch.no_grad():
+        _, exact = model(idx, targets)
+        with torch.autocast('cpu', dtype=torch.bfloat16):
+            _, ref = model(idx, targets)
+            _, fused = model(idx, targets, return_logits=False)
+    assert abs(fused - exact) <= 2 * abs(ref - exact) + 1e-6
