@@ -211,6 +211,8 @@ def write_json(path, obj):
 def run(args, hub_path, hub_name):
     if not 0 < args.val_fraction < 1:
         raise PrepareError(f"--val_fraction must be between 0 and 1, got {args.val_fraction}")
+    if args.num_proc < 1:
+        raise PrepareError(f"--num_proc must be at least 1, got {args.num_proc}")
     if args.max_tokens is not None and args.max_tokens < 1:
         raise PrepareError(f"--max_tokens must be positive, got {args.max_tokens}")
     docs = load_documents(args, hub_path, hub_name)

@@ -235,6 +235,10 @@ def test_prepare_bad_inputs(tmp_path):
         prepare_common.run(_args("--input", tmp_path / "one.jsonl", "--out_dir", tmp_path / "out", *cache), None, None)
     with pytest.raises(PrepareError, match="--val_fraction must be between 0 and 1"):
         prepare_common.run(_args("--input", tmp_path / "one.jsonl", "--val_fraction", 1.5, *cache), None, None)
+    with pytest.raises(PrepareError, match="--num_proc must be at least 1, got 0"):
+        prepare_common.run(_args("--input", tmp_path / "one.jsonl", *cache, "--num_proc", 0), None, None)
+    with pytest.raises(PrepareError, match="--max_tokens must be positive"):
+        prepare_common.run(_args("--input", tmp_path / "one.jsonl", "--max_tokens", 0, *cache), None, None)
     assert not (tmp_path / "out").exists()
 
 
