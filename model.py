@@ -381,7 +381,7 @@ class LinearAttention(AttentionBase):
         y, S, z = chunked_linear_attention(q, k, v, self.chunk_size, self.eps, state)
         if cache is not None:
             cache['S'], cache['z'] = S, z
-        return self.output(y.to(x.dtype) if x.dtype != y.dtype else y)
+        return self.output(y.to(x.dtype))
 
 
 def chunked_linear_attention(q, k, v, chunk, eps, state=None):
