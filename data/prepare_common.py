@@ -2,42 +2,58 @@
 The shared body of data/openwebtext/prepare.py and data/fineweb_edu/prepare.py (the writer helpers
 are also used by data/shakespeare_char/prepare.py):
 
-documents (Hugging Face hub, or local --input files) -> seeded train/val split -> GPT-2 BPE in
-parallel (each document followed by EOT, as nanoGPT) -> train.bin / val.bin (flat uint16,
-nanoGPT-compatible) + meta.json.
+documents -> seeded train/val split -> GPT-2 BPE in parallel (each document followed by EOT, as
+nanoGPT) -> train.bin / val.bin (flat uint16, nanoGPT-compatible) + meta.json.
 
-Everything goes through `datasets`, so the hub and local files share one code path, and every slow
-step (download, Arrow conversion, split, tokenisation) is cached under --cache_dir and reused when
-the same command runs again. The scripts import this file by putting data/ on sys.path.
+Two ways in, one split (`split_documents`) and one tokeniser (`encode_documents`):
+- the Hugging Face hub goes through `datasets`, which downloads resumably and caches every slow
+  step (download, Arrow conversion, tokenisation) under --cache_dir, so re-running a 54 GB job
+  reuses what was done;
+- local --input files skip `datasets`: each worker process reads its own byte range of a file (or
+  parquet row group), parses and tokenises it, so nothing but a 0.1 s tokenizer load runs on one
+  core. On 2 cores that is ~2x a one-process tokenising loop; the `datasets` import and its
+  one-process JSON-to-Arrow conversion alone took ~2 s per 50 MB (docs/benchmarks.md).
+The scripts import this file by putting data/ on sys.path.
 """
 import argparse
+import bz2
 import glob
+import gzip
+import itertools
 import json
+import lzma
+import multiprocessing
 import os
+import re
 import sys
 from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import lru_cache
+from math import ceil
 
-import datasets
 import numpy as np
-import pyarrow.compute as pc
 import tiktoken
 from tqdm import tqdm
 
 RESTART_HINT = """\
-Interrupted or failed? Run the same command again. The hub download resumes (huggingface_hub keeps
-partial files), and each finished step (download, Arrow conversion, split, tokenisation) is cached
-by `datasets` in --cache_dir (default: $HF_DATASETS_CACHE, ~/.cache/huggingface/datasets) and is
-reused. train.bin, val.bin and meta.json are written as *.partial and renamed only when all of them
-are complete, so a train.bin that exists is a finished one. Delete --cache_dir's dataset folder
-after a successful run to get the disk space back."""
+Interrupted or failed? Run the same command again. From the hub, the download resumes
+(huggingface_hub keeps partial files) and each finished step (download, Arrow conversion,
+tokenisation) is cached by `datasets` in --cache_dir (default: $HF_DATASETS_CACHE,
+~/.cache/huggingface/datasets) and reused; delete that dataset folder after a successful run to get
+the disk space back. train.bin, val.bin and meta.json are written as *.partial and renamed only when
+all of them are complete, so a train.bin that exists is a finished one."""
 
-# GPT-2 ids (< 50257) fit uint16; the ids column is stored that way in the cache too (4x smaller than int64).
-FEATURES = datasets.Features({"ids": datasets.Sequence(datasets.Value("uint16")),
-                              "len": datasets.Value("int64")})
+EOT_TEXT = "<|endoftext|>"
 TEXT_KINDS = {".txt": "text", ".text": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
-COMPRESSED = {".gz", ".bz2", ".xz", ".zst", ".lz4"}  # decompressed by datasets on the fly
+COMPRESSED = {".gz", ".bz2", ".xz", ".zst", ".lz4"}  # read whole, by one worker per file
 # the CPUs this process may use (taskset, SLURM, containers), not all the machine has
 CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+# Local files are cut into units of total / (4 x num_proc) bytes, so that the workers finish
+# together, within these bounds (a unit's text and tokens are in one worker's memory at once).
+MIN_UNIT_BYTES, MAX_UNIT_BYTES = 64 << 10, 64 << 20
+ENCODE_CHARS = 1 << 20  # characters of documents joined into one tiktoken call
+LINE_END = re.compile(rb"\n")
+BLANK_LINE_END = re.compile(rb"\n[ \t\r\f\v]*\n")  # a line break, a blank line and its line break
 
 
 class PrepareError(Exception):
@@ -48,9 +64,9 @@ def make_parser(description, out_dir):
     p = argparse.ArgumentParser(description=description, epilog=RESTART_HINT,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--input", nargs="+", metavar="PATH",
-                   help="local files or globs instead of the hub: .txt (one document per file, see "
-                        "--text_unit), .jsonl/.json (one document per record), .parquet; "
-                        ".gz/.xz/.bz2/.zst compressed ones too")
+                   help="local files or globs instead of the hub: .txt (see --text_unit), .jsonl (one document "
+                        "per line) or .json (JSON lines, or one array of records), .parquet; .gz/.xz/.bz2/.zst/.lz4 "
+                        "compressed ones too")
     p.add_argument("--out_dir", default=out_dir, help="where train.bin, val.bin, meta.json go (default: %(default)s)")
     p.add_argument("--num_proc", type=int, default=CPUS,
                    help="worker processes for download and tokenisation (default: the usable CPUs, %(default)s)")
@@ -61,10 +77,87 @@ def make_parser(description, out_dir):
                    help="stop train.bin at this many tokens (whole documents; val.bin is unaffected)")
     p.add_argument("--text_column", default="text", help="column/field holding the document text (default: %(default)s)")
     p.add_argument("--text_unit", default="document", choices=["document", "paragraph", "line"],
-                   help="what one document is in a .txt input: the whole file, a blank-line separated paragraph, or a line")
-    p.add_argument("--cache_dir", help="datasets cache (default: $HF_DATASETS_CACHE); needs room for the download, "
-                                       "its Arrow copy and the tokens")
+                   help="what one document is in a .txt input: the whole file, a paragraph (lines up to a blank "
+                        "line), or a line; blank lines are never documents themselves")
+    p.add_argument("--cache_dir", help="hub only: the datasets cache (default: $HF_DATASETS_CACHE); needs room for "
+                                       "the download, its Arrow copy and the tokens")
     return p
+
+
+# ------------------------------------------------------------------------------- tokenising
+
+@lru_cache(maxsize=None)
+def gpt2_encoding():
+    # tiktoken's "r50k_base" is GPT-2's BPE (the same ranks, pattern and <|endoftext|>; a test checks
+    # it) stored as one .tiktoken file: it loads in 0.1 s, where "gpt2" parses vocab.bpe and
+    # encoder.json in 0.3 s. Workers forked after the first call share it.
+    try:
+        return tiktoken.get_encoding("r50k_base")
+    except Exception as e:  # requests' ConnectionError and friends: the BPE file is fetched once, then cached
+        raise PrepareError(f"could not load the GPT-2 BPE (tiktoken 'r50k_base'): {e}. tiktoken downloads it once; "
+                           f"offline, point TIKTOKEN_CACHE_DIR at a folder holding the file") from e
+
+
+def encode_documents(docs):
+    """GPT-2 tokens of `docs`, each followed by EOT, as one flat uint16 array, and the number of
+    tokens of each document (its EOT included). The same as encode_ordinary(doc) + [EOT] per
+    document: a literal '<|endoftext|>' inside a document is plain text, as in nanoGPT."""
+    enc = gpt2_encoding()
+    arrays, lengths, i = [], [], 0
+    while i < len(docs):
+        if EOT_TEXT in docs[i]:
+            ids = np.append(enc.encode_to_numpy(docs[i], disallowed_special=()), enc.eot_token)
+            arrays.append(ids.astype(np.uint16))
+            lengths.append([len(ids)])
+            i += 1
+            continue
+        # Documents joined by '<|endoftext|>' and encoded with that special token allowed: tiktoken
+        # encodes the text between special tokens independently, so this is exactly the per-document
+        # result, and one call per ~1M characters is ~12% faster than one per document.
+        j, chars = i, 0
+        while j < len(docs) and chars < ENCODE_CHARS and EOT_TEXT not in docs[j]:
+            chars += len(docs[j])
+            j += 1
+        ids = enc.encode_to_numpy(EOT_TEXT.join(docs[i:j]) + EOT_TEXT, allowed_special={EOT_TEXT})
+        ends = np.flatnonzero(ids == enc.eot_token) + 1  # GPT-2's plain-text ids are all < EOT
+        assert len(ends) == j - i
+        arrays.append(ids.astype(np.uint16))
+        lengths.append(np.diff(ends, prepend=0))
+        i = j
+    if not arrays:
+        return np.zeros(0, np.uint16), np.zeros(0, np.int64)
+    return np.concatenate(arrays), np.concatenate(lengths).astype(np.int64)
+
+
+def split_documents(n, val_fraction, seed):
+    """nanoGPT's split, computed as datasets' train_test_split(test_size=val_fraction, seed=seed):
+    a seeded permutation of the n documents; its first ceil(val_fraction * n) are val, the rest,
+    in that shuffled order, train. Returns (val indices, train indices)."""
+    n_val = ceil(val_fraction * n)
+    if n_val >= n:
+        raise PrepareError(f"--val_fraction {val_fraction} of {n} documents leaves none for train; lower it")
+    order = np.random.default_rng(seed).permutation(n)
+    return order[:n_val], order[n_val:]
+
+
+def documents_within(lengths, max_tokens):
+    """How many of the documents with these token counts, from the first, fit in max_tokens."""
+    keep = int(np.searchsorted(np.cumsum(lengths), max_tokens, side="right"))
+    if keep == 0:
+        raise PrepareError(f"--max_tokens {max_tokens} is smaller than the first train document; raise it")
+    return keep
+
+
+# ---------------------------------------------------------------------------- local files
+
+@dataclass(frozen=True)
+class Piece:
+    """Part of one input file: bytes [start, end) of a .txt/.jsonl file, the row group `start` of a
+    parquet file, or (end None) the whole file, e.g. a compressed one."""
+    path: str
+    kind: str  # "text", "json" or "parquet"
+    start: int = 0
+    end: int | None = None
 
 
 def input_files(patterns):
@@ -80,69 +173,283 @@ def input_files(patterns):
 
 
 def input_kind(path):
+    """("text" | "json" | "parquet", compressed?) from the file name."""
     root, ext = os.path.splitext(path.lower())
-    if ext in COMPRESSED:
+    compressed = ext in COMPRESSED
+    if compressed:
         root, ext = os.path.splitext(root)
     if ext not in TEXT_KINDS:
         raise PrepareError(f"{path}: unknown input type; --input takes .txt, .jsonl/.json or .parquet files "
                            f"(optionally {'/'.join(sorted(COMPRESSED))} compressed)")
-    return TEXT_KINDS[ext]
+    return TEXT_KINDS[ext], compressed
 
 
-def load_documents(args, hub_path, hub_name=None):
-    """One Dataset with a single 'text' column, one row per document, in a fixed order."""
-    if args.input is None:
-        print(f"loading {hub_path} {hub_name or ''} from the Hugging Face hub (cached in --cache_dir; reruns resume)")
+def parquet_text_column(path, column):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    pf = pq.ParquetFile(path)
+    schema = pf.schema_arrow
+    if column not in schema.names:
+        raise PrepareError(f"{path} has no {column!r} column (it has {schema.names}); "
+                           f"name the one holding the text with --text_column")
+    if not (pa.types.is_string(schema.field(column).type) or pa.types.is_large_string(schema.field(column).type)):
+        raise PrepareError(f"{path}: column {column!r} holds {schema.field(column).type}, not text; "
+                           f"name the one holding the text with --text_column")
+    return pf
+
+
+def next_boundary(path, pos, pattern, size):
+    """The first position >= pos where a unit may start: the end of the first `pattern` match at
+    or after pos (or the end of the file)."""
+    if pos >= size:
+        return size
+    with open(path, "rb") as f:
+        f.seek(pos)
+        buf, chunk = b"", 1 << 16
+        while True:
+            data = f.read(chunk)
+            buf += data
+            m = pattern.search(buf)
+            if m:
+                return pos + m.end()
+            if not data:
+                return size
+            chunk *= 2
+
+
+def file_pieces(path, text_unit, column, unit_bytes):
+    """Yield (piece, its bytes) covering the whole file, each at most ~unit_bytes where the format
+    allows a cut: JSON lines at line ends, .txt lines at line ends and paragraphs after blank lines,
+    parquet at row groups."""
+    kind, compressed = input_kind(path)
+    size = os.path.getsize(path)
+    if kind == "parquet":
+        pf = parquet_text_column(path, column)
+        for g in range(pf.num_row_groups):
+            yield Piece(path, kind, g), pf.metadata.row_group(g).total_byte_size
+        return
+    if kind == "json" and not compressed:
+        with open(path, "rb") as f:
+            json_array = f.read(4096).lstrip().startswith(b"[")
+    pattern = (None if compressed or (kind == "text" and text_unit == "document") or (kind == "json" and json_array)
+               else BLANK_LINE_END if kind == "text" and text_unit == "paragraph" else LINE_END)
+    if pattern is None:
+        yield Piece(path, kind), size
+        return
+    start = 0
+    while start < size:
+        end = next_boundary(path, start + unit_bytes, pattern, size)
+        yield Piece(path, kind, start, end), end - start
+        start = end
+
+
+def plan_units(files, text_unit, column, num_proc, unit_bytes=None):
+    """Cut the input files into work units of about unit_bytes each, in input order: a list of
+    (pieces, their bytes)."""
+    if unit_bytes is None:
+        total = sum(os.path.getsize(f) for f in files)
+        unit_bytes = min(max(total // (4 * num_proc), MIN_UNIT_BYTES), MAX_UNIT_BYTES)
+    units, unit, nbytes = [], [], 0
+    for path in files:
+        for piece, size in file_pieces(path, text_unit, column, unit_bytes):
+            unit.append(piece)
+            nbytes += size
+            if nbytes >= unit_bytes:
+                units.append((unit, nbytes))
+                unit, nbytes = [], 0
+    if unit:
+        units.append((unit, nbytes))
+    return units
+
+
+def read_piece(piece):
+    if piece.end is not None:
+        with open(piece.path, "rb") as f:
+            f.seek(piece.start)
+            return f.read(piece.end - piece.start)
+    ext = os.path.splitext(piece.path.lower())[1]
+    if ext in {".gz", ".bz2", ".xz"}:
+        with {".gz": gzip, ".bz2": bz2, ".xz": lzma}[ext].open(piece.path, "rb") as f:
+            return f.read()
+    if ext in {".zst", ".lz4"}:
+        import pyarrow as pa
+        with pa.input_stream(piece.path, compression="detect") as f:
+            return f.read()
+    with open(piece.path, "rb") as f:
+        return f.read()
+
+
+def line_number(piece, data, pos):
+    """The 1-based line of byte `pos` of `data` (read from `piece`) in its file: for error messages."""
+    before = data.count(b"\n", 0, pos)
+    if piece.start and piece.end is not None:
+        with open(piece.path, "rb") as f:
+            before += f.read(piece.start).count(b"\n")
+    return before + 1
+
+
+def record_text(record, column, where):
+    """The text of a JSON record; `where()` names the record in an error message."""
+    if isinstance(record, dict) and isinstance(record.get(column), str):
+        return record[column]
+    if not isinstance(record, dict):
+        raise PrepareError(f"{where()}: expected a JSON object (a record), got {type(record).__name__}")
+    if column not in record:
+        raise PrepareError(f"{where()}: no {column!r} field (it has {list(record)}); "
+                           f"name the one holding the text with --text_column")
+    text = record[column]
+    raise PrepareError(f"{where()}: {column!r} is {'null' if text is None else type(text).__name__}, not text; "
+                       f"drop or fix that record")
+
+
+def json_documents(piece, data, column):
+    if piece.end is None and data.lstrip().startswith(b"["):  # one JSON array of records
         try:
-            dset = datasets.load_dataset(hub_path, name=hub_name, split="train", num_proc=args.num_proc,
-                                         cache_dir=args.cache_dir)
-        except ConnectionError as e:
-            raise PrepareError(f"{e}. Rerun the same command to resume once the hub is reachable; without network "
-                               f"access, copy the dataset's parquet files over and pass them with --input") from e
-        parts = [(dset, args.text_column)]
-    else:
-        by_kind = {}
-        for f in input_files(args.input):
-            by_kind.setdefault(input_kind(f), []).append(f)
-        parts = []
-        for kind, files in by_kind.items():
-            extra = {"sample_by": args.text_unit} if kind == "text" else {}
-            dset = datasets.load_dataset(kind, data_files=files, split="train", cache_dir=args.cache_dir,
-                                         num_proc=min(args.num_proc, len(files)), **extra)
-            parts.append((dset, "text" if kind == "text" else args.text_column))
-    texts = []
-    for dset, column in parts:
-        if column not in dset.column_names:
-            raise PrepareError(f"the input has no {column!r} column (it has {dset.column_names}); "
-                               f"name the one holding the text with --text_column")
-        dset = dset.select_columns([column])
-        texts.append(dset.rename_column(column, "text") if column != "text" else dset)
-    return datasets.concatenate_datasets(texts)
+            records = json.loads(data)
+        except ValueError as e:
+            raise PrepareError(f"{piece.path}: not valid JSON ({e})") from e
+        return [record_text(r, column, lambda: f"{piece.path}, record {i}") for i, r in enumerate(records)]
+    docs, pos = [], 0
+    for line in data.split(b"\n"):
+        if line.strip():
+            try:
+                record = json.loads(line)
+            except ValueError as e:
+                raise PrepareError(f"{piece.path}, line {line_number(piece, data, pos)}: not valid JSON ({e}); "
+                                   f"--input takes JSON lines (one object per line) or one JSON array") from e
+            docs.append(record_text(record, column, lambda: f"{piece.path}, line {line_number(piece, data, pos)}"))
+        pos += len(line) + 1
+    return docs
 
+
+def text_documents(piece, data, text_unit):
+    try:
+        text = data.decode("utf-8-sig" if piece.start == 0 else "utf-8")
+    except UnicodeDecodeError as e:
+        raise PrepareError(f"{piece.path}: not UTF-8 text (byte {piece.start + e.start}); convert it to UTF-8") from e
+    text = text.replace("\r\n", "\n").replace("\r", "\n")  # universal newlines, as Python's text mode
+    if text_unit == "document":
+        return [text]
+    lines = text.split("\n")
+    if text_unit == "line":
+        return [line for line in lines if line.strip()]
+    return ["\n".join(run) for blank, run in itertools.groupby(lines, key=lambda line: not line.strip()) if not blank]
+
+
+def piece_documents(piece, column, text_unit):
+    if piece.kind == "parquet":
+        texts = parquet_text_column(piece.path, column).read_row_group(piece.start, columns=[column]).column(0)
+        if texts.null_count:
+            row = texts.is_null().to_pylist().index(True)
+            raise PrepareError(f"{piece.path}, row group {piece.start}, row {row}: {column!r} is null, not text; "
+                               f"drop or fix that record")
+        return texts.to_pylist()
+    data = read_piece(piece)
+    return json_documents(piece, data, column) if piece.kind == "json" else text_documents(piece, data, text_unit)
+
+
+def tokenize_unit(job):
+    """Worker: the tokens and per-document token counts of one unit."""
+    pieces, column, text_unit = job
+    return encode_documents([doc for piece in pieces for doc in piece_documents(piece, column, text_unit)])
+
+
+def tokenize_files(units, column, text_unit, num_proc, tokens_path):
+    """Tokenise the units in num_proc worker processes; write every token, in input order, to
+    tokens_path; return each document's token count."""
+    jobs = [(pieces, column, text_unit) for pieces, _ in units]
+    num_proc = min(num_proc, len(units))
+    gpt2_encoding()  # loaded once here: the forked workers inherit it
+    methods = multiprocessing.get_all_start_methods()
+    context = multiprocessing.get_context("fork" if "fork" in methods else None)
+    lengths = []
+    with open(tokens_path, "wb") as out, tqdm(desc="tokenizing", total=sum(n for _, n in units),
+                                              unit="B", unit_scale=True) as bar:
+        if num_proc == 1:
+            results = map(tokenize_unit, jobs)
+            pool = None
+        else:
+            pool = context.Pool(num_proc)
+            results = pool.imap(tokenize_unit, jobs)  # in order, so documents keep the input order
+        try:
+            for (tokens, unit_lengths), (_, nbytes) in zip(results, units):
+                out.write(tokens.data)  # (not tofile: its error on a full disk does not say so)
+                lengths.append(unit_lengths)
+                bar.update(nbytes)
+        finally:
+            if pool is not None:
+                pool.terminate()
+    return np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
+
+
+def write_documents(tokens, lengths, order, path, desc):
+    """Write the documents `order` (indices into lengths) of the flat `tokens`, in that order, to a
+    uint16 file; return its token count."""
+    starts = (np.cumsum(lengths) - lengths).tolist()
+    lengths_list = lengths.tolist()
+    total = int(lengths[order].sum())
+    out = np.memmap(path, dtype=np.uint16, mode="w+", shape=(total,))
+    pos = 0
+    with tqdm(total=total, unit="tok", unit_scale=True, desc=desc) as bar:
+        for k, i in enumerate(order.tolist()):
+            s, n = starts[i], lengths_list[i]
+            out[pos:pos + n] = tokens[s:s + n]
+            pos += n
+            if k % 100_000 == 99_999:
+                bar.update(pos - bar.n)
+        bar.update(pos - bar.n)
+    out.flush()
+    return total
+
+
+def prepare_local(args):
+    files = input_files(args.input)
+    units = plan_units(files, args.text_unit, args.text_column, args.num_proc)
+    made_out_dir = not os.path.isdir(args.out_dir)
+    os.makedirs(args.out_dir, exist_ok=True)
+    tokens_path = os.path.join(args.out_dir, "tokens.partial")  # every document, input order; deleted at the end
+    try:
+        print(f"tokenizing {len(files)} file(s), {sum(map(os.path.getsize, files)) / 1e6:,.1f} MB, in "
+              f"{len(units)} part(s) on {min(args.num_proc, len(units))} process(es)")
+        lengths = tokenize_files(units, args.text_column, args.text_unit, args.num_proc, tokens_path)
+        check_count(len(lengths))
+        val_docs, train_docs = split_documents(len(lengths), args.val_fraction, args.seed)
+        if args.max_tokens is not None:
+            train_docs = train_docs[:documents_within(lengths[train_docs], args.max_tokens)]
+        tokens = np.memmap(tokens_path, dtype=np.uint16, mode="r")
+        with atomic_outputs(args.out_dir, ["val.bin", "train.bin", "meta.json"]) as tmp:
+            val_tokens = write_documents(tokens, lengths, val_docs, tmp["val.bin"], "writing val.bin")
+            train_tokens = write_documents(tokens, lengths, train_docs, tmp["train.bin"], "writing train.bin")
+            write_meta(tmp["meta.json"], args, train_tokens, val_tokens, len(train_docs), len(val_docs), args.input)
+        del tokens
+    finally:
+        if os.path.exists(tokens_path):
+            os.remove(tokens_path)
+        if made_out_dir and not os.listdir(args.out_dir):  # a failed run leaves nothing behind
+            os.rmdir(args.out_dir)
+    return train_tokens, val_tokens, len(train_docs), len(val_docs)
+
+
+# ------------------------------------------------------------------------------ the hub
 
 def tokenize_batch(batch, indices):
     # A module-level function (not a closure over the encoder) so that datasets can hash it: the
-    # same command then reuses the cached tokens instead of tokenising again. tiktoken caches the
-    # encoder per process (workers forked after run() loaded it inherit it).
-    enc = tiktoken.get_encoding("gpt2")
-    ids = []
+    # same command then reuses the cached tokens instead of tokenising again.
     for i, text in zip(indices, batch["text"]):
         if text is None:
             raise PrepareError(f"document {i} has no text (null); drop or fix that record")
-        # encode_to_numpy with no special tokens = encode_ordinary ('<|endoftext|>' inside a document
-        # is plain text, as in nanoGPT), but ~25% faster: no Python list of ints, cheap Arrow conversion.
-        doc = enc.encode_to_numpy(text, disallowed_special=())
-        out = np.empty(len(doc) + 1, dtype=np.uint16)
-        out[:-1], out[-1] = doc, enc.eot_token
-        ids.append(out)
-    return {"ids": ids, "len": [len(x) for x in ids]}
+    tokens, lengths = encode_documents(batch["text"])
+    return {"ids": np.split(tokens, np.cumsum(lengths)[:-1]), "len": lengths}
 
 
-def tokenize(dset, num_proc, desc):
+def tokenize_dataset(dset, num_proc, desc):
+    import datasets
+    features = datasets.Features({"ids": datasets.Sequence(datasets.Value("uint16")),  # 4x smaller than int64
+                                  "len": datasets.Value("int64")})
     # at most one worker per 1000-document batch: forking costs more than tokenising a few documents
     num_proc = min(num_proc, len(dset) // 1000)
     return dset.map(tokenize_batch, batched=True, batch_size=1000, with_indices=True, remove_columns=["text"],
-                    features=FEATURES, num_proc=num_proc if num_proc > 1 else None, desc=desc)
+                    features=features, num_proc=num_proc if num_proc > 1 else None, desc=desc)
 
 
 def token_counts(tok):
@@ -154,22 +461,21 @@ def tokenize_within(train, max_tokens, num_proc):
     """Tokenise train documents from the start until max_tokens, keeping whole documents only.
     A 1000-document sample first, then as many documents as its tokens/document says the rest
     needs (+10%); repeat in the rare case that was still short."""
+    import datasets
     parts, have, done = [], 0, 0
     while have < max_tokens and done < len(train):
         n = 1000 if done == 0 else int((max_tokens - have) * done / have * 1.1) + 1
-        part = tokenize(train.select(range(done, min(done + n, len(train)))), num_proc,
-                        f"tokenizing train (up to {max_tokens:,} tokens)")
+        part = tokenize_dataset(train.select(range(done, min(done + n, len(train)))), num_proc,
+                                f"tokenizing train (up to {max_tokens:,} tokens)")
         parts.append(part)
         have, done = have + int(token_counts(part).sum()), done + len(part)
     tok = datasets.concatenate_datasets(parts)
-    keep = int(np.searchsorted(np.cumsum(token_counts(tok)), max_tokens, side="right"))
-    if keep == 0:
-        raise PrepareError(f"--max_tokens {max_tokens} is smaller than the first train document; raise it")
-    return tok.select(range(keep))
+    return tok.select(range(documents_within(token_counts(tok), max_tokens)))
 
 
 def write_bin(tok, path, desc):
     """Stream the tokenised documents into a flat uint16 memmap, as nanoGPT does."""
+    import pyarrow.compute as pc
     total = int(token_counts(tok).sum())
     arr = np.memmap(path, dtype=np.uint16, mode="w+", shape=(total,))
     i = 0
@@ -183,6 +489,44 @@ def write_bin(tok, path, desc):
     arr.flush()
     return total
 
+
+def prepare_dataset(docs, args, source):
+    """train.bin / val.bin / meta.json from a datasets.Dataset with a 'text' column."""
+    check_count(len(docs))
+    val_docs, train_docs = split_documents(len(docs), args.val_fraction, args.seed)
+    val, train = docs.select(val_docs), docs.select(train_docs)
+    gpt2_encoding()  # load it once here, before datasets forks the workers
+    val_tok = tokenize_dataset(val, args.num_proc, "tokenizing val")
+    if args.max_tokens is None:
+        train_tok = tokenize_dataset(train, args.num_proc, "tokenizing train")
+    else:
+        train_tok = tokenize_within(train, args.max_tokens, args.num_proc)
+    with atomic_outputs(args.out_dir, ["val.bin", "train.bin", "meta.json"]) as tmp:
+        val_tokens = write_bin(val_tok, tmp["val.bin"], "writing val.bin")
+        train_tokens = write_bin(train_tok, tmp["train.bin"], "writing train.bin")
+        write_meta(tmp["meta.json"], args, train_tokens, val_tokens, len(train_tok), len(val_tok), source)
+    return train_tokens, val_tokens, len(train_tok), len(val_tok)
+
+
+def prepare_hub(args, hub_path, hub_name):
+    import datasets
+    print(f"loading {hub_path} {hub_name or ''} from the Hugging Face hub (cached in --cache_dir; reruns resume)")
+    try:
+        dset = datasets.load_dataset(hub_path, name=hub_name, split="train", num_proc=args.num_proc,
+                                     cache_dir=args.cache_dir)
+    except ConnectionError as e:
+        raise PrepareError(f"{e}. Rerun the same command to resume once the hub is reachable; without network "
+                           f"access, copy the dataset's parquet files over and pass them with --input") from e
+    if args.text_column not in dset.column_names:
+        raise PrepareError(f"{hub_path} has no {args.text_column!r} column (it has {dset.column_names}); "
+                           f"name the one holding the text with --text_column")
+    dset = dset.select_columns([args.text_column])
+    if args.text_column != "text":
+        dset = dset.rename_column(args.text_column, "text")
+    return prepare_dataset(dset, args, f"{hub_path}/{hub_name}" if hub_name else hub_path)
+
+
+# --------------------------------------------------------------------------------- writing
 
 @contextmanager
 def atomic_outputs(out_dir, names):
@@ -208,6 +552,22 @@ def write_json(path, obj):
         f.write("\n")
 
 
+def write_meta(path, args, train_tokens, val_tokens, train_documents, val_documents, source):
+    enc = gpt2_encoding()
+    write_json(path, {
+        "tokenizer": "gpt2", "vocab_size": enc.n_vocab, "eot_token": enc.eot_token, "dtype": "uint16",
+        "train_tokens": train_tokens, "val_tokens": val_tokens,
+        "train_documents": train_documents, "val_documents": val_documents,
+        "source": source, "val_fraction": args.val_fraction, "seed": args.seed, "max_tokens": args.max_tokens,
+    })
+
+
+def check_count(n):
+    if n < 2:
+        raise PrepareError(f"the input has {n} document(s); the train/val split needs at least 2 "
+                           f"(a .txt file is one document unless --text_unit paragraph or line)")
+
+
 def run(args, hub_path, hub_name):
     if not 0 < args.val_fraction < 1:
         raise PrepareError(f"--val_fraction must be between 0 and 1, got {args.val_fraction}")
@@ -215,31 +575,12 @@ def run(args, hub_path, hub_name):
         raise PrepareError(f"--num_proc must be at least 1, got {args.num_proc}")
     if args.max_tokens is not None and args.max_tokens < 1:
         raise PrepareError(f"--max_tokens must be positive, got {args.max_tokens}")
-    docs = load_documents(args, hub_path, hub_name)
-    if len(docs) < 2:
-        raise PrepareError(f"the input has {len(docs)} document(s); the train/val split needs at least 2 "
-                           f"(a .txt file is one document unless --text_unit paragraph or line)")
-    # nanoGPT's split: a seeded shuffle, then the first ceil(val_fraction * n) documents are val
-    split = docs.train_test_split(test_size=args.val_fraction, seed=args.seed, shuffle=True)
-    train, val = split["train"], split["test"]
-    enc = tiktoken.get_encoding("gpt2")  # load it once here, before datasets forks the workers
-    val_tok = tokenize(val, args.num_proc, "tokenizing val")
-    if args.max_tokens is None:
-        train_tok = tokenize(train, args.num_proc, "tokenizing train")
+    if args.input is None:
+        train_tokens, val_tokens, train_docs, val_docs = prepare_hub(args, hub_path, hub_name)
     else:
-        train_tok = tokenize_within(train, args.max_tokens, args.num_proc)
-    with atomic_outputs(args.out_dir, ["val.bin", "train.bin", "meta.json"]) as tmp:
-        val_tokens = write_bin(val_tok, tmp["val.bin"], "writing val.bin")
-        train_tokens = write_bin(train_tok, tmp["train.bin"], "writing train.bin")
-        write_json(tmp["meta.json"], {
-            "tokenizer": "gpt2", "vocab_size": enc.n_vocab, "eot_token": enc.eot_token, "dtype": "uint16",
-            "train_tokens": train_tokens, "val_tokens": val_tokens,
-            "train_documents": len(train_tok), "val_documents": len(val_tok),
-            "source": args.input or (f"{hub_path}/{hub_name}" if hub_name else hub_path),
-            "val_fraction": args.val_fraction, "seed": args.seed, "max_tokens": args.max_tokens,
-        })
-    print(f"wrote {args.out_dir}: train.bin {train_tokens:,} tokens ({len(train_tok):,} documents), "
-          f"val.bin {val_tokens:,} tokens ({len(val_tok):,} documents), meta.json")
+        train_tokens, val_tokens, train_docs, val_docs = prepare_local(args)
+    print(f"wrote {args.out_dir}: train.bin {train_tokens:,} tokens ({train_docs:,} documents), "
+          f"val.bin {val_tokens:,} tokens ({val_docs:,} documents), meta.json")
 
 
 def main(description, hub_path, hub_name=None, out_dir="."):

@@ -5,6 +5,7 @@ import json
 import os
 import pickle
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+import datasets
 import pytest
 import tiktoken
 import torch
@@ -132,26 +134,31 @@ PARQUET_DOCS = make_docs(2500, seed=1, max_words=30)  # > 2 x 1000-document batc
 @pytest.fixture(scope="module")
 def owt_parquet(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("parquet")
-    pq.write_table(pa.table({"content": PARQUET_DOCS, "n": range(len(PARQUET_DOCS))}), tmp / "docs.parquet")
+    # 5 row groups: the units of work, so --num_proc 2 really runs two workers
+    pq.write_table(pa.table({"content": PARQUET_DOCS, "n": range(len(PARQUET_DOCS))}), tmp / "docs.parquet",
+                   row_group_size=500)
     args = ["--input", tmp / "*.parquet", "--text_column", "content", "--num_proc", 2, "--val_fraction", 0.1,
             "--cache_dir", tmp / "cache"]
-    prepare(OWT, *args, "--out_dir", tmp / "out")
-    return tmp, args
+    r = prepare(OWT, *args, "--out_dir", tmp / "out")
+    return tmp, args, r
 
 
-def test_prepare_parquet_in_parallel(owt_parquet):
-    tmp, _ = owt_parquet
+def test_prepare_parquet_in_parallel(owt_parquet, tmp_path):
+    tmp, args, r = owt_parquet
+    assert re.search(r"in [2-5] part\(s\) on 2 process\(es\)", r.stdout), r.stdout
     train, val = splits(tmp / "out")
     assert_partition(train, val, PARQUET_DOCS)
     assert len(val) == 250
-    assert list((tmp / "cache").rglob("*_00001_of_00002.arrow")), "the tokenising map did not run two workers"
+    # one process: the same bytes
+    prepare(OWT, *args, "--num_proc", 1, "--out_dir", tmp_path)
+    for name in ["train.bin", "val.bin"]:
+        assert (tmp_path / name).read_bytes() == (tmp / "out" / name).read_bytes()
 
 
 def test_prepare_text_files_one_document_each(tmp_path):
     docs = make_docs(6, seed=2)
     for i, d in enumerate(docs):
-        (tmp_path / f"{i}.txt").write_text(d, encoding="utf-8")
-    # --num_proc 2 with several files: datasets loads them in two worker processes
+        (tmp_path / f"{i}.txt").write_text(d, encoding="utf-8", newline="")  # '\n' stays '\n'
     prepare(OWT, "--input", tmp_path / "*.txt", "--val_fraction", 0.2, "--num_proc", 2,
             "--cache_dir", tmp_path / "cache", "--out_dir", tmp_path / "out")
     train, val = splits(tmp_path / "out")
@@ -160,10 +167,10 @@ def test_prepare_text_files_one_document_each(tmp_path):
 
 
 def test_fineweb_max_tokens_keeps_whole_documents(owt_parquet, tmp_path):
-    tmp, args = owt_parquet
+    tmp, args, _ = owt_parquet
     full_train = decode_bin(tmp / "out" / "train.bin")
-    # a budget ending exactly at a document boundary, at 60% of the tokens: more than the first
-    # 1000-document sample holds, so the estimate-and-extend step runs too
+    # a budget ending exactly at a document boundary, at 60% of the tokens (more than the hub path's
+    # first 1000-document sample holds, so its estimate-and-extend step runs too)
     ends = np.cumsum([len(ENC.encode_ordinary(d)) + 1 for d in full_train])
     keep = int(np.searchsorted(ends, ends[-1] * 0.6))
     budget = int(ends[keep - 1])
@@ -175,6 +182,50 @@ def test_fineweb_max_tokens_keeps_whole_documents(owt_parquet, tmp_path):
     assert train == full_train[:keep]
     assert (tmp_path / "out" / "val.bin").read_bytes() == (tmp / "out" / "val.bin").read_bytes()
     assert json.loads((tmp_path / "out" / "meta.json").read_text())["train_tokens"] == budget
+    # the hub path (datasets, tokenising only what the budget needs) writes the same bytes
+    hub = tmp_path / "hub"
+    prepare_common.prepare_dataset(datasets.Dataset.from_dict({"text": PARQUET_DOCS}),
+                                   _args("--val_fraction", 0.1, "--num_proc", 1, "--max_tokens", budget,
+                                         "--out_dir", hub), "test")
+    for name in ["train.bin", "val.bin"]:
+        assert (hub / name).read_bytes() == (tmp_path / "out" / name).read_bytes()
+
+
+def test_hub_path_writes_what_the_local_path_writes(owt_jsonl, tmp_path):
+    """The hub goes through datasets (split by select, tokenised by a cached map); local files do
+    not. The same documents must give the same bytes either way."""
+    tmp, _, _ = owt_jsonl
+    args = _args("--val_fraction", 0.25, "--seed", 1, "--num_proc", 1, "--out_dir", tmp_path,
+                 "--cache_dir", tmp_path / "cache")
+    prepare_common.prepare_dataset(datasets.Dataset.from_dict({"text": DOCS}), args, "test")
+    for name in ["train.bin", "val.bin"]:
+        assert (tmp_path / name).read_bytes() == (tmp / "out" / name).read_bytes()
+    with pytest.raises(PrepareError, match="document 1 has no text"):
+        prepare_common.tokenize_batch({"text": ["fine", None]}, [0, 1])
+
+
+def test_split_is_datasets_train_test_split():
+    # nanoGPT split with datasets' train_test_split; split_documents must pick the same documents, in the same order
+    for n, fraction, seed in [(40, 0.25, 1), (2500, 0.1, 2357), (10_001, 0.0005, 7)]:
+        expected = datasets.Dataset.from_dict({"i": range(n)}).train_test_split(test_size=fraction, seed=seed)
+        val, train = prepare_common.split_documents(n, fraction, seed)
+        assert val.tolist() == expected["test"]["i"] and train.tolist() == expected["train"]["i"]
+
+
+def test_gpt2_bpe_is_r50k_base():
+    # prepare.py loads GPT-2's BPE as tiktoken's 'r50k_base' (one file, 3x faster to load)
+    r50k = prepare_common.gpt2_encoding()
+    assert r50k._mergeable_ranks == ENC._mergeable_ranks and r50k._pat_str == ENC._pat_str
+    assert r50k._special_tokens == ENC._special_tokens == {"<|endoftext|>": EOT}
+
+
+def test_encode_documents_equals_one_call_per_document(monkeypatch):
+    docs = make_docs(300, seed=3) + ["ends with spaces   ", "  ", "<|endoftext|>", "a<|endoftext|>b", "\n\n"]
+    monkeypatch.setattr(prepare_common, "ENCODE_CHARS", 500)  # many joined calls, each of a few documents
+    tokens, lengths = prepare_common.encode_documents(docs)
+    expected = [ENC.encode_ordinary(d) + [EOT] for d in docs]
+    assert tokens.dtype == np.uint16 and lengths.tolist() == [len(e) for e in expected]
+    assert tokens.tolist() == [t for e in expected for t in e]
 
 
 def _file_size_limit(nbytes):
@@ -186,14 +237,21 @@ def _file_size_limit(nbytes):
 
 @pytest.mark.skipif(sys.platform != "linux", reason="RLIMIT_FSIZE as on Linux")
 def test_interrupted_prepare_leaves_no_final_bin(owt_jsonl, tmp_path):
-    tmp, args, _ = owt_jsonl  # same command and cache: tokens come from the cache, only the outputs are written
+    tmp, args, _ = owt_jsonl
     train_bytes = (tmp / "out" / "train.bin").stat().st_size
-    assert train_bytes > 2 * (tmp / "out" / "val.bin").stat().st_size
     out = tmp_path / "out"
-    # the disk fills while train.bin is written, after val.bin was: an error, and no file left behind
+    # the disk fills (no file may grow to train.bin's size): an error, and nothing left behind
     r = prepare(OWT, *args, "--out_dir", out, check=False, preexec_fn=_file_size_limit(train_bytes - 1))
     assert r.returncode != 0 and "File too large" in r.stderr
     assert "Run the same command again" in r.stderr and "wrote no train.bin" in r.stderr
+    assert not out.exists()
+    # an error after val.bin was written, while train.bin is: neither is left
+    out.mkdir()
+    with pytest.raises(OSError, match="disk full"):
+        with prepare_common.atomic_outputs(out, ["val.bin", "train.bin", "meta.json"]) as partial:
+            Path(partial["val.bin"]).write_bytes(b"\x01\x00")
+            Path(partial["train.bin"]).write_bytes(b"\x02")
+            raise OSError("disk full")
     assert os.listdir(out) == []
     # a killed run can leave only '*.partial' files (nothing else is written before the final
     # renames); the same command again finishes and replaces them
@@ -216,30 +274,114 @@ def _args(*argv):
     return prepare_common.make_parser("", ".").parse_args([str(a) for a in argv])
 
 
+def run_local(*argv):
+    prepare_common.run(_args(*argv), None, None)
+
+
 def test_prepare_bad_inputs(tmp_path):
-    cache = ["--cache_dir", tmp_path / "cache", "--num_proc", 1]
+    out = ["--out_dir", tmp_path / "out", "--num_proc", 1]
     with pytest.raises(PrepareError, match=r"--input '.*missing\*.jsonl' matches no file; check the path"):
-        prepare_common.load_documents(_args("--input", tmp_path / "missing*.jsonl", *cache), None)
+        run_local("--input", tmp_path / "missing*.jsonl", *out)
     (tmp_path / "docs.csv").write_text("text\nhello\n")
     with pytest.raises(PrepareError, match=r"docs.csv: unknown input type; --input takes \.txt, \.jsonl"):
-        prepare_common.load_documents(_args("--input", tmp_path / "docs.csv", *cache), None)
+        run_local("--input", tmp_path / "docs.csv", *out)
     write_jsonl(tmp_path / "content.jsonl", ["a", "b"], field="content")
-    with pytest.raises(PrepareError, match=r"no 'text' column \(it has \['content', 'id'\]\).*--text_column"):
-        prepare_common.load_documents(_args("--input", tmp_path / "content.jsonl", *cache), None)
-    assert prepare_common.load_documents(_args("--input", tmp_path / "content.jsonl", "--text_column", "content",
-                                               *cache), None)["text"][:] == ["a", "b"]
-    with pytest.raises(PrepareError, match="document 1 has no text"):
-        prepare_common.tokenize_batch({"text": ["fine", None]}, [0, 1])
+    with pytest.raises(PrepareError, match=r"content.jsonl, line 1: no 'text' field \(it has \['content', 'id'\]\)"
+                                           r".*--text_column"):
+        run_local("--input", tmp_path / "content.jsonl", *out)
+    (tmp_path / "bad.jsonl").write_text('{"text": "a"}\n\n{"text": null}\n')
+    with pytest.raises(PrepareError, match=r"bad.jsonl, line 3: 'text' is null, not text"):
+        run_local("--input", tmp_path / "bad.jsonl", *out)
+    (tmp_path / "bad.jsonl").write_text('{"text": "a"}\n{"text": "b"\n')
+    with pytest.raises(PrepareError, match=r"bad.jsonl, line 2: not valid JSON"):
+        run_local("--input", tmp_path / "bad.jsonl", *out)
+    (tmp_path / "bad.json").write_text('[{"text": "a"}, 3]')
+    with pytest.raises(PrepareError, match=r"bad.json, record 1: expected a JSON object"):
+        run_local("--input", tmp_path / "bad.json", *out)
+    pq.write_table(pa.table({"body": ["a", None]}), tmp_path / "null.parquet")
+    with pytest.raises(PrepareError, match=r"null.parquet has no 'text' column \(it has \['body'\]\)"):
+        run_local("--input", tmp_path / "null.parquet", *out)
+    with pytest.raises(PrepareError, match=r"null.parquet, row group 0, row 1: 'body' is null"):
+        run_local("--input", tmp_path / "null.parquet", "--text_column", "body", *out)
+    pq.write_table(pa.table({"text": [1, 2]}), tmp_path / "ints.parquet")
+    with pytest.raises(PrepareError, match=r"column 'text' holds int64, not text"):
+        run_local("--input", tmp_path / "ints.parquet", *out)
+    (tmp_path / "latin1.txt").write_bytes("ok\ncaf\xe9\n".encode("latin-1"))
+    with pytest.raises(PrepareError, match=r"latin1.txt: not UTF-8 text \(byte 6\)"):
+        run_local("--input", tmp_path / "latin1.txt", "--text_unit", "line", *out)
     write_jsonl(tmp_path / "one.jsonl", ["only one"])
     with pytest.raises(PrepareError, match="has 1 document.*needs at least 2"):
-        prepare_common.run(_args("--input", tmp_path / "one.jsonl", "--out_dir", tmp_path / "out", *cache), None, None)
+        run_local("--input", tmp_path / "one.jsonl", *out)
+    with pytest.raises(PrepareError, match="--val_fraction 0.9 of 2 documents leaves none for train"):
+        run_local("--input", tmp_path / "content.jsonl", "--text_column", "content", "--val_fraction", 0.9, *out)
     with pytest.raises(PrepareError, match="--val_fraction must be between 0 and 1"):
-        prepare_common.run(_args("--input", tmp_path / "one.jsonl", "--val_fraction", 1.5, *cache), None, None)
+        run_local("--input", tmp_path / "one.jsonl", "--val_fraction", 1.5, *out)
     with pytest.raises(PrepareError, match="--num_proc must be at least 1, got 0"):
-        prepare_common.run(_args("--input", tmp_path / "one.jsonl", *cache, "--num_proc", 0), None, None)
+        run_local("--input", tmp_path / "one.jsonl", *out, "--num_proc", 0)
     with pytest.raises(PrepareError, match="--max_tokens must be positive"):
-        prepare_common.run(_args("--input", tmp_path / "one.jsonl", "--max_tokens", 0, *cache), None, None)
+        run_local("--input", tmp_path / "one.jsonl", "--max_tokens", 0, *out)
+    assert not (tmp_path / "out").exists()  # failed runs leave nothing, not even the folder
+    # the right --text_column: a finished run
+    run_local("--input", tmp_path / "content.jsonl", "--text_column", "content", *out)
+    assert sorted(splits(tmp_path / "out")[0] + splits(tmp_path / "out")[1]) == ["a", "b"]
+
+
+def test_without_the_bpe_files_the_error_says_how_to_supply_them(tmp_path):
+    write_jsonl(tmp_path / "docs.jsonl", ["a", "b"])
+    # an empty tiktoken cache, and a proxy on a closed local port: the download fails at once
+    env = dict(os.environ, TIKTOKEN_CACHE_DIR=str(tmp_path / "empty"), https_proxy="http://127.0.0.1:9",
+               HTTPS_PROXY="http://127.0.0.1:9")
+    r = prepare(OWT, "--input", tmp_path / "docs.jsonl", "--out_dir", tmp_path / "out", check=False, env=env)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert "could not load the GPT-2 BPE" in r.stderr and "TIKTOKEN_CACHE_DIR" in r.stderr
     assert not (tmp_path / "out").exists()
+
+
+def _read_units(path, text_unit, unit_bytes):
+    units = prepare_common.plan_units([str(path)], text_unit, "text", num_proc=2, unit_bytes=unit_bytes)
+    return len(units), [d for pieces, _ in units for p in pieces
+                        for d in prepare_common.piece_documents(p, "text", text_unit)]
+
+
+def test_files_cut_into_units_anywhere_read_the_same_documents(tmp_path):
+    """Workers read byte ranges cut at line ends (JSON lines, .txt lines) or after blank lines (.txt
+    paragraphs): whatever the cut points, the documents are those of the whole file, in order."""
+    rng = random.Random(4)
+    docs = make_docs(60, seed=4, max_words=12)
+    write_jsonl(tmp_path / "docs.jsonl", docs)
+    # paragraphs of lines with no blank one inside; separators of blank lines, some holding spaces,
+    # some CRLF; a UTF-8 BOM in front
+    paras = ["\n".join(f"{w} {i}.{k} 日本語" for k in range(rng.randint(1, 4))) for i, w in enumerate(docs[:40])]
+    paras = [p.replace("\n\n", "\n").strip() or "x" for p in paras]
+    seps = ["\n\n", "\n  \n", "\r\n\r\n", "\n\n\n\t\n"]
+    text = "\ufeff" + "".join(p + rng.choice(seps) for p in paras)
+    (tmp_path / "paras.txt").write_bytes(text.encode("utf-8"))
+    lines = [line for p in paras for line in p.split("\n") if line.strip()]
+    for path, unit, expected in [(tmp_path / "docs.jsonl", "document", docs),
+                                 (tmp_path / "paras.txt", "paragraph", [p.strip("\ufeff") for p in paras]),
+                                 (tmp_path / "paras.txt", "line", [x.strip("\ufeff") for x in lines])]:
+        n_whole, whole = _read_units(path, unit, 10 ** 9)
+        assert n_whole == 1 and whole == expected, (path, unit)
+        for unit_bytes in [1, 2, 7, 50, 333]:
+            n_units, got = _read_units(path, unit, unit_bytes)
+            assert n_units > 1 and got == expected, (path, unit, unit_bytes)
+
+
+def test_compressed_and_json_array_inputs(tmp_path):
+    import bz2
+    import gzip
+    import lzma
+    docs = make_docs(10, seed=5)
+    body = "".join(json.dumps({"text": d}) + "\n" for d in docs).encode()
+    for ext, compress in [(".gz", gzip.compress), (".bz2", bz2.compress), (".xz", lzma.compress)]:
+        (tmp_path / f"docs.jsonl{ext}").write_bytes(compress(body))
+    with pa.output_stream(str(tmp_path / "docs.jsonl.zst"), compression="zstd") as f:
+        f.write(body)
+    (tmp_path / "array.json").write_text(json.dumps([{"text": d} for d in docs]))
+    prepare(OWT, "--input", tmp_path / "docs.*", tmp_path / "array.json", "--val_fraction", 0.1,
+            "--out_dir", tmp_path / "out")
+    train, val = splits(tmp_path / "out")
+    assert sorted(train + val) == sorted(docs * 5)  # each file's documents, once per file
 
 
 # ------------------------------------------------------------------------- shakespeare_char

@@ -6,7 +6,8 @@ tokens: train.bin / val.bin (flat uint16, nanoGPT-compatible) and meta.json, nex
     python3 data/fineweb_edu/prepare.py --max_tokens 1_000_000_000    # a 1B-token train.bin
     python3 data/fineweb_edu/prepare.py --input 'fw/*.parquet'        # local files instead
 
---max_tokens only tokenises the documents it needs, but the hub download is still the whole sample.
+From the hub, --max_tokens only tokenises the documents it needs (the download is still the whole
+sample); with --input, every document is tokenised and train.bin then stops at the budget.
 """
 import os
 import sys
