@@ -30,12 +30,23 @@ class TokenBatches:
         if self.num_tokens < block_size + 1:
             raise ValueError(f"{self.path} has {self.num_tokens} tokens, fewer than block_size + 1 = {block_size + 1} "
                              f"needed for one (x, y) window; lower block_size or prepare more data")
-        if vocab_size is not None:
+        if vocab_size is not None and not self._meta_vouches(data_dir, split, vocab_size):
             self._check_ids(vocab_size)
         self.generator = torch.Generator()
         self.generator.manual_seed(seed)
         # Pinned host memory + non_blocking overlaps the copy with compute; only CUDA benefits.
         self.pin = torch.device(device).type == "cuda"
+
+    def _meta_vouches(self, data_dir, split, vocab_size):
+        # prepare.py writes ids < its meta.json's vocab_size only. When that meta.json describes this
+        # very file (same token count) and its vocabulary fits the model's, reading the whole file
+        # again (OpenWebText: 18 GB per rank, up to a minute when not in the page cache) adds nothing.
+        try:
+            with open(os.path.join(data_dir, "meta.json")) as f:
+                meta = json.load(f)
+        except (OSError, ValueError):
+            return False
+        return meta.get(f"{split}_tokens") == self.num_tokens and meta.get("vocab_size", vocab_size + 1) <= vocab_size
 
     def _check_ids(self, vocab_size):
         # Once, at construction: an id >= vocab_size would index past the embedding table much later,
@@ -58,7 +69,7 @@ class TokenBatches:
         # in this process, which shows up as a memory leak on large files.
         data = np.memmap(self.path, dtype=np.uint16, mode="r")
         w = torch.from_numpy(data[ix[:, None] + np.arange(self.block_size + 1)].astype(np.int64))  # one read per row
-        x, y = w[:, :-1], w[:, 1:]
+        x, y = w[:, :-1].contiguous(), w[:, 1:].contiguous()
         if self.pin:
             return x.pin_memory().to(self.device, non_blocking=True), y.pin_memory().to(self.device, non_blocking=True)
         return x.to(self.device), y.to(self.device)

@@ -433,6 +433,7 @@ def test_windows_are_slices_of_the_file(positions):
     for _ in range(200):
         x, y = tb.get_batch()
         assert x.shape == y.shape == (8, 16) and x.dtype == y.dtype == torch.int64 and x.device.type == "cpu"
+        assert x.is_contiguous() and y.is_contiguous()
         assert torch.equal(x, x[:, :1] + torch.arange(16)) and torch.equal(y, x + 1)
         starts += x[:, 0].tolist()
     assert min(starts) == 0 and max(starts) == 300 - 16 - 1  # every window start is reachable, none overruns
@@ -480,6 +481,18 @@ def test_token_ids_checked_against_vocab_size(tmp_path, monkeypatch):
     monkeypatch.setattr(batches, "SCAN_CHUNK", 1000)  # several chunks; the bad id is in the fifth
     with pytest.raises(ValueError, match=r"token id 50257 at position 4321, but vocab_size is 50257"):
         TokenBatches(tmp_path, "train", 8, 2, vocab_size=50257)
+    # A meta.json describing this file (prepare.py wrote it: ids < its vocab_size) stands in for
+    # the scan; one that describes another file (a token count that differs), or a larger
+    # vocabulary than the model's, does not.
+    meta = {"tokenizer": "gpt2", "vocab_size": 50257, "train_tokens": 5000}
+    (tmp_path / "meta.json").write_text(json.dumps(meta))
+    TokenBatches(tmp_path, "train", 8, 2, vocab_size=50257)  # trusted, not read: the planted id goes unseen
+    (tmp_path / "meta.json").write_text(json.dumps(dict(meta, train_tokens=4999)))
+    with pytest.raises(ValueError, match=r"token id 50257 at position 4321"):
+        TokenBatches(tmp_path, "train", 8, 2, vocab_size=50257)
+    (tmp_path / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match=r"token id 50257 at position 4321, but vocab_size is 50000"):
+        TokenBatches(tmp_path, "train", 8, 2, vocab_size=50000)
 
 
 def test_load_meta_json_pkl_or_none(tmp_path):

@@ -103,6 +103,8 @@ def runs(ckpts):
         'gpt2_eot': [f"--out_dir={ckpts['gpt2']}", "--start=Hello world", "--temperature=0",
                      "--max_new_tokens=3", "--num_samples=1", "--format=latex"],
     }
+    if not os.environ.get("TIKTOKEN_CACHE_DIR"):  # tests never download: conftest points it at ../shared
+        del commands['gpt2_eot']
     procs = {name: launch(*args) for name, args in commands.items()}
     results = {}
     for name, p in procs.items():
@@ -219,6 +221,8 @@ def test_bad_inputs_fail_clearly(runs, problem, expected):
 
 def test_gpt2_vocab_special_tokens_readable(runs):
     """A GPT-2-vocabulary checkpoint (tiktoken, no meta.pkl) that always predicts <|endoftext|>."""
+    if 'gpt2_eot' not in runs:
+        pytest.skip("the GPT-2 BPE files are not available offline: set TIKTOKEN_CACHE_DIR (CI copies ../shared/tiktoken)")
     out = output(runs, 'gpt2_eot')
     eot = r"\texttt{\textless{}\textbar{}endoftext\textbar{}\textgreater{}}"
     assert re.search(r"\\begin\{quote\}\n(.*?)\n\\end\{quote\}", out, re.S).group(1) == eot * 3
