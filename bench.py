@@ -39,8 +39,7 @@ import torch
 from configurator import ConfigError, apply_config
 from device import (autocast_context, compile_model, device_name, device_type, fused_optimizer,
                     grad_scaler, manual_seed, mark_step, max_memory_allocated, peak_flops,
-                    resolve_device, resolve_dtype, setup, synchronize)
-import device as device_module
+                    resolve_device, resolve_dtype, setup, spec_sheet_tflops, synchronize)
 from model import ATTENTION_TYPES, GPT, GPTConfig
 
 # -----------------------------------------------------------------------------
@@ -292,11 +291,8 @@ if generate and gen_prompt_len + max_new_tokens > block_size:
     print(f"note: gen_prompt_len + max_new_tokens = {gen_prompt_len + max_new_tokens} > block_size = "
           f"{block_size}: past block_size, generate() crops the context and recomputes it every token, "
           f"with or without the cache")
-peak = peak_flops(device, dtype)
-# device.peak_flops takes a known accelerator's spec-sheet figure, else measures a matmul
-known = kind in ('cuda', 'hpu') and any(key.upper() in device_name(device).upper() and
-                                        (half if dtype != 'float32' else single) is not None
-                                        for key, half, single in device_module._PEAK_TFLOPS)
+peak = peak_flops(device, dtype)  # a known accelerator's spec-sheet figure, else a measured matmul rate
+known = spec_sheet_tflops(device, dtype) is not None
 peak_source = f"{device_name(device)} spec sheet" if known else f"measured {dtype} matmul"
 cpu_name = platform.processor() or platform.machine()
 if sys.platform.startswith('linux'):

@@ -237,29 +237,36 @@ def device_name(device):
     return kind
 
 
-@functools.lru_cache(maxsize=None)
-def peak_flops(device, dtype):
-    """Peak FLOP/s of one device for matmuls in `dtype`, the denominator of MFU: the spec-sheet
-    figure for known accelerators, else (CPU, unknown GPUs) the best measured matmul throughput,
-    which takes about a second the first time and is cached for the process."""
+def spec_sheet_tflops(device, dtype):
+    """The spec-sheet peak TFLOP/s of a known accelerator for matmuls in `dtype`, else None."""
     if device_type(device) in ('cuda', 'hpu'):
         name = device_name(device).upper()
         for key, half, single in _PEAK_TFLOPS:
             if key.upper() in name:
-                tflops = half if dtype in ('bfloat16', 'float16') else single
-                if tflops is not None:
-                    return tflops * 1e12
-                break
-    return _measured_matmul_flops(device, dtype)
+                return half if dtype in ('bfloat16', 'float16') else single
+    return None
 
 
-def _measured_matmul_flops(device, dtype, seconds=0.25):
+@functools.lru_cache(maxsize=None)
+def peak_flops(device, dtype, measure_seconds=1.0):
+    """Peak FLOP/s of one device for matmuls in `dtype`, the denominator of MFU: the spec-sheet
+    figure for known accelerators, else (CPU, unknown GPUs) the best matmul throughput measured
+    over `measure_seconds`, once per process. Not less than ~1 s: the first few hundred ms of a
+    fresh process run slow (thread pool and clock speed ramping up), and 0.25 s measured up to 2x
+    too low a peak, i.e. 2x too high an MFU (docs/benchmarks.md)."""
+    tflops = spec_sheet_tflops(device, dtype)
+    if tflops is not None:
+        return tflops * 1e12
+    return _measured_matmul_flops(device, dtype, measure_seconds)
+
+
+def _measured_matmul_flops(device, dtype, seconds):
     n = 1024 if device_type(device) == 'cpu' else 4096
     a = torch.randn(n, n, device=device, dtype=torch_dtype(dtype))
     b = torch.randn(n, n, device=device, dtype=torch_dtype(dtype))
     best = 0.0
     deadline = time.perf_counter() + seconds
-    for i in range(100):
+    for i in range(10_000):
         synchronize(device)
         t0 = time.perf_counter()
         a @ b

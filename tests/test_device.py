@@ -74,6 +74,19 @@ def test_cpu_peak_flops_is_a_measured_matmul_rate():
     assert 1e8 < peak < 1e14  # FLOP/s (not GFLOP/s, not seconds) for any CPU from tiny to huge
 
 
+@pytest.mark.parametrize("name, dtype, tflops", [
+    ("NVIDIA H100 80GB HBM3", "bfloat16", 989), ("NVIDIA H100 PCIe", "bfloat16", 756),
+    ("NVIDIA H100 PCIe", "float32", 378), ("NVIDIA A100-SXM4-80GB", "float16", 312),
+    ("NVIDIA A10", "bfloat16", 125), ("NVIDIA L40S", "bfloat16", 362), ("NVIDIA L40", "bfloat16", 181),
+    ("NVIDIA GH200 480GB", "bfloat16", 989), ("Tesla V100-SXM2-16GB", "float32", 15.7),
+    ("NVIDIA GeForce GTX 1080", "bfloat16", None)])
+def test_spec_sheet_peak_matches_the_most_specific_name(monkeypatch, name, dtype, tflops):
+    # 'H100 PCIe' before 'H100', 'A100' before 'A10', 'L40S' before 'L40', 'GH200' before 'H200'
+    monkeypatch.setattr(device, "device_name", lambda d: name)
+    assert device.spec_sheet_tflops("cuda:0", dtype) == tflops
+    assert device.spec_sheet_tflops("cpu", dtype) is None
+
+
 def test_hpu_helpers_do_nothing_off_hpu():
     device.mark_step()  # no Gaudi in use: nothing to flush, no error
     optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))])
