@@ -40,8 +40,10 @@ Interrupted or failed? Run the same command again. From the hub, the download re
 (huggingface_hub keeps partial files) and each finished step (download, Arrow conversion,
 tokenisation) is cached by `datasets` in --cache_dir (default: $HF_DATASETS_CACHE,
 ~/.cache/huggingface/datasets) and reused; delete that dataset folder after a successful run to get
-the disk space back. train.bin, val.bin and meta.json are written as *.partial and renamed only when
-all of them are complete, so a train.bin that exists is a finished one."""
+the disk space back. Local --input files are not cached: a rerun tokenises them again, and while it
+runs --out_dir holds the tokens twice (tokens.partial, in input order, then train.bin). train.bin,
+val.bin and meta.json are written as *.partial and renamed only when all of them are complete, so a
+train.bin that exists is a finished one."""
 
 EOT_TEXT = "<|endoftext|>"
 TEXT_KINDS = {".txt": "text", ".text": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
