@@ -655,10 +655,15 @@ class GPT(nn.Module):
         print(f"using fused AdamW: {use_fused}")
         return optimizer
 
-    def estimate_mfu(self, fwdbwd_per_iter, dt, peak_flops):
-        """Model FLOPs utilisation: achieved FLOP/s over `peak_flops` (the device's peak for the
-        dtype in use; device.peak_flops gives it). FLOPs per token follow PaLM appendix B
-        (6N + 12 L H Q T), the same formula for every variant, so MFUs compare throughput."""
+    def estimate_mfu(self, fwdbwd_per_iter, dt, peak_flops=None):
+        """Model FLOPs utilisation: achieved FLOP/s over `peak_flops`, the device's peak for the
+        dtype in use. Left out (nanoGPT's two-argument call), it is device.peak_flops for bfloat16
+        on the device holding the model, where nanoGPT assumed an A100's bfloat16 peak. FLOPs per
+        token follow PaLM appendix B (6N + 12 L H Q T), the same formula for every variant, so
+        MFUs compare throughput."""
+        if peak_flops is None:
+            from device import peak_flops as device_peak_flops  # the accelerator table lives there
+            peak_flops = device_peak_flops(str(self.lm_head.weight.device), 'bfloat16')
         N = self.get_num_params()
         cfg = self.config
         L, H, Q, T = cfg.n_layer, cfg.n_head, cfg.n_embd // cfg.n_head, cfg.block_size

@@ -276,6 +276,21 @@ def test_gpt2_small_formula_figures():
     assert gpt2_small_count("linear") == base
 
 
+def test_estimate_mfu_palm_flops_and_nanogpt_call():
+    """nanoGPT's GPT-2 small figure: 6N + 12 L H Q T FLOPs per token at N = 124M (non-embedding
+    count), T = 1024; the two-argument call takes the device's bfloat16 peak."""
+    import device
+    config = GPTConfig(n_layer=12, n_head=12, n_embd=768, block_size=1024, vocab_size=50304, bias=True)
+    model = build_on_meta(config)
+    n = model.get_num_params()
+    per_token = 6 * n + 12 * 12 * 12 * 64 * 1024
+    assert per_token == 6 * 123_689_472 + 113_246_208  # N = 124,475,904 - 1024 * 768 (wpe)
+    # 5 x 12 sequences of 1024 tokens in 0.5 s against a 1 PFLOP/s peak
+    assert model.estimate_mfu(60, 0.5, 1e15) == pytest.approx(per_token * 1024 * 60 / 0.5 / 1e15, rel=1e-12)
+    tiny = make_model("base", dtype=torch.float32, randomize=False)
+    assert tiny.estimate_mfu(4, 0.1) == tiny.estimate_mfu(4, 0.1, device.peak_flops("cpu", "bfloat16"))
+
+
 def build_on_meta(config):
     with torch.device("meta"):
         return GPT(config)
