@@ -192,14 +192,30 @@ def test_fineweb_max_tokens_keeps_whole_documents(owt_parquet, tmp_path):
 
 
 def test_hub_path_writes_what_the_local_path_writes(owt_jsonl, tmp_path):
-    """The hub goes through datasets (split by select, tokenised by a cached map); local files do
-    not. The same documents must give the same bytes either way."""
+    """The hub goes through datasets (load_dataset, split by select, tokenised by a cached map);
+    local files do not. The same documents must give the same bytes either way. The "hub" here is
+    a local folder laid out like a dataset repository: load_dataset reads it as it reads a
+    downloaded one, with no network."""
     tmp, _, _ = owt_jsonl
-    args = _args("--val_fraction", 0.25, "--seed", 1, "--num_proc", 1, "--out_dir", tmp_path,
+    repo = tmp_path / "repo" / "plain_text"
+    repo.mkdir(parents=True)
+    pq.write_table(pa.table({"text": DOCS}), repo / "train-00000-of-00001.parquet")
+    args = _args("--val_fraction", 0.25, "--seed", 1, "--num_proc", 1, "--out_dir", tmp_path / "out",
                  "--cache_dir", tmp_path / "cache")
-    prepare_common.prepare_dataset(datasets.Dataset.from_dict({"text": DOCS}), args, "test")
+    prepare_common.run(args, str(tmp_path / "repo"), None)
+    meta = json.loads((tmp_path / "out" / "meta.json").read_text())
+    assert meta["source"] == str(tmp_path / "repo") and meta["train_documents"] == 30
     for name in ["train.bin", "val.bin"]:
-        assert (tmp_path / name).read_bytes() == (tmp / "out" / name).read_bytes()
+        assert (tmp_path / "out" / name).read_bytes() == (tmp / "out" / name).read_bytes()
+    # again: every step comes from the datasets cache (no new cache file), same bytes
+    before = sorted(p.name for p in (tmp_path / "cache").rglob("*.arrow"))
+    prepare_common.run(args, str(tmp_path / "repo"), None)
+    assert sorted(p.name for p in (tmp_path / "cache").rglob("*.arrow")) == before
+    for name in ["train.bin", "val.bin"]:
+        assert (tmp_path / "out" / name).read_bytes() == (tmp / "out" / name).read_bytes()
+    with pytest.raises(PrepareError, match=r"repo has no 'content' column \(it has \['text'\]\)"):
+        prepare_common.run(_args("--text_column", "content", "--num_proc", 1, "--out_dir", tmp_path / "x",
+                                 "--cache_dir", tmp_path / "cache"), str(tmp_path / "repo"), None)
     with pytest.raises(PrepareError, match="document 1 has no text"):
         prepare_common.tokenize_batch({"text": ["fine", None]}, [0, 1])
 
