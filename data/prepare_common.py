@@ -232,7 +232,7 @@ def file_pieces(path, text_unit, column, unit_bytes):
         return
     if kind == "json" and not compressed:
         with open(path, "rb") as f:
-            json_array = f.read(4096).lstrip().startswith(b"[")
+            json_array = starts_json_array(f.read(4096))
     pattern = (None if compressed or (kind == "text" and text_unit == "document") or (kind == "json" and json_array)
                else BLANK_LINE_END if kind == "text" and text_unit == "paragraph" else LINE_END)
     if pattern is None:
@@ -304,8 +304,12 @@ def record_text(record, column, where):
                        f"drop or fix that record")
 
 
+def starts_json_array(data):
+    return data.lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"[")  # after a UTF-8 BOM and white space
+
+
 def json_documents(piece, data, column):
-    if piece.end is None and data.lstrip().startswith(b"["):  # one JSON array of records
+    if piece.end is None and starts_json_array(data):  # one JSON array of records
         try:
             records = json.loads(data)
         except ValueError as e:

@@ -311,6 +311,11 @@ def test_prepare_bad_inputs(tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"text": "a"}\n{"text": "b"\n')
     with pytest.raises(PrepareError, match=r"bad.jsonl, line 2: not valid JSON"):
         run_local("--input", tmp_path / "bad.jsonl", *out)
+    # the same from a worker process: 3000 lines in several units, the bad one in the last
+    (tmp_path / "bad.jsonl").write_text('{"text": "%s"}\n' % ("x" * 80) * 2999 + '{"text": 7}\n')
+    assert len(prepare_common.plan_units([str(tmp_path / "bad.jsonl")], "document", "text", 2)) > 2
+    with pytest.raises(PrepareError, match=r"bad.jsonl, line 3000: 'text' is int, not text"):
+        run_local("--input", tmp_path / "bad.jsonl", *out[:-1], 2)
     (tmp_path / "bad.json").write_text('[{"text": "a"}, 3]')
     with pytest.raises(PrepareError, match=r"bad.json, record 1: expected a JSON object"):
         run_local("--input", tmp_path / "bad.json", *out)
@@ -393,7 +398,7 @@ def test_compressed_and_json_array_inputs(tmp_path):
         (tmp_path / f"docs.jsonl{ext}").write_bytes(compress(body))
     with pa.output_stream(str(tmp_path / "docs.jsonl.zst"), compression="zstd") as f:
         f.write(body)
-    (tmp_path / "array.json").write_text(json.dumps([{"text": d} for d in docs]))
+    (tmp_path / "array.json").write_text("\ufeff  " + json.dumps([{"text": d} for d in docs]), encoding="utf-8")
     prepare(OWT, "--input", tmp_path / "docs.*", tmp_path / "array.json", "--val_fraction", 0.1,
             "--out_dir", tmp_path / "out")
     train, val = splits(tmp_path / "out")
