@@ -215,7 +215,10 @@ else:
              f"tokenizer, and no meta.pkl with its vocabulary was found {where}(the checkpoint's "
              f"config names dataset={checkpoint['config'].get('dataset') if checkpoint else None!r}): "
              f"pass --dataset=<data folder with meta.pkl>")
-    log("no meta.pkl found, assuming GPT-2 encodings...")
+    if meta is not None and meta.get('tokenizer') == 'gpt2':
+        log(f"GPT-2 encodings (the tokenizer named in {meta_dir}/meta.json)")
+    else:
+        log("no meta.pkl found, assuming GPT-2 encodings...")
     try:
         enc = tiktoken.get_encoding("gpt2")
     except Exception as e:  # tiktoken downloads its files once; offline that is a network error
