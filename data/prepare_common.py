@@ -230,14 +230,17 @@ def file_pieces(path, text_unit, column, unit_bytes):
         for g in range(pf.num_row_groups):
             yield Piece(path, kind, g), pf.metadata.row_group(g).total_byte_size
         return
-    if kind == "json" and not compressed:
+    if compressed:
+        whole = True  # no seeking into the middle of a compressed stream
+    elif kind == "json":
         with open(path, "rb") as f:
-            json_array = starts_json_array(f.read(4096))
-    pattern = (None if compressed or (kind == "text" and text_unit == "document") or (kind == "json" and json_array)
-               else BLANK_LINE_END if kind == "text" and text_unit == "paragraph" else LINE_END)
-    if pattern is None:
+            whole = starts_json_array(f.read(4096))  # one array of records, not JSON lines
+    else:
+        whole = text_unit == "document"
+    if whole:
         yield Piece(path, kind), size
         return
+    pattern = BLANK_LINE_END if kind == "text" and text_unit == "paragraph" else LINE_END
     start = 0
     while start < size:
         end = next_boundary(path, start + unit_bytes, pattern, size)
