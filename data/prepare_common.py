@@ -394,19 +394,17 @@ def tokenize_files(units, column, text_unit, num_proc, tokens_path):
 def write_documents(tokens, lengths, order, path, desc):
     """Write the documents `order` (indices into lengths) of the flat `tokens`, in that order, to a
     uint16 file; return its token count."""
-    starts = (np.cumsum(lengths) - lengths).tolist()
-    lengths_list = lengths.tolist()
+    starts = np.cumsum(lengths) - lengths
     total = int(lengths[order].sum())
     out = np.memmap(path, dtype=np.uint16, mode="w+", shape=(total,))
     pos = 0
     with tqdm(total=total, unit="tok", unit_scale=True, desc=desc) as bar:
-        for k, i in enumerate(order.tolist()):
-            s, n = starts[i], lengths_list[i]
-            out[pos:pos + n] = tokens[s:s + n]
-            pos += n
-            if k % 100_000 == 99_999:
-                bar.update(pos - bar.n)
-        bar.update(pos - bar.n)
+        for k in range(0, len(order), 100_000):  # Python ints (fast slicing) for 100k documents at a time
+            batch = order[k:k + 100_000]
+            for s, n in zip(starts[batch].tolist(), lengths[batch].tolist()):
+                out[pos:pos + n] = tokens[s:s + n]
+                pos += n
+            bar.update(pos - bar.n)
     out.flush()
     return total
 
