@@ -50,8 +50,9 @@ TEXT_KINDS = {".txt": "text", ".text": "text", ".jsonl": "json", ".json": "json"
 COMPRESSED = {".gz", ".bz2", ".xz", ".zst", ".lz4"}  # read whole, by one worker per file
 # the CPUs this process may use (taskset, SLURM, containers), not all the machine has
 CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-# Local files are cut into units of total / (4 x num_proc) bytes, so that the workers finish
-# together, within these bounds (a unit's text and tokens are in one worker's memory at once).
+# Local files are cut into units of total / (16 x num_proc) bytes, so that the workers finish
+# together (the last unit runs alone), within these bounds (a unit's text and tokens are in one
+# worker's memory at once).
 MIN_UNIT_BYTES, MAX_UNIT_BYTES = 64 << 10, 64 << 20
 ENCODE_CHARS = 1 << 20  # characters of documents joined into one tiktoken call
 LINE_END = re.compile(rb"\n")
@@ -253,7 +254,7 @@ def plan_units(files, text_unit, column, num_proc, unit_bytes=None):
     (pieces, their bytes)."""
     if unit_bytes is None:
         total = sum(os.path.getsize(f) for f in files)
-        unit_bytes = min(max(total // (4 * num_proc), MIN_UNIT_BYTES), MAX_UNIT_BYTES)
+        unit_bytes = min(max(total // (16 * num_proc), MIN_UNIT_BYTES), MAX_UNIT_BYTES)
     units, unit, nbytes = [], [], 0
     for path in files:
         for piece, size in file_pieces(path, text_unit, column, unit_bytes):
