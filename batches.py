@@ -81,6 +81,29 @@ class TokenBatches:
         self.generator.set_state(state["generator"])
 
 
+class _PlainDataUnpickler(pickle.Unpickler):
+    """Unpickles dicts, lists, tuples, strings and numbers only: any class or function reference (the
+    way a pickle runs code) is refused."""
+
+    def find_class(self, module, name):
+        raise pickle.UnpicklingError(f"refusing to load {module}.{name}: only plain data is read")
+
+
+def read_meta_pkl(path):
+    """nanoGPT's meta.pkl (vocab_size, itos, stoi) read safely: a file that references any class or
+    function (a crafted pickle that would run code) raises ValueError instead of being executed."""
+    try:
+        with open(path, "rb") as f:
+            meta = _PlainDataUnpickler(f).load()
+    except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, IndexError, TypeError) as e:
+        raise ValueError(f"{path} is not a plain-data meta.pkl ({e}); it is not loaded because unpickling "
+                         f"anything else can run code. Delete it and run that dataset's prepare.py again") from e
+    if not isinstance(meta, dict):
+        raise ValueError(f"{path} holds a {type(meta).__name__}, not the dict nanoGPT's prepare.py writes; "
+                         f"run that dataset's prepare.py again")
+    return meta
+
+
 def load_meta(data_dir):
     """The dataset's metadata: meta.json (prepare.py here) if present, else nanoGPT's meta.pkl, else None.
     Always has 'vocab_size' and 'tokenizer' ('gpt2' or 'char'); char datasets also get 'stoi'/'itos'."""
@@ -95,8 +118,7 @@ def load_meta(data_dir):
             meta["stoi"] = {ch: i for i, ch in enumerate(meta["chars"])}
             meta["itos"] = dict(enumerate(meta["chars"]))
     elif os.path.exists(pkl_path):
-        with open(pkl_path, "rb") as f:
-            meta = pickle.load(f)
+        meta = read_meta_pkl(pkl_path)
         meta.setdefault("tokenizer", "char")  # nanoGPT writes meta.pkl only for its character-level datasets
     else:
         return None

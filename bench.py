@@ -45,22 +45,22 @@ from model import ATTENTION_TYPES, GPT, GPTConfig
 # -----------------------------------------------------------------------------
 attn_types = 'all'  # comma-separated attn_type values (e.g. 'base,diff'), or 'all'
 # model: nanoGPT's bench.py defaults (GPT-2 small at batch 12, block 1024)
-batch_size = 12
-block_size = 1024
-n_layer = 12
-n_head = 12
-n_embd = 768
+batch_size = 12  # sequences per step
+block_size = 1024  # context length in tokens
+n_layer = 12  # transformer blocks
+n_head = 12  # attention heads per block
+n_embd = 768  # model width
 vocab_size = 50304  # with --dataset, the dataset's own vocabulary size when it has one
-bias = False
-dropout = 0.0
+bias = False  # biases in Linear and LayerNorm layers
+dropout = 0.0  # dropout probability
 dataset = ''  # '' = synthetic random tokens, else real batches from data/<dataset>/train.bin
 # the training step (as in train.py)
-learning_rate = 6e-4
-weight_decay = 1e-1
-beta1 = 0.9
-beta2 = 0.95
-grad_clip = 1.0
-kl_weight = 5e-6
+learning_rate = 6e-4  # AdamW learning rate
+weight_decay = 1e-1  # AdamW weight decay
+beta1 = 0.9  # AdamW beta1
+beta2 = 0.95  # AdamW beta2
+grad_clip = 1.0  # gradient clipping (0 = off)
+kl_weight = 5e-6  # loss = cross-entropy + kl_weight * KL (NoiseFormer)
 # timing
 warmup_iters = 5  # untimed steps first (allocator, kernel selection, compile)
 bench_iters = 10  # timed steps per variant and round; the median is reported
@@ -68,13 +68,13 @@ rounds = 1  # run the whole list this many times, interleaved
 profile = False  # after timing, print torch.profiler's top operators of 3 steps for each variant
 # generation benchmark
 generate = False  # also time model.generate with and without the KV cache
-max_new_tokens = 100
+max_new_tokens = 100  # tokens generated per timed generation
 gen_prompt_len = 1  # prompt tokens (random ids); generation uses temperature 0.8, top_k 200 like sample.py
 # system
 device = 'auto'  # 'auto' (cuda > hpu > mps > cpu), 'cpu', 'cuda', 'cuda:1', 'hpu', 'mps'
 dtype = 'auto'  # 'auto', 'float32', 'bfloat16' or 'float16'
 compile = False  # torch.compile the model (timed after warm-up; slow to start)
-seed = 1337
+seed = 1337  # the same initial weights and batches for every variant
 json_out = ''  # write the results here as JSON too
 # -----------------------------------------------------------------------------
 config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str))]
@@ -87,7 +87,7 @@ def fail(message):
 
 
 try:
-    globals().update(apply_config(sys.argv[1:], {k: globals()[k] for k in config_keys}))
+    globals().update(apply_config(sys.argv[1:], {k: globals()[k] for k in config_keys}, script=__file__))
 except ConfigError as e:
     fail(e)
 config = {k: globals()[k] for k in config_keys}

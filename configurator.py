@@ -12,12 +12,20 @@ the file or argument and, for unknown keys, the closest valid key.
 
 Used by train.py (and sample.py / bench.py) as:
 
-    config = apply_config(sys.argv[1:], defaults)   # defaults: {key: default value}
+    config = apply_config(sys.argv[1:], defaults, script=__file__)   # defaults: {key: default value}
+
+With `script`, `-h` / `--help` anywhere in argv prints the script's help and exits 0: its docstring,
+the usage, and every key with its default and the comment written next to it in the script, so the
+help cannot drift from the code. Pass a set as `given` to learn which keys a config file or an
+override set (even to the default's value).
 """
 
 import ast
 import difflib
+import io
 import os
+import sys
+import tokenize
 import types
 
 
@@ -25,9 +33,14 @@ class ConfigError(ValueError):
     """A config file or --key=value override that cannot be applied. Scripts print it and exit 2."""
 
 
-def apply_config(argv, defaults):
-    """Return a new dict: `defaults` updated by the config files and --key=value overrides in argv."""
+def apply_config(argv, defaults, script=None, given=None):
+    """Return a new dict: `defaults` updated by the config files and --key=value overrides in argv.
+    script: the calling script's path, for --help. given: a set that receives every key set."""
+    if script is not None and ('-h' in argv or '--help' in argv):
+        print(help_text(script, defaults))
+        sys.exit(0)
     config = dict(defaults)
+    given = set() if given is None else given
     for arg in argv:
         if arg.startswith('--'):
             key, sep, text = arg[2:].partition('=')  # split on the first '=' only: --start=a=b
@@ -37,12 +50,46 @@ def apply_config(argv, defaults):
             where = f"command line argument {arg!r}"
             _check_key(key, defaults, where)
             config[key] = _coerce(key, _parse_cli_value(text, defaults[key]), defaults[key], where)
+            given.add(key)
         else:
             for key, value in _read_config_file(arg).items():
                 where = f"config file {arg}"
                 _check_key(key, defaults, where)
                 config[key] = _coerce(key, value, defaults[key], where)
+                given.add(key)
     return config
+
+
+def help_text(script, defaults):
+    """The script's docstring, its usage and one line per key: --key=default  meaning. The meaning
+    is the comment on the key's line in the script; a comment line of its own before a group of
+    keys (e.g. `# adamw optimizer`) becomes a heading."""
+    with open(script) as f:
+        source = f.read()
+    tree = ast.parse(source)
+    comments = {tok.start[0]: tok.string.lstrip('#').strip()
+                for tok in tokenize.generate_tokens(io.StringIO(source).readline)
+                if tok.type == tokenize.COMMENT}
+    lines = source.splitlines()
+    name = os.path.basename(script)
+    out = [(ast.get_docstring(tree) or '').strip(), '',
+           f"usage: python3 {name} [config_file.py ...] [--key=value ...]",
+           "  Arguments apply left to right: a config file sets the keys it assigns, --key=value one key.",
+           '', 'settings (default, meaning):']
+    previous_end = 0
+    for node in tree.body:
+        if not (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)
+                and node.targets[0].id in defaults):
+            continue
+        key = node.targets[0].id
+        for line_no in range(max(previous_end + 1, node.lineno - 3), node.lineno):  # a heading just above
+            text = lines[line_no - 1].strip()
+            if line_no in comments and text.startswith('#') and not set(text) <= set('#-= '):
+                out.append(f"  {comments[line_no]}:")
+        previous_end = node.end_lineno
+        meaning = comments.get(node.end_lineno, '')
+        out.append(f"    --{key}={defaults[key]!r}" + (f"  {meaning}" if meaning else ''))
+    return '\n'.join(out)
 
 
 def _read_config_file(path):

@@ -72,7 +72,7 @@ def log(message):
 
 
 try:
-    globals().update(apply_config(sys.argv[1:], {k: globals()[k] for k in config_keys}))
+    globals().update(apply_config(sys.argv[1:], {k: globals()[k] for k in config_keys}, script=__file__))
 except ConfigError as e:
     fail(e)
 if isinstance(noise_at_eval, str) and noise_at_eval.lower() in ('true', 'false'):

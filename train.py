@@ -48,26 +48,26 @@ from model import GPT, GPTConfig
 # -----------------------------------------------------------------------------
 # default config values designed to train a gpt2 (124M) on OpenWebText
 # I/O
-out_dir = 'out'
-eval_interval = 2000
-log_interval = 1
+out_dir = 'out'  # where ckpt.pt (and ckpt.prev.pt) are written and resumed from
+eval_interval = 2000  # evaluate (and checkpoint) every this many iterations
+log_interval = 1  # print the training loss every this many iterations
 eval_iters = 200  # batches per split in each evaluation (the same batches every time)
 eval_only = False  # if True, script exits right after the first eval
 always_save_checkpoint = True  # if True, always save a checkpoint after each eval
 init_from = 'scratch'  # 'scratch' or 'resume' (from out_dir/ckpt.pt) or 'gpt2*'
 # wandb logging
 wandb_log = False  # disabled by default; works offline with WANDB_MODE=offline
-wandb_project = 'owt'
-wandb_run_name = 'gpt2'  # 'run' + str(time.time())
+wandb_project = 'owt'  # wandb project name
+wandb_run_name = 'gpt2'  # wandb run name
 # data
 dataset = 'openwebtext'  # a folder under data/, or an absolute path to one
 gradient_accumulation_steps = 5 * 8  # micro-batches per iteration, summed over all ranks
 batch_size = 12  # micro-batch size (sequences per rank per micro-step)
-block_size = 1024
+block_size = 1024  # context length in tokens
 # model
-n_layer = 12
-n_head = 12
-n_embd = 768
+n_layer = 12  # transformer blocks
+n_head = 12  # attention heads per block
+n_embd = 768  # model width
 dropout = 0.0  # for pretraining 0 is good, for finetuning try 0.1+
 bias = False  # do we use bias inside LayerNorm and Linear layers?
 attn_type = 'base'  # base | symmetric | noiseformer_v1 | noiseformer_v2 | diff | dint | dint_lowrank | linear
@@ -75,16 +75,16 @@ noise_init_std = 0.01  # noiseformer: mu, sigma ~ noise_init_std * N(0, 1)
 noise_per_sample = False  # noiseformer: one noise draw per sequence instead of per batch
 noise_param = 'sigma'  # noiseformer: learn 'sigma' or 'logvar'
 noise_at_eval = True  # noiseformer: keep the noise on in evaluation and sampling (as the paper)
-lowrank_rank = 32  # dint_lowrank
-lowrank_score_divisor = 81.0  # dint_lowrank
-linear_chunk_size = 64  # linear
+lowrank_rank = 32  # dint_lowrank: rank r of the second branch's query/key factors
+lowrank_score_divisor = 81.0  # dint_lowrank: the second branch's scores are divided by this
+linear_chunk_size = 64  # linear: tokens per chunk of the chunked causal linear attention
 kl_weight = 5e-6  # loss = cross-entropy + kl_weight * KL(noise || N(0, 1)); KL is 0 without noise
 # adamw optimizer
 learning_rate = 6e-4  # max learning rate
 max_iters = 600000  # total number of training iterations
-weight_decay = 1e-1
-beta1 = 0.9
-beta2 = 0.95
+weight_decay = 1e-1  # AdamW weight decay of matrices (never of norms, biases, noise, lambdas)
+beta1 = 0.9  # AdamW beta1, in [0, 1)
+beta2 = 0.95  # AdamW beta2, in [0, 1)
 grad_clip = 1.0  # clip gradients at this value, or disable if == 0.0
 nonfinite = 'stop'  # non-finite loss or grad norm: 'stop' (exit 3) or 'skip' the step
 # learning rate decay settings
@@ -97,7 +97,7 @@ device = 'auto'  # 'auto' (cuda > hpu > mps > cpu), 'cuda', 'cuda:1', 'hpu', 'mp
 dtype = 'auto'  # 'auto', 'float32', 'bfloat16' or 'float16' (float16 only on CUDA, with a GradScaler)
 compile = False  # use torch.compile to make the model faster (worth it on GPUs; slow to start)
 backend = 'auto'  # DDP backend: 'auto' follows the device (nccl / hccl / gloo)
-seed = 1337
+seed = 1337  # initial weights, data order and noise all follow from it (a non-negative int)
 # -----------------------------------------------------------------------------
 config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str))]
 
@@ -108,11 +108,11 @@ def fail(message):
     sys.exit(2)
 
 
+given = set()  # the keys a config file or --key=value set (even to the default's value)
 try:
-    config = apply_config(sys.argv[1:], {k: globals()[k] for k in config_keys})
+    config = apply_config(sys.argv[1:], {k: globals()[k] for k in config_keys}, script=__file__, given=given)
 except ConfigError as e:
     fail(e)
-given = {k for k in config_keys if config[k] != globals()[k]}  # set by a config file or --key=value
 globals().update(config)  # config is also useful for logging and checkpoints
 # -----------------------------------------------------------------------------
 

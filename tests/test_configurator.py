@@ -163,3 +163,35 @@ def test_paper_models_build():
         counts[attn_type] = model.get_num_params()
     assert 120e6 < counts['base'] < 126e6
     assert counts['base'] - counts['symmetric'] == 12 * 768 * 768  # no key projection (bias=False)
+
+
+# -----------------------------------------------------------------------------
+# --help and "given"
+
+def test_given_records_every_key_set_even_to_its_default(tmp_path):
+    cfg = write(tmp_path, "batch_size = 12\n")  # the default's value, but given
+    given = set()
+    apply_config([cfg, '--out_dir=out', '--n_layer=3'], DEFAULTS, given=given)
+    assert given == {'batch_size', 'out_dir', 'n_layer'}
+
+
+@pytest.mark.parametrize('script', ['train.py', 'sample.py', 'bench.py'])
+def test_help_lists_every_key_with_default_and_meaning(script):
+    import subprocess
+    import sys
+    for flag in ('--help', '-h'):
+        r = subprocess.run([sys.executable, script, flag], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        assert f"usage: python3 {script}" in r.stdout
+    tree = ast.parse((ROOT / script).read_text())
+    keys = []
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and node.targets[0].id == 'config_keys':
+            break
+        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
+            keys.append(node.targets[0].id)
+    lines = {line.split('=')[0].strip(): line for line in r.stdout.splitlines() if line.strip().startswith('--')}
+    for key in keys:
+        assert f'--{key}' in lines, key
+        default_and_meaning = lines[f'--{key}'].split('=', 1)[1]
+        assert '  ' in default_and_meaning.strip(), f"{script}: --{key} has no meaning (comment on its line)"
