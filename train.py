@@ -26,8 +26,10 @@ over the ranks, so val losses compare across evals, runs and attention variants.
 
 import dataclasses
 import os
+import netrc
 import signal
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -55,8 +57,9 @@ eval_iters = 200  # batches per split in each evaluation (the same batches every
 eval_only = False  # if True, script exits right after the first eval
 always_save_checkpoint = True  # if True, always save a checkpoint after each eval
 init_from = 'scratch'  # 'scratch' or 'resume' (from out_dir/ckpt.pt) or 'gpt2*'
+overwrite = False  # scratch run into an out_dir holding a checkpoint: False keeps that one aside, True deletes it
 # wandb logging
-wandb_log = False  # disabled by default; works offline with WANDB_MODE=offline
+wandb_log = False  # log to wandb (offline, into out_dir/wandb, when not logged in)
 wandb_project = 'owt'  # wandb project name
 wandb_run_name = 'gpt2'  # wandb run name
 # data
@@ -87,6 +90,7 @@ beta1 = 0.9  # AdamW beta1, in [0, 1)
 beta2 = 0.95  # AdamW beta2, in [0, 1)
 grad_clip = 1.0  # clip gradients at this value, or disable if == 0.0
 nonfinite = 'stop'  # non-finite loss or grad norm: 'stop' (exit 3) or 'skip' the step
+max_skipped_steps = 10  # nonfinite='skip': stop (exit 3) after this many skipped steps in a row
 # learning rate decay settings
 decay_lr = True  # whether to decay the learning rate
 warmup_iters = 2000  # how many steps to warm up for
@@ -116,17 +120,59 @@ except ConfigError as e:
 globals().update(config)  # config is also useful for logging and checkpoints
 # -----------------------------------------------------------------------------
 
-try:
+# Resuming continues the checkpoint's run: every setting it was trained with (batch size, data,
+# schedule, ...) comes from the checkpoint unless given again; the machine-level ones stay this run's.
+NOT_RESUMED = ('init_from', 'out_dir', 'eval_only', 'device', 'dtype', 'compile', 'backend')
+# model settings that change how the model runs, not what its weights mean: a resumed run may change
+# them; the other model settings must match the checkpoint's (checked once the model is built)
+RUNTIME_MODEL_ARGS = ('dropout', 'noise_at_eval', 'linear_chunk_size')
+ARCHITECTURE_KEYS = {f.name for f in dataclasses.fields(GPTConfig)} - set(RUNTIME_MODEL_ARGS)
+checkpoint = None
+resume_changes = []  # given settings that differ from the resumed checkpoint's
+if init_from == 'resume':
+    if not out_dir:
+        fail("out_dir='' is empty: name the directory that holds ckpt.pt")
+    try:
+        checkpoint = load_checkpoint(out_dir, map_location='cpu')
+    except (FileNotFoundError, CheckpointError) as e:
+        fail(e)
+    saved_config = {k: v for k, v in checkpoint['config'].items() if k in config and k not in NOT_RESUMED}
+    resume_changes = [f"  {k}: checkpoint {saved_config[k]!r}, this run {config[k]!r}" for k in sorted(given)
+                      if k in saved_config and saved_config[k] != config[k] and k not in ARCHITECTURE_KEYS]
+    config.update({k: v for k, v in saved_config.items() if k not in given})
+    globals().update(config)
+
+
+def check_settings():
+    """Settings that cannot work (or would silently train nonsense): ValueError before any work."""
     if decay_lr:
         check_schedule(learning_rate, warmup_iters, lr_decay_iters, min_lr)
-    for key in ('eval_interval', 'log_interval', 'eval_iters', 'gradient_accumulation_steps', 'batch_size'):
+    for key in ('eval_interval', 'log_interval', 'eval_iters', 'gradient_accumulation_steps', 'batch_size',
+                'block_size', 'n_layer', 'n_head', 'n_embd', 'max_skipped_steps'):
         if globals()[key] < 1:
             raise ValueError(f"{key}={globals()[key]} must be at least 1")
+    for key in ('max_iters', 'grad_clip', 'weight_decay', 'kl_weight', 'warmup_iters'):
+        if not globals()[key] >= 0:  # also catches nan
+            raise ValueError(f"{key}={globals()[key]} must not be negative" +
+                             (" (0 turns clipping off)" if key == 'grad_clip' else ""))
+    if not learning_rate > 0:
+        raise ValueError(f"learning_rate={learning_rate} must be positive")
+    for key in ('beta1', 'beta2', 'dropout'):
+        if not 0 <= globals()[key] < 1:
+            raise ValueError(f"{key}={globals()[key]} must be in [0, 1)")
+    if not 0 <= seed < 2 ** 63:
+        raise ValueError(f"seed={seed} must be a non-negative integer below 2**63")
+    if not out_dir.strip():
+        raise ValueError("out_dir='' is empty: name a directory for the checkpoints, e.g. --out_dir=out")
     if nonfinite not in ('stop', 'skip'):
         raise ValueError(f"nonfinite={nonfinite!r} must be 'stop' or 'skip'")
     if init_from not in ('scratch', 'resume') and not init_from.startswith('gpt2') and not os.path.isdir(init_from):
         raise ValueError(f"init_from={init_from!r} must be 'scratch', 'resume', a GPT-2 model name (gpt2, "
                          f"gpt2-medium, gpt2-large, gpt2-xl) or a local directory saved by transformers")
+
+
+try:
+    check_settings()
     device = resolve_device(device)
 except ValueError as e:
     fail(e)
@@ -158,9 +204,41 @@ try:
     dtype = resolve_dtype(dtype, device)
 except ValueError as e:
     fail(e)
+
+
+def prepare_out_dir():
+    """Make out_dir and check it is writable now, not at the first save thousands of iterations later.
+    A new run never destroys another run's checkpoint there: it is moved aside unless overwrite=True."""
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out_dir):
+            pass
+    except OSError as e:
+        fail(f"out_dir={out_dir!r} is not a writable directory ({e.strerror or e}): fix its permissions "
+             f"or choose another --out_dir")
+    old = [os.path.join(out_dir, name) for name in ('ckpt.pt', 'ckpt.prev.pt')]
+    if init_from == 'resume' or eval_only or not os.path.exists(old[0]):
+        return
+    if overwrite:
+        for path in old:
+            if os.path.exists(path):
+                os.remove(path)
+        print(f"overwrite=True: deleted the previous run's checkpoint in {out_dir}")
+        return
+    aside = tempfile.mkdtemp(prefix=time.strftime('replaced-%Y%m%d-%H%M%S-'), dir=out_dir)  # a new name every time
+    for path in old:
+        if os.path.exists(path):
+            os.replace(path, os.path.join(aside, os.path.basename(path)))
+    print(f"{out_dir} held another run's checkpoint: moved it to {aside}/ so this new run does not "
+          f"replace it (to continue that run instead, use --init_from=resume; --overwrite=True deletes it)")
+
+
 if master_process:
     print(f"device {device} ({dtype}), {ddp_world_size} process(es)")
-    os.makedirs(out_dir, exist_ok=True)
+    prepare_out_dir()
+    if resume_changes:
+        print("resuming with these settings changed from the checkpoint's (the others are the checkpoint's):\n"
+              + "\n".join(resume_changes))
 ctx = autocast_context(device, dtype)
 
 
@@ -192,12 +270,9 @@ model_args = dict(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=bloc
                   noise_per_sample=noise_per_sample, noise_param=noise_param, noise_at_eval=noise_at_eval,
                   lowrank_rank=lowrank_rank, lowrank_score_divisor=lowrank_score_divisor,
                   linear_chunk_size=linear_chunk_size)
-# settings that change how the model runs, not what its weights mean: a resumed run may change them
-RUNTIME_MODEL_ARGS = ('dropout', 'noise_at_eval', 'linear_chunk_size')
 manual_seed(seed)  # the same initial weights in every run and on every rank
 iter_num = 0
 best_val_loss = 1e9
-checkpoint = None
 try:
     if init_from == 'scratch':
         if master_process:
@@ -209,7 +284,6 @@ try:
     elif init_from == 'resume':
         if master_process:
             print(f"Resuming training from {out_dir}")
-        checkpoint = load_checkpoint(out_dir, map_location='cpu')
         # The architecture comes from the checkpoint. A setting this run gives that disagrees with
         # it is a mistake to report (a wrong config or out_dir), not something to silently ignore.
         defaults = {f.name: f.default for f in dataclasses.fields(GPTConfig)}
@@ -231,7 +305,14 @@ try:
     else:  # a GPT-2 name or a local transformers directory
         if master_process:
             print(f"Initializing from OpenAI GPT-2 weights: {init_from}")
-        model = GPT.from_pretrained(init_from, dict(dropout=dropout, attn_type=attn_type))
+        try:
+            model = GPT.from_pretrained(init_from, dict(dropout=dropout, attn_type=attn_type))
+        except ImportError:
+            fail(f"init_from={init_from!r} needs the transformers package: pip install transformers")
+        except OSError as e:  # offline, or a name the hub does not know
+            fail(f"could not fetch the {init_from!r} weights from the Hugging Face hub "
+                 f"({str(e).strip().splitlines()[0][:200]}): connect to the network once (they are cached), "
+                 f"or pass --init_from=/path/to/a/folder/saved/by/transformers/save_pretrained")
         model_args = dataclasses.asdict(model.config)
 except (ValueError, FileNotFoundError, CheckpointError) as e:
     fail(e)
@@ -324,29 +405,70 @@ def save(reason):
     print(f"saved checkpoint to {path} (iter {iter_num}, {reason})")
 
 
-# SIGTERM (a scheduler's preemption, `kill`): finish the current step, checkpoint, exit 0
-stop_requested = False
+# SIGTERM (a scheduler's preemption, `kill`) or Ctrl-C: finish the current step, checkpoint, exit 0.
+# A second Ctrl-C exits at once.
+stop_signal = None  # the name of the signal received
 
 
 def request_stop(signum, frame):
-    global stop_requested
-    stop_requested = True
+    global stop_signal
+    stop_signal = signal.Signals(signum).name
+    if signum == signal.SIGINT:
+        print("\nCtrl-C: finishing this step, then saving a checkpoint (Ctrl-C again to quit at once)",
+              file=sys.stderr)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 signal.signal(signal.SIGTERM, request_stop)
+signal.signal(signal.SIGINT, request_stop)
 
-# logging
-if wandb_log and master_process:
+
+def wandb_logged_in():
+    """An API key in the environment or in ~/.netrc (where `wandb login` puts it)."""
+    if os.environ.get('WANDB_API_KEY'):
+        return True
+    host = os.environ.get('WANDB_BASE_URL', 'https://api.wandb.ai').split('://')[-1].split('/')[0]
+    try:
+        return netrc.netrc().authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
+
+
+def start_wandb():
+    """wandb online where the user is logged in; otherwise (or when that fails) offline into
+    out_dir/wandb, to upload later with `wandb sync`: a missing login never stops a training run."""
     import wandb
-    wandb.init(project=wandb_project, name=wandb_run_name, config=config, dir=out_dir)
+    run = dict(project=wandb_project, name=wandb_run_name, config=config, dir=out_dir)
+    if os.environ.get('WANDB_MODE') or wandb_logged_in():
+        try:
+            wandb.init(**run)
+            return wandb
+        except Exception as e:  # no network, a revoked key, ...
+            reason = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+    else:
+        reason = "not logged in"
+    wandb.init(mode='offline', **run)
+    print(f"wandb: {reason}; logging offline to {os.path.join(out_dir, 'wandb')} "
+          f"(upload later with: wandb sync {os.path.join(out_dir, 'wandb', 'offline-run-*')})")
+    return wandb
+
+
+if wandb_log and master_process:
+    wandb = start_wandb()
 peak = peak_flops(device, dtype) if master_process else None  # MFU denominator (measured on CPU)
+if master_process and decay_lr and max_iters < warmup_iters:
+    print(f"note: max_iters={max_iters} ends during the warmup (warmup_iters={warmup_iters}): the learning "
+          f"rate only reaches {get_lr(max_iters, learning_rate, warmup_iters, lr_decay_iters, min_lr):.3g} "
+          f"of learning_rate={learning_rate:g}")
 
 # training loop
 t0 = time.time()
 local_iter_num = 0  # number of iterations in the lifetime of this process
-running_mfu = -1.0
-saved_iter = None  # iteration of the last checkpoint this process wrote
+running_mfu = -1.0  # measured after a few iterations; not shown until then
+# the iteration of the checkpoint on disk: a resumed run evaluates and saves only after training further
+saved_iter = iter_num if init_from == 'resume' else None
 stopping = False
+skipped_in_a_row = 0
 while True:
 
     # determine and set the learning rate for this iteration
@@ -355,13 +477,14 @@ while True:
         param_group['lr'] = lr
 
     # evaluate the loss on train/val sets and write checkpoints
-    if not stopping and (iter_num % eval_interval == 0 or iter_num >= max_iters or eval_only):
+    if not stopping and (iter_num % eval_interval == 0 or iter_num >= max_iters or eval_only) \
+            and (iter_num != saved_iter or eval_only):
         losses = estimate_loss()
         if master_process:
             print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
             if wandb_log:
-                wandb.log({"iter": iter_num, "train/loss": losses['train'], "val/loss": losses['val'],
-                           "lr": lr, "mfu": running_mfu * 100})
+                wandb.log({"iter": iter_num, "train/loss": losses['train'], "val/loss": losses['val'], "lr": lr,
+                           **({"mfu": running_mfu * 100} if running_mfu >= 0 else {})})
             improved = losses['val'] < best_val_loss
             best_val_loss = min(best_val_loss, losses['val'])
             if (improved or always_save_checkpoint) and iter_num > 0 and not eval_only:
@@ -407,7 +530,7 @@ while True:
     # Under fp16 an inf grad norm is the GradScaler's business (it skips the step), not an error.
     local_bad = ~torch.isfinite(loss_sum) if scaler.is_enabled() else ~(torch.isfinite(loss_sum) & torch.isfinite(grad_norm))
     stats = torch.stack([loss_sum, ce_sum, kl.detach().float(), local_bad.float(),
-                         torch.tensor(float(stop_requested), device=device)])
+                         torch.tensor(float(stop_signal is not None), device=device)])
     if ddp:
         dist.all_reduce(stats)
     loss_mean, ce_mean, kl_mean, n_bad, n_stop = stats.tolist()
@@ -427,10 +550,20 @@ while True:
             if ddp:
                 dist.destroy_process_group()
             sys.exit(3)
+        skipped_in_a_row += 1
+        if skipped_in_a_row >= max_skipped_steps:
+            if master_process:
+                print(f"stopping at iter {iter_num}: {skipped_in_a_row} steps in a row had a non-finite loss or "
+                      f"gradient (max_skipped_steps={max_skipped_steps}): the run has diverged. Resume from the "
+                      f"last checkpoint with a lower learning_rate.", file=sys.stderr)
+            if ddp:
+                dist.destroy_process_group()
+            sys.exit(3)
         if master_process:
             print(f"iter {iter_num}: skipping the update (non-finite loss or gradient, nonfinite='skip')")
         scaler.update()
     else:
+        skipped_in_a_row = 0
         # step the optimizer and scaler if training in fp16
         scaler.step(optimizer)
         scaler.update()
@@ -446,8 +579,9 @@ while True:
         if local_iter_num >= 5:  # let the training loop settle a bit
             mfu = raw_model.estimate_mfu(batch_size * gradient_accumulation_steps, dt, peak)
             running_mfu = mfu if running_mfu == -1.0 else 0.9 * running_mfu + 0.1 * mfu
+        mfu_text = f", mfu {running_mfu * 100:.2f}%" if running_mfu >= 0 else ""
         print(f"iter {iter_num}: loss {loss_mean:.6f}, ce {ce_mean:.6f}, kl {kl_mean:.4g}, lr {lr:.3e}, "
-              f"{dt * 1000:.2f}ms/iter, {tokens_per_iter / dt:,.0f} tok/s, mfu {running_mfu * 100:.2f}%")
+              f"{dt * 1000:.2f}ms/iter, {tokens_per_iter / dt:,.0f} tok/s{mfu_text}")
         if wandb_log:
             wandb.log({"iter": iter_num, "step/loss": loss_mean, "step/ce": ce_mean, "step/kl": kl_mean,
                        "lr": lr})
@@ -456,7 +590,7 @@ while True:
     if n_stop > 0:
         stopping = True
         if master_process:
-            print(f"SIGTERM received: stopping after iter {iter_num - 1}")
+            print(f"{stop_signal or 'stop signal'} received: stopping after iter {iter_num - 1}")
 
 # The final evaluation above saved by the usual rule: the last state, or with
 # always_save_checkpoint=False only an improvement (ckpt.pt stays the best). SIGTERM always saves
@@ -464,9 +598,9 @@ while True:
 if master_process and not eval_only:
     ckpt_path = os.path.join(out_dir, 'ckpt.pt')
     if stopping or (saved_iter != iter_num and (always_save_checkpoint or not os.path.exists(ckpt_path))):
-        save("SIGTERM" if stopping else "end of training")
+        save(stop_signal or "stop signal" if stopping else "end of training")
     print(f"checkpoint: {ckpt_path} (best val loss {best_val_loss:.4f})")
-    print(f"sample from it with: python sample.py --out_dir={out_dir}")
+    print(f"sample from it with: python3 sample.py --out_dir={out_dir}")
 if wandb_log and master_process:
     wandb.finish()
 if ddp:

@@ -22,7 +22,7 @@ from lr_schedule import check_schedule, get_lr
 from model import ATTENTION_TYPES, GPT, GPTConfig
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = ROOT / 'config' / 'test_tiny.py'
+TINY = ROOT / 'tests' / 'config_tiny.py'
 VOCAB = 48
 
 
@@ -137,10 +137,13 @@ def test_resume_after_sigkill_and_sigterm_reproduces_the_uninterrupted_run(tmp_p
     n = 60
     # noiseformer_v2: noise drawn at every forward must replay too; the LR schedule spans the run
     common = ['--attn_type=noiseformer_v2', '--eval_interval=10', f'--lr_decay_iters={n}']
-    full = run_train(tmp_path / 'full', data, *common, f'--max_iters={n}', '--wandb_log=True')
+    # wandb with no login (no WANDB_MODE, no key, an empty home): offline, said in one line, no crash
+    no_login = {k: v for k, v in subprocess_env(HOME=str(tmp_path)).items() if k not in ('WANDB_MODE', 'WANDB_API_KEY')}
+    full = run_train(tmp_path / 'full', data, *common, f'--max_iters={n}', '--wandb_log=True', env=no_login)
     reference = iter_losses(full.stdout)
     assert sorted(reference) == list(range(n)) and len(set(reference.values())) > n // 2
     assert list((tmp_path / 'full' / 'wandb').glob('offline-run-*')), "wandb offline run not written"
+    assert "wandb: not logged in; logging offline to" in full.stdout and "wandb sync" in full.stdout
 
     out = tmp_path / 'interrupted'
     # 1) SIGKILL a few iterations after the checkpoint at iter 10 (the run would go on for ever)
@@ -157,7 +160,7 @@ def test_resume_after_sigkill_and_sigterm_reproduces_the_uninterrupted_run(tmp_p
     assert f"SIGTERM received: stopping after iter {k2 - 1}" in stdout2
     # 3) resume to the end
     stdout3 = run_train(out, data, *common, '--init_from=resume', f'--max_iters={n}').stdout
-    assert f"python sample.py --out_dir={out}" in stdout3
+    assert f"python3 sample.py --out_dir={out}" in stdout3
 
     for part in (stdout1, stdout2, stdout3):
         for it, loss in iter_losses(part).items():
@@ -205,7 +208,7 @@ def test_init_from_a_local_gpt2_checkpoint_into_a_variant(tmp_path):
     assert "parameters not in the base weights" in proc.stdout
     args = load_checkpoint(tmp_path / 'out')['model_args']
     assert (args['attn_type'], args['n_layer'], args['vocab_size'], args['bias']) == ('dint_lowrank', 2, 64, True)
-    assert args['block_size'] == 32  # test_tiny's block_size: the 64 positions were cropped
+    assert args['block_size'] == 32  # config_tiny's block_size: the 64 positions were cropped
 
 
 # -----------------------------------------------------------------------------
@@ -242,7 +245,7 @@ def test_ddp_two_ranks_match_one_process(tmp_path):
 # non-finite loss: a checkpoint with a NaN weight
 
 def nan_checkpoint(out_dir):
-    """A nanoGPT-format checkpoint (no RNG state) of the test_tiny model with one NaN weight."""
+    """A nanoGPT-format checkpoint (no RNG state) of the config_tiny model with one NaN weight."""
     tiny = runpy.run_path(str(TINY))
     names = {f.name for f in dataclasses.fields(GPTConfig)}
     model_args = dataclasses.asdict(GPTConfig(**{k: v for k, v in tiny.items() if k in names}, vocab_size=VOCAB))
@@ -283,7 +286,7 @@ def test_nonfinite_loss_skips_the_step_when_asked(tmp_path):
 # every attention variant learns (in-process: one torch import for all eight)
 
 def run_in_process(argv, capsys):
-    saved = sys.argv, signal.getsignal(signal.SIGTERM), torch.get_num_threads()
+    saved = sys.argv, signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT), torch.get_num_threads()
     sys.argv = ['train.py', *argv]
     torch.set_num_threads(1)
     try:
@@ -291,7 +294,8 @@ def run_in_process(argv, capsys):
     finally:
         sys.argv = saved[0]
         signal.signal(signal.SIGTERM, saved[1])
-        torch.set_num_threads(saved[2])
+        signal.signal(signal.SIGINT, saved[2])
+        torch.set_num_threads(saved[3])
     return capsys.readouterr().out
 
 
@@ -305,6 +309,9 @@ def test_every_attention_variant_trains(attn_type, tmp_path, capsys):
     assert val[50] < val[0] - 0.5, val  # the same val batches before and after: it learned
     kl = [float(m[4]) for m in ITER_LINE.finditer(out)]
     assert all(k > 0 for k in kl) if attn_type.startswith('noiseformer') else all(k == 0 for k in kl)
+    first = [line for line in out.splitlines() if line.startswith('iter 0:')][0]
+    assert 'mfu' not in first  # not measured yet: nothing shown (it used to print "mfu -100.00%")
+    assert re.search(r"^iter 45: .*, mfu \d+\.\d+%$", out, re.M)
     assert load_checkpoint(tmp_path / 'out')['iter_num'] == 50
 
 
@@ -313,3 +320,125 @@ def test_config_typo_exits_2_with_the_suggestion(tmp_path):
     assert "train.py: error: command line argument '--n_layr=3': unknown config key 'n_layr'; did you mean " \
            "'n_layer'?" in proc.stderr
     assert 'Traceback' not in proc.stderr
+
+
+# -----------------------------------------------------------------------------
+# Hardening: resume and out_dir semantics, settings checked before any work
+
+def test_resume_refuses_an_architecture_given_at_its_default_value(tmp_path):
+    data = make_dataset(tmp_path)
+    run_train(tmp_path / 'out', data, '--attn_type=dint', '--max_iters=0')
+    # base is train.py's default, but it was given: it must be compared, not ignored
+    proc = run_train(tmp_path / 'out', data, '--init_from=resume', '--attn_type=base', expect_rc=2)
+    assert "attn_type: checkpoint 'dint', this run 'base'" in proc.stderr
+    assert load_checkpoint(tmp_path / 'out')['model_args']['attn_type'] == 'dint'
+
+
+def test_resume_continues_the_checkpoints_run_settings(tmp_path, capsys):
+    data = make_dataset(tmp_path)
+    out = tmp_path / 'out'
+    first = run_in_process([str(TINY), f'--dataset={data}', f'--out_dir={out}', '--batch_size=2',
+                            '--gradient_accumulation_steps=1', '--max_iters=2', '--eval_interval=2'], capsys)
+    assert "tokens per iteration will be: 64" in first  # 1 x 2 x 32
+    assert "max_iters=2 ends during the warmup (warmup_iters=5)" in first
+    # nanoGPT's way of resuming: no config file; batch, data and schedule come from the checkpoint
+    second = run_in_process(['--init_from=resume', f'--out_dir={out}', '--max_iters=4', '--learning_rate=0.001',
+                             '--device=cpu', '--dtype=float32'], capsys)
+    assert "tokens per iteration will be: 64" in second
+    assert "learning_rate: checkpoint 0.003, this run 0.001" in second
+    assert "max_iters: checkpoint 2, this run 4" in second
+    ckpt = load_checkpoint(out)
+    assert ckpt['iter_num'] == 4
+    assert (ckpt['config']['batch_size'], ckpt['config']['dataset'], ckpt['config']['learning_rate']) == (2, str(data), 0.001)
+
+
+def test_scratch_run_keeps_another_runs_checkpoint_aside(tmp_path):
+    data = make_dataset(tmp_path)
+    out = tmp_path / 'out'
+    run_train(out, data, '--max_iters=10', '--eval_interval=5')
+    before = {name: (out / name).read_bytes() for name in ('ckpt.pt', 'ckpt.prev.pt')}
+    # the same command again (or a short test run with the same out_dir): the first run is not lost
+    proc = run_train(out, data, '--max_iters=2', '--eval_interval=5')
+    aside = [p for p in out.iterdir() if p.name.startswith('replaced-')]
+    assert len(aside) == 1 and f"moved it to {aside[0]}/" in proc.stdout
+    assert {name: (aside[0] / name).read_bytes() for name in before} == before
+    assert load_checkpoint(out)['iter_num'] == 2
+    proc = run_train(out, data, '--max_iters=1', '--overwrite=True')
+    assert "deleted the previous run's checkpoint" in proc.stdout
+    assert len([p for p in out.iterdir() if p.name.startswith('replaced-')]) == 1
+
+
+def test_resume_does_not_replace_the_fallback_before_training(tmp_path):
+    data = make_dataset(tmp_path)
+    out = tmp_path / 'out'
+    run_train(out, data, '--max_iters=10', '--eval_interval=5')  # saves at 5 (-> ckpt.prev.pt) and 10
+    assert load_checkpoint(out / 'ckpt.prev.pt')['iter_num'] == 5
+    before = {name: (out / name).read_bytes() for name in ('ckpt.pt', 'ckpt.prev.pt')}
+    proc = run_train(out, data, '--init_from=resume', '--max_iters=10')  # nothing left to train
+    assert 'saved checkpoint' not in proc.stdout and 'step 10:' not in proc.stdout
+    assert {name: (out / name).read_bytes() for name in before} == before
+    run_train(out, data, '--init_from=resume', '--max_iters=12')
+    assert load_checkpoint(out)['iter_num'] == 12 and load_checkpoint(out / 'ckpt.prev.pt')['iter_num'] == 10
+
+
+BAD_SETTINGS = [
+    (['--grad_clip=-1'], "grad_clip=-1.0 must not be negative"),
+    (['--block_size=0'], "block_size=0 must be at least 1"),
+    (['--n_embd=0'], "n_embd=0 must be at least 1"),
+    (['--seed=-1'], "seed=-1 must be a non-negative integer"),
+    (['--beta1=1.5'], "beta1=1.5 must be in [0, 1)"),
+    (['--out_dir='], "out_dir='' is empty"),
+    (['--learning_rate=-0.1', '--decay_lr=False'], "learning_rate=-0.1 must be positive"),
+    (['--nonfinite=skip', '--max_skipped_steps=0'], "max_skipped_steps=0 must be at least 1"),
+]
+
+
+@pytest.mark.parametrize('args,message', BAD_SETTINGS, ids=[a[0].split('=')[0] for a, _ in BAD_SETTINGS])
+def test_impossible_settings_fail_before_any_work(args, message, tmp_path, capsys):
+    data = make_dataset(tmp_path, n_train=2000, n_val=500)
+    with pytest.raises(SystemExit) as e:
+        run_in_process([str(TINY), f'--dataset={data}', f'--out_dir={tmp_path / "out"}', *args], capsys)
+    captured = capsys.readouterr()
+    assert e.value.code == 2
+    assert captured.err.strip() == f"train.py: error: {captured.err.strip()[len('train.py: error: '):]}"
+    assert message in captured.err and len(captured.err.strip().splitlines()) == 1
+    assert not (tmp_path / 'out').exists()  # nothing was started
+
+
+def test_unwritable_out_dir_is_found_at_start(tmp_path, capsys):
+    data = make_dataset(tmp_path, n_train=2000, n_val=500)
+    (tmp_path / 'file').write_text('not a directory')
+    with pytest.raises(SystemExit) as e:
+        run_in_process([str(TINY), f'--dataset={data}', f'--out_dir={tmp_path / "file" / "out"}'], capsys)
+    captured = capsys.readouterr()
+    assert e.value.code == 2 and "is not a writable directory" in captured.err
+    assert 'iter 0' not in captured.out
+
+
+def test_gpt2_weights_offline_is_one_clear_line(tmp_path):
+    pytest.importorskip('transformers')
+    data = make_dataset(tmp_path, n_train=2000, n_val=500)
+    env = subprocess_env(HF_HUB_OFFLINE='1', HF_HOME=str(tmp_path / 'hf-home'))
+    proc = run_train(tmp_path / 'out', data, '--init_from=gpt2', env=env, expect_rc=2)
+    assert "could not fetch the 'gpt2' weights" in proc.stderr and "save_pretrained" in proc.stderr
+    assert 'Traceback' not in proc.stderr
+
+
+def test_permanent_divergence_stops_after_max_skipped_steps(tmp_path):
+    data = make_dataset(tmp_path)
+    nan_checkpoint(tmp_path / 'out')
+    proc = run_train(tmp_path / 'out', data, '--init_from=resume', '--max_iters=50', '--nonfinite=skip',
+                     '--max_skipped_steps=4', expect_rc=3)
+    assert proc.stdout.count("skipping the update") == 3
+    assert "4 steps in a row had a non-finite loss or gradient (max_skipped_steps=4)" in proc.stderr
+    assert load_checkpoint(tmp_path / 'out')['iter_num'] == 0  # nothing saved over the last good state
+
+
+def test_ctrl_c_finishes_the_step_and_checkpoints(tmp_path):
+    data = make_dataset(tmp_path)
+    out = tmp_path / 'out'
+    rc, stdout, err = run_until_signal(out, data, signal.SIGINT, 3, '--max_iters=1000000', '--eval_interval=1000')
+    assert rc == 0, err
+    k = load_checkpoint(out)['iter_num']
+    assert k >= 4 and f"SIGINT received: stopping after iter {k - 1}" in stdout
+    assert "Ctrl-C again to quit at once" in err

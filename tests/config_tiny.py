@@ -1,5 +1,6 @@
-# A model small enough for the test suite: trains on one CPU core in well under a second per
-# dozen iterations. The tests set dataset (an absolute path to tiny token files) and out_dir.
+# A model small enough for the test suite (tests/test_train.py), not a recipe for users: trains on
+# one CPU core in well under a second per dozen iterations. The tests set dataset (an absolute
+# path to tiny token files) and out_dir.
 # Literal assignments only; every key is one of train.py's settings.
 
 out_dir = 'out-test-tiny'
