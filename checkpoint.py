@@ -1,5 +1,6 @@
 """
-Checkpoint files: written so that a crash or a kill at any moment leaves a loadable checkpoint.
+Checkpoint files: written so that a crash or a kill at any moment leaves a loadable checkpoint,
+laid out so that nanoGPT's scripts read ours and ours read nanoGPT's.
 
 out_dir/ckpt.pt       the newest checkpoint
 out_dir/ckpt.prev.pt  the one before it, kept in case the newest is damaged later (disk full, a
@@ -8,18 +9,37 @@ out_dir/ckpt.prev.pt  the one before it, kept in case the newest is damaged late
 A save writes ckpt.pt.tmp-<pid>, fsyncs it, hard-links the current ckpt.pt to ckpt.prev.pt (so
 ckpt.pt never disappears, not even for an instant) and renames the temp file over ckpt.pt.
 Renames within a directory are atomic, so a reader sees the old file or the new one, never half.
+A save that fails (disk full, quota, I/O error) raises CheckpointError with one line saying so;
+the existing ckpt.pt and ckpt.prev.pt are untouched.
 
-A checkpoint is a dict: model, optimizer, model_args (GPTConfig fields), iter_num, best_val_loss,
-config (every training setting), plus what train.py needs to continue exactly (RNG and sampler
-states, GradScaler). Only tensors and plain Python values are stored, so loading uses
-torch.load(weights_only=True) and never runs code from the file. nanoGPT's ckpt.pt files load too.
+A checkpoint is a dict: model, optimizer, model_args, iter_num, best_val_loss, config (every
+training setting), plus what train.py needs to continue exactly (RNG and sampler states,
+GradScaler, optimizer_param_names). Only tensors and plain Python values are stored, so loading
+uses torch.load(weights_only=True) and never runs code from the file.
+
+nanoGPT interoperability:
+- model_args on disk holds nanoGPT's seven GPTConfig fields (NANOGPT_MODEL_ARGS); attn_type and
+  the variant fields are stored under 'attn_args', so nanoGPT's sample.py and train.py build a
+  `base` checkpoint of ours with their own GPTConfig(**model_args). Other variants keep attn_type
+  in model_args, so nanoGPT refuses them by name instead of running softmax attention on weights
+  that mean something else (linear attention has base's exact parameter names and shapes).
+  load_checkpoint merges the two again: callers always see the full dict in ckpt['model_args'],
+  for new checkpoints, older ones of ours and nanoGPT's alike.
+- Optimizer state: torch stores AdamW's state by parameter position. load_optimizer_state maps it
+  by parameter name instead: from 'optimizer_param_names' (see optimizer_param_names) in our
+  checkpoints, or, in nanoGPT's, from the order nanoGPT's configure_optimizers gives (the keys of
+  checkpoint['model'] in order, 2-D and larger tensors decayed, the rest not).
+- Integrity: torch.save writes a zip whose records carry CRC-32s (nanoGPT's files too);
+  load_checkpoint checks them, so bytes flipped inside a tensor are reported like a truncated file.
 """
 
+import errno
 import glob
 import os
 import pickle
 import random
 import shutil
+import zipfile
 
 import numpy as np
 import torch
@@ -27,6 +47,8 @@ import torch
 CKPT_NAME = 'ckpt.pt'
 PREV_NAME = 'ckpt.prev.pt'
 REQUIRED_KEYS = ('model', 'optimizer', 'model_args', 'iter_num', 'best_val_loss', 'config')
+# nanoGPT's GPTConfig fields: what its sample.py / train.py pass to GPTConfig(**model_args)
+NANOGPT_MODEL_ARGS = ('n_layer', 'n_head', 'n_embd', 'block_size', 'bias', 'vocab_size', 'dropout')
 
 
 class CheckpointError(RuntimeError):
@@ -35,27 +57,80 @@ class CheckpointError(RuntimeError):
 
 def save_checkpoint(state, out_dir):
     """Atomically write `state` to out_dir/ckpt.pt, keeping the previous one as ckpt.prev.pt.
-    If anything fails (an unpicklable value, a full disk, a kill) the existing files are untouched.
+    state['model_args'] is written in nanoGPT's layout (see split_model_args); `state` itself is
+    not modified. If anything fails (an unpicklable value, a full disk, a kill) the existing files
+    are untouched; a failed write (OSError) raises CheckpointError with a one-line message.
     Returns the path written."""
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, CKPT_NAME)
     prev = os.path.join(out_dir, PREV_NAME)
     for stale in glob.glob(path + '.tmp-*') + glob.glob(prev + '.tmp-*'):
         os.remove(stale)  # left by a process killed mid-save (only rank 0 ever writes here)
+    if isinstance(state.get('model_args'), dict):
+        state = dict(state)
+        state['model_args'], state['attn_args'] = split_model_args(state['model_args'])
     tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        _write_synced(state, tmp)
+        if os.path.exists(path):
+            _keep_as_previous(path, prev)
+        os.replace(tmp, path)
+        _fsync_dir(out_dir)  # and the rename itself survives a power cut
+    except Exception as e:
+        cause = _os_error_behind(e)
+        if cause is None:
+            raise  # not a write failure (e.g. an unpicklable value): the traceback is the message
+        raise CheckpointError(_write_failure_message(cause, out_dir, path, prev)) from e
+    finally:
+        for leftover in (tmp, f"{prev}.tmp-{os.getpid()}"):
+            if os.path.exists(leftover):
+                os.remove(leftover)
+    return path
+
+
+def split_model_args(model_args):
+    """Full model_args -> (what nanoGPT's GPTConfig accepts, everything else) for the file.
+    attn_type stays with nanoGPT's keys unless it is 'base', so that nanoGPT builds a base model
+    and refuses (naming attn_type) any other variant."""
+    keep = NANOGPT_MODEL_ARGS if model_args.get('attn_type', 'base') == 'base' else NANOGPT_MODEL_ARGS + ('attn_type',)
+    return ({k: v for k, v in model_args.items() if k in keep},
+            {k: v for k, v in model_args.items() if k not in keep})
+
+
+def _write_synced(state, tmp):
+    # the CRC-32s are what load_checkpoint verifies: write them even if someone turned them off
+    crc32_was = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(True)
     try:
         with open(tmp, 'wb') as f:
             torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())  # the bytes are on disk before the rename makes them "the" checkpoint
-        if os.path.exists(path):
-            _keep_as_previous(path, prev)
-        os.replace(tmp, path)
-        _fsync_dir(out_dir)  # and the rename itself survives a power cut
     finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-    return path
+        torch.serialization.set_crc32_options(crc32_was)
+
+
+def _os_error_behind(e):
+    """The OSError that caused `e`, if any: torch.save reports a failed write as a RuntimeError
+    from its zip writer ('inline_container.cc ... unexpected pos') chained to the real OSError."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, OSError):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def _write_failure_message(err, out_dir, path, prev):
+    kept = [p for p in (path, prev) if os.path.isfile(p)]
+    intact = f"{' / '.join(kept)} {'are' if len(kept) > 1 else 'is'} intact" if kept else "no checkpoint was written"
+    if err.errno in (errno.ENOSPC, getattr(errno, 'EDQUOT', errno.ENOSPC)):  # disk full / quota
+        return (f"no space left on device in {out_dir} while saving a checkpoint; {intact}. Free some "
+                f"space (or set out_dir to a disk with room) and resume with init_from='resume'")
+    reason = err.strerror or type(err).__name__
+    return (f"could not write a checkpoint in {out_dir} ({reason}); {intact}. Fix the cause and resume "
+            f"with init_from='resume'")
 
 
 def _keep_as_previous(path, prev):
@@ -103,6 +178,7 @@ def load_checkpoint(out_dir_or_file, map_location='cpu'):
                                 f"or point out_dir at the directory that holds ckpt.pt")
     try:
         ckpt = torch.load(path, map_location=map_location, weights_only=True)
+        damaged = _first_damaged_record(path)
     except pickle.UnpicklingError as e:
         if 'weights_only' not in str(e).lower() and 'weights only' not in str(e).lower():
             raise CheckpointError(f"checkpoint {path} is truncated or corrupt ({_first_line(e)}). "
@@ -110,15 +186,114 @@ def load_checkpoint(out_dir_or_file, map_location='cpu'):
         raise CheckpointError(f"checkpoint {path} holds Python objects other than tensors and plain "
                               f"values, which are not loaded because unpickling them can run code "
                               f"({_first_line(e)})") from e
-    except (RuntimeError, EOFError, OSError, ValueError) as e:  # zip reader / short read errors
+    except (RuntimeError, EOFError, OSError, ValueError, zipfile.BadZipFile) as e:  # zip reader / short read errors
         raise CheckpointError(f"checkpoint {path} is truncated or corrupt ({type(e).__name__}: "
                               f"{_first_line(e)}). {use_prev}") from e
+    if damaged:
+        raise CheckpointError(f"checkpoint {path} is truncated or corrupt (record {damaged} does not "
+                              f"match its CRC-32). {use_prev}")
     missing = [k for k in REQUIRED_KEYS if not isinstance(ckpt, dict) or k not in ckpt]
     if missing:
         raise CheckpointError(f"{path} is not a training checkpoint: it lacks {', '.join(missing)}")
     # torch.compile'd models (nanoGPT saves them so) prefix every key with '_orig_mod.'
     ckpt['model'] = {k.removeprefix('_orig_mod.'): v for k, v in ckpt['model'].items()}
+    # callers see one full model_args whatever the layout (see split_model_args)
+    ckpt['model_args'] = {**ckpt['model_args'], **ckpt.pop('attn_args', {})}
     return ckpt
+
+
+def _first_damaged_record(path):
+    """The name of the first record of a torch.save zip whose bytes do not match their stored
+    CRC-32, or None. Files that carry no CRCs (saved with torch's compute_crc32 off: every CRC is
+    0, or torch's legacy non-zip format) cannot be checked and pass."""
+    if not zipfile.is_zipfile(path):
+        return None
+    with zipfile.ZipFile(path) as archive:
+        if all(info.CRC == 0 for info in archive.infolist()):
+            return None
+        return archive.testzip()  # reads every record: about as long as torch.load's own read
+
+
+# ----------------------------------------------------------------------------------------------
+# Optimizer state by parameter name (torch's load_state_dict goes by position)
+
+def optimizer_param_names(model, optimizer):
+    """The parameter name of every slot of every param group of `optimizer`, e.g.
+    [['transformer.wte.weight', ...], ['transformer.h.0.ln_1.weight', ...]]. train.py stores it in
+    the checkpoint under 'optimizer_param_names' so that load_optimizer_state can map by name."""
+    names = {id(p): _clean_name(n) for n, p in model.named_parameters()}  # a tied weight: its first name
+    missing = [tuple(p.shape) for g in optimizer.param_groups for p in g['params'] if id(p) not in names]
+    if missing:
+        raise ValueError(f"the optimizer holds {len(missing)} tensor(s) that are not parameters of the "
+                         f"model (shapes {missing[:3]}): build it from this model's parameters")
+    return [[names[id(p)] for p in g['params']] for g in optimizer.param_groups]
+
+
+def load_optimizer_state(optimizer, model, checkpoint):
+    """Load checkpoint['optimizer'] into `optimizer`, giving each parameter of `model` the state
+    saved for the parameter of the same name. The slot names come from
+    checkpoint['optimizer_param_names'] (ours) or, without it (nanoGPT's), from nanoGPT's own order:
+    checkpoint['model']'s keys in order, less the tied lm_head.weight and buffers, 2-D and larger
+    tensors in the decayed group, the rest in the other. Each group's hyperparameters (lr, betas,
+    weight_decay, ...) come from the saved group, as with optimizer.load_state_dict, which this
+    matches exactly when the order is the same. A missing name or a shape that differs raises
+    CheckpointError. `model` is the plain module (not the DDP wrapper), as for configure_optimizers."""
+    saved = checkpoint['optimizer']
+    saved_names = checkpoint.get('optimizer_param_names') or _nanogpt_param_names(checkpoint, model)
+    saved_names = [[_clean_name(n) for n in group] for group in saved_names]
+    _check_group_sizes(saved['param_groups'], saved_names, "its optimizer_param_names")
+    saved_state = {name: saved['state'][i]
+                   for group, names in zip(saved['param_groups'], saved_names)
+                   for i, name in zip(group['params'], names) if i in saved['state']}
+    own_names = optimizer_param_names(model, optimizer)
+    if len(own_names) != len(saved_names):
+        raise CheckpointError(f"the checkpoint's optimizer has {len(saved_names)} parameter groups, this "
+                              f"one {len(own_names)}: it was built by a different configure_optimizers")
+    for g, (own, theirs) in enumerate(zip(own_names, saved_names)):
+        if set(own) != set(theirs):
+            lacking, extra = sorted(set(own) - set(theirs)), sorted(set(theirs) - set(own))
+            raise CheckpointError(f"the checkpoint's optimizer state does not fit this model: param group "
+                                  f"{g} lacks {lacking[:3] or 'nothing'} and has extra {extra[:3] or 'nothing'}")
+    params = {_clean_name(n): p for n, p in model.named_parameters()}
+    slot = 0
+    state, groups = {}, []
+    for saved_group, own in zip(saved['param_groups'], own_names):
+        ids = []
+        for name in own:
+            if name in saved_state:
+                _check_state_shapes(name, saved_state[name], params[name])
+                state[slot] = saved_state[name]
+            ids.append(slot)
+            slot += 1
+        groups.append({**saved_group, 'params': ids})
+    optimizer.load_state_dict({'state': state, 'param_groups': groups})
+
+
+def _nanogpt_param_names(checkpoint, model):
+    """Slot names in the order nanoGPT's configure_optimizers builds them: named_parameters order
+    (= checkpoint['model'] order without the tied lm_head.weight and buffers such as its causal
+    mask attn.bias), split into dim >= 2 (decayed) and dim < 2 (not decayed)."""
+    own = {_clean_name(n) for n, _ in model.named_parameters()}  # excludes the tied lm_head, buffers
+    weights = [(k, v) for k, v in ((_clean_name(k), v) for k, v in checkpoint['model'].items()) if k in own]
+    return [[k for k, v in weights if v.dim() >= 2], [k for k, v in weights if v.dim() < 2]]
+
+
+def _check_group_sizes(saved_groups, saved_names, source):
+    sizes, named = [len(g['params']) for g in saved_groups], [len(n) for n in saved_names]
+    if sizes != named:
+        raise CheckpointError(f"the checkpoint's optimizer has param groups of {sizes} tensors but {source} "
+                              f"name {named}: the optimizer state cannot be matched to parameters")
+
+
+def _check_state_shapes(name, param_state, param):
+    for key, value in param_state.items():
+        if torch.is_tensor(value) and value.dim() > 0 and value.shape != param.shape:
+            raise CheckpointError(f"the checkpoint's optimizer state {key} for {name} has shape "
+                                  f"{tuple(value.shape)} but the model's parameter has {tuple(param.shape)}")
+
+
+def _clean_name(name):
+    return name.removeprefix('_orig_mod.')  # torch.compile's wrapper prefixes every name
 
 
 def _first_line(e):

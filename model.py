@@ -126,12 +126,15 @@ class KVCache:
 
 
 class AttentionBase(nn.Module):
-    """What every variant has: head bookkeeping, output projection c_proj and dropout.
+    """What every variant has: head bookkeeping, the input projection c_attn, the output
+    projection c_proj and dropout.
 
-    A variant declares the GPTConfig fields it reads (`config_fields`) and may reject
-    configurations it cannot run (`check_config`). forward(x, cache=None) -> (B, T, C).
+    A variant declares the GPTConfig fields it reads (`config_fields`), how many n_embd-wide
+    projections c_attn computes (`c_attn_projections`), and may reject configurations it cannot
+    run (`check_config`). forward(x, cache=None) -> (B, T, C).
     """
     config_fields = ()
+    c_attn_projections = 3  # q, k, v
 
     @classmethod
     def check_config(cls, config):
@@ -143,6 +146,10 @@ class AttentionBase(nn.Module):
         self.n_embd = config.n_embd
         self.head_size = config.n_embd // config.n_head
         self.dropout = config.dropout
+        # c_attn before c_proj, as nanoGPT registers them: optimizers store their state by parameter
+        # position, so only this order lets a nanoGPT checkpoint's AdamW state resume here (and
+        # nanoGPT resume ours). A variant's own parameters come after both.
+        self.c_attn = nn.Linear(config.n_embd, self.c_attn_projections * config.n_embd, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
 
@@ -159,11 +166,7 @@ class AttentionBase(nn.Module):
 # The attention variants
 
 class CausalSelfAttention(AttentionBase):
-    """base: standard causal attention, nanoGPT's parameter names and shapes."""
-
-    def __init__(self, config, layer_idx):
-        super().__init__(config, layer_idx)
-        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+    """base: standard causal attention, nanoGPT's parameter names, shapes and order."""
 
     def forward(self, x, cache=None):
         q, k, v = (split_heads(t, self.n_head) for t in self.c_attn(x).split(self.n_embd, dim=2))
@@ -173,10 +176,7 @@ class CausalSelfAttention(AttentionBase):
 
 class SymmetricAttention(AttentionBase):
     """symmetric: K := Q, so the scores Q Q^T / sqrt(d) are symmetric and there is no key projection."""
-
-    def __init__(self, config, layer_idx):
-        super().__init__(config, layer_idx)
-        self.c_attn = nn.Linear(config.n_embd, 2 * config.n_embd, bias=config.bias)  # q, v
+    c_attn_projections = 2  # q, v
 
     def score_bias(self, batch_size, t_q, t_k, like):
         return None  # NoiseFormer adds its noise here
@@ -262,7 +262,6 @@ class DifferentialAttention(AttentionBase):
         d = self.head_size
         self.n_diff_heads = config.n_head // self.heads_per_diff_head
         self.value_size = config.n_embd // self.n_diff_heads
-        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
         self.lambda_init = 0.8 - 0.6 * math.exp(-0.3 * layer_idx)  # layer_idx is 0-based
         self.lambda_q1 = nn.Parameter(torch.randn(d) * 0.1)
         self.lambda_k1 = nn.Parameter(torch.randn(d) * 0.1)
@@ -370,8 +369,7 @@ class LinearAttention(AttentionBase):
             raise ValueError(f"GPTConfig.linear_chunk_size={config.linear_chunk_size} must be positive")
 
     def __init__(self, config, layer_idx):
-        super().__init__(config, layer_idx)
-        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # same as base
+        super().__init__(config, layer_idx)  # c_attn and c_proj exactly as base
         self.chunk_size = config.linear_chunk_size
 
     def forward(self, x, cache=None):
