@@ -25,6 +25,7 @@ over the ranks, so val losses compare across evals, runs and attention variants.
 """
 
 import dataclasses
+import json
 import os
 import netrc
 import signal
@@ -38,8 +39,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from batches import TokenBatches, load_meta
-from checkpoint import (CheckpointError, capture_rng_state, load_checkpoint, restore_rng_state,
-                        save_checkpoint)
+from checkpoint import (CheckpointError, capture_rng_state, load_checkpoint, load_optimizer_state,
+                        optimizer_param_names, restore_rng_state, save_checkpoint)
 from configurator import ConfigError, apply_config
 from device import (autocast_context, compile_model, ddp_backend, ddp_device_ids, device_type,
                     fused_optimizer, grad_scaler, manual_seed, mark_step, peak_flops, resolve_device,
@@ -216,14 +217,16 @@ def prepare_out_dir():
     except OSError as e:
         fail(f"out_dir={out_dir!r} is not a writable directory ({e.strerror or e}): fix its permissions "
              f"or choose another --out_dir")
-    old = [os.path.join(out_dir, name) for name in ('ckpt.pt', 'ckpt.prev.pt')]
-    if init_from == 'resume' or eval_only or not os.path.exists(old[0]):
+    if init_from == 'resume' or eval_only:
         return
-    if overwrite:
-        for path in old:
+    old = [os.path.join(out_dir, name) for name in ('ckpt.pt', 'ckpt.prev.pt', METRICS_NAME)]
+    had_checkpoint = os.path.exists(old[0])
+    if not had_checkpoint or overwrite:
+        for path in old:  # with no checkpoint, a metrics log is from a run that never saved: not ours
             if os.path.exists(path):
                 os.remove(path)
-        print(f"overwrite=True: deleted the previous run's checkpoint in {out_dir}")
+        if had_checkpoint:
+            print(f"overwrite=True: deleted the previous run's checkpoint in {out_dir}")
         return
     aside = tempfile.mkdtemp(prefix=time.strftime('replaced-%Y%m%d-%H%M%S-'), dir=out_dir)  # a new name every time
     for path in old:
@@ -233,9 +236,41 @@ def prepare_out_dir():
           f"replace it (to continue that run instead, use --init_from=resume; --overwrite=True deletes it)")
 
 
+# out_dir/metrics.jsonl: one JSON line per logged iteration and per evaluation, for compare.py and
+# plots. Resume-safe: a resumed run first drops the rows written after its checkpoint.
+METRICS_NAME = 'metrics.jsonl'
+metrics_path = os.path.join(out_dir, METRICS_NAME)
+
+
+def trim_metrics_log(resumed_iter):
+    """Keep the rows the checkpoint had seen: iterations before resumed_iter, evaluations up to it."""
+    if not os.path.exists(metrics_path):
+        return
+    with open(metrics_path) as f:
+        lines = f.read().splitlines()
+    keep = []
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except ValueError:  # the last line of a killed run may be cut short
+            continue
+        if row['iter'] < resumed_iter or (row['iter'] == resumed_iter and 'val_loss' in row):
+            keep.append(line)
+    with open(metrics_path + '.tmp', 'w') as f:
+        f.write(''.join(line + '\n' for line in keep))
+    os.replace(metrics_path + '.tmp', metrics_path)
+
+
+def log_metrics(row):
+    with open(metrics_path, 'a') as f:
+        f.write(json.dumps(row) + '\n')
+
+
 if master_process:
     print(f"device {device} ({dtype}), {ddp_world_size} process(es)")
     prepare_out_dir()
+    if init_from == 'resume' and not eval_only:
+        trim_metrics_log(checkpoint['iter_num'])
     if resume_changes:
         print("resuming with these settings changed from the checkpoint's (the others are the checkpoint's):\n"
               + "\n".join(resume_changes))
@@ -343,7 +378,10 @@ scaler = grad_scaler(device, dtype)
 optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type(device))
 optimizer = fused_optimizer(optimizer, device)
 if init_from == 'resume':
-    optimizer.load_state_dict(checkpoint['optimizer'])
+    try:  # by parameter name: nanoGPT's checkpoints order their optimizer state differently
+        load_optimizer_state(optimizer, model, checkpoint)
+    except CheckpointError as e:
+        fail(e)
     if 'rng' in checkpoint:  # written by this train.py (a nanoGPT checkpoint has model and optimizer only)
         scaler.load_state_dict(checkpoint['scaler'])
         restore_rng_state(checkpoint['rng'], device_type(device))
@@ -391,6 +429,7 @@ def save(reason):
     state = {
         'model': raw_model.state_dict(),
         'optimizer': optimizer.state_dict(),
+        'optimizer_param_names': optimizer_param_names(raw_model, optimizer),
         'model_args': model_args,
         'iter_num': iter_num,
         'best_val_loss': best_val_loss,
@@ -401,7 +440,10 @@ def save(reason):
         'rng': capture_rng_state(device_type(device)),
         'train_batches': batches['train'].state_dict(),
     }
-    path = save_checkpoint(state, out_dir)
+    try:
+        path = save_checkpoint(state, out_dir)
+    except CheckpointError as e:  # disk full, ...: the files already there are intact
+        fail(e)
     print(f"saved checkpoint to {path} (iter {iter_num}, {reason})")
 
 
@@ -482,9 +524,11 @@ while True:
         losses = estimate_loss()
         if master_process:
             print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
+            row = {"iter": iter_num, "train_loss": losses['train'], "val_loss": losses['val'], "lr": lr}
+            if not eval_only:
+                log_metrics(row)
             if wandb_log:
-                wandb.log({"iter": iter_num, "train/loss": losses['train'], "val/loss": losses['val'], "lr": lr,
-                           **({"mfu": running_mfu * 100} if running_mfu >= 0 else {})})
+                wandb.log(row)
             improved = losses['val'] < best_val_loss
             best_val_loss = min(best_val_loss, losses['val'])
             if (improved or always_save_checkpoint) and iter_num > 0 and not eval_only:
@@ -582,9 +626,11 @@ while True:
         mfu_text = f", mfu {running_mfu * 100:.2f}%" if running_mfu >= 0 else ""
         print(f"iter {iter_num}: loss {loss_mean:.6f}, ce {ce_mean:.6f}, kl {kl_mean:.4g}, lr {lr:.3e}, "
               f"{dt * 1000:.2f}ms/iter, {tokens_per_iter / dt:,.0f} tok/s{mfu_text}")
+        row = {"iter": iter_num, "loss": loss_mean, "ce": ce_mean, "kl": kl_mean, "lr": lr, "ms": dt * 1000,
+               "tokens_per_s": tokens_per_iter / dt, **({"mfu": running_mfu * 100} if running_mfu >= 0 else {})}
+        log_metrics(row)
         if wandb_log:
-            wandb.log({"iter": iter_num, "step/loss": loss_mean, "step/ce": ce_mean, "step/kl": kl_mean,
-                       "lr": lr})
+            wandb.log(row)
     iter_num += 1
     local_iter_num += 1
     if n_stop > 0:

@@ -166,6 +166,19 @@ def test_resume_after_sigkill_and_sigterm_reproduces_the_uninterrupted_run(tmp_p
         for it, loss in iter_losses(part).items():
             assert loss == reference[it], f"iter {it}: {loss} after resuming, {reference[it]} uninterrupted"
     assert set(iter_losses(stdout1)) | set(iter_losses(stdout2)) | set(iter_losses(stdout3)) == set(range(n))
+    # out_dir/metrics.jsonl: a killed and resumed run has exactly one row per iteration and per
+    # evaluation, with the uninterrupted run's values
+    rows = {name: [json.loads(line) for line in (tmp_path / name / 'metrics.jsonl').read_text().splitlines()]
+            for name in ('full', 'interrupted')}
+    for name, table in rows.items():
+        steps = [r['iter'] for r in table if 'loss' in r]
+        evals = [r['iter'] for r in table if 'val_loss' in r]
+        assert steps == list(range(n)) and evals == list(range(0, n + 1, 10)), name
+    full_rows = {(r['iter'], 'val_loss' in r): r for r in rows['full']}
+    for r in rows['interrupted']:
+        ref = full_rows[(r['iter'], 'val_loss' in r)]
+        for key in ('loss', 'ce', 'kl', 'lr', 'train_loss', 'val_loss'):
+            assert r.get(key) == ref.get(key), (r['iter'], key)
     assert eval_losses(stdout3)[n] == eval_losses(full.stdout)[n]
     a, b = load_checkpoint(tmp_path / 'full'), load_checkpoint(out)
     assert a['iter_num'] == b['iter_num'] == n
@@ -231,7 +244,7 @@ def test_ddp_two_ranks_match_one_process(tmp_path):
         assert abs(e1[it] - e2[it]) < 1e-5
     # only rank 0 saves (twice: at the evaluations of iters 4 and 8); the results agree
     assert one.stdout.count('saved checkpoint') == two.stdout.count('saved checkpoint') == 2
-    assert sorted(os.listdir(tmp_path / 'two')) == ['ckpt.prev.pt', 'ckpt.pt']
+    assert sorted(os.listdir(tmp_path / 'two')) == ['ckpt.prev.pt', 'ckpt.pt', 'metrics.jsonl']
     w1, w2 = load_checkpoint(tmp_path / 'one')['model'], load_checkpoint(tmp_path / 'two')['model']
     for name in w1:
         torch.testing.assert_close(w1[name], w2[name], rtol=0, atol=1e-5)
