@@ -153,6 +153,10 @@ class AttentionBase(nn.Module):
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
 
+    def learned_values(self):
+        """What this variant learns beyond weights, for the training logs: {name: [floats]}."""
+        return {}
+
     def output(self, y):
         """(B, heads, T, hs) -> residual-stream update (B, T, C)."""
         return self.resid_dropout(self.c_proj(merge_heads(y)))
@@ -225,6 +229,9 @@ class NoiseFormerAttention(SymmetricAttention):
             return self.noise_logvar
         return torch.log(self.noise_sigma.square().clamp_min(1e-30))  # guard sigma = 0
 
+    def learned_values(self):
+        return {'sigma': self.sigma().tolist(), 'mu': self.noise_mu.tolist()}
+
     def kl_divergence(self):
         """sum over this layer's distributions of KL(N(mu, sigma^2) || N(0, 1))."""
         return 0.5 * (self.noise_mu.square() + self.log_variance().exp() - self.log_variance() - 1).sum()
@@ -272,6 +279,9 @@ class DifferentialAttention(AttentionBase):
     def lambda_full(self):
         return (torch.exp(torch.dot(self.lambda_q1, self.lambda_k1))
                 - torch.exp(torch.dot(self.lambda_q2, self.lambda_k2)) + self.lambda_init)
+
+    def learned_values(self):
+        return {'lambda': [self.lambda_full().item()]}
 
     def combine(self, o1, o2, lam, cache):
         return o1 - lam * o2
@@ -583,6 +593,17 @@ class GPT(nn.Module):
         train.py adds kl_weight * this to the mean cross-entropy."""
         terms = [m.kl_divergence() for m in self.modules() if isinstance(m, NoiseFormerAttention)]
         return torch.stack(terms).sum() if terms else torch.zeros((), device=self.lm_head.weight.device)
+
+    @torch.no_grad()
+    def learned_values(self):
+        """What the attention variant learns, per layer: {name: [layer 0's values, layer 1's, ...]}, e.g.
+        NoiseFormer's sigma and mu (one per head, or one per layer for v1), DIFF/DINT's lambda; {} for
+        the others. train.py logs them at every evaluation."""
+        values = {}
+        for block in self.transformer.h:
+            for name, layer_values in block.attn.learned_values().items():
+                values.setdefault(name, []).append(layer_values)
+        return values
 
     def crop_block_size(self, block_size):
         # model surgery to decrease the block size if necessary, e.g. to run a gpt2 checkpoint

@@ -525,10 +525,12 @@ while True:
         if master_process:
             print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
             row = {"iter": iter_num, "train_loss": losses['train'], "val_loss": losses['val'], "lr": lr}
+            learned = raw_model.learned_values()  # e.g. {'sigma': [[per head] per layer]}
             if not eval_only:
-                log_metrics(row)
+                log_metrics({**row, **learned})
             if wandb_log:
-                wandb.log(row)
+                wandb.log({**row, **{f"{name}/layer{i}/{j}": v for name, layers in learned.items()
+                                     for i, layer in enumerate(layers) for j, v in enumerate(layer)}})
             improved = losses['val'] < best_val_loss
             best_val_loss = min(best_val_loss, losses['val'])
             if (improved or always_save_checkpoint) and iter_num > 0 and not eval_only:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from model import GPT, GPTConfig
-from naive_attention import NAIVE, lambda_init_for, noise_mu_sigma
+from naive_attention import NAIVE, diff_lambda, lambda_init_for, noise_mu_sigma
 
 F64 = torch.float64
 VARIANTS = ["base", "symmetric", "noiseformer_v1", "noiseformer_v2", "diff", "dint",
@@ -694,3 +694,27 @@ def test_fused_cross_entropy_bf16_autocast_close_to_float32():
             _, ref = model(idx, targets)
             _, fused = model(idx, targets, return_logits=False)
     assert abs(fused - exact) <= 2 * abs(ref - exact) + 1e-6
+
+
+@pytest.mark.parametrize("attn_type,overrides", [
+    ("base", {}), ("linear", {}), ("diff", {}), ("dint", {}), ("dint_lowrank", {}),
+    *[(a, {"noise_param": p}) for a in NOISE for p in ("sigma", "logvar")]])
+def test_learned_values_per_layer_match_the_parameters(attn_type, overrides):
+    """What train.py logs at each evaluation: sigma and mu per head (v2) or layer (v1) for NoiseFormer,
+    lambda per layer for DIFF/DINT (the float64 references' own formulas), nothing for the others."""
+    model = make_model(attn_type, n_layer=3, **overrides)
+    values = model.learned_values()
+    blocks = model.transformer.h
+    if attn_type in NOISE:
+        assert set(values) == {"sigma", "mu"}
+        for i, block in enumerate(blocks):
+            mu, sigma = noise_mu_sigma(block.attn)
+            assert len(values["sigma"][i]) == (1 if attn_type == "noiseformer_v1" else 4)
+            assert values["sigma"][i] == pytest.approx(sigma.tolist(), rel=1e-12)
+            assert values["mu"][i] == pytest.approx(mu.tolist(), rel=1e-12)
+    elif attn_type.startswith(("diff", "dint")):
+        assert set(values) == {"lambda"}
+        assert [v[0] for v in values["lambda"]] == pytest.approx(
+            [diff_lambda(block.attn, i).item() for i, block in enumerate(blocks)], rel=1e-12)
+    else:
+        assert values == {}

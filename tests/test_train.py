@@ -326,6 +326,15 @@ def test_every_attention_variant_trains(attn_type, tmp_path, capsys):
     assert 'mfu' not in first  # not measured yet: nothing shown (it used to print "mfu -100.00%")
     assert re.search(r"^iter 45: .*, mfu \d+\.\d+%$", out, re.M)
     assert load_checkpoint(tmp_path / 'out')['iter_num'] == 50
+    # the metrics log's evaluation rows carry what the variant learns (see test_model for the values)
+    evals = [json.loads(line) for line in (tmp_path / 'out' / 'metrics.jsonl').read_text().splitlines()
+             if 'val_loss' in line]
+    learned = {'noiseformer_v1': {'sigma', 'mu'}, 'noiseformer_v2': {'sigma', 'mu'}, 'diff': {'lambda'},
+               'dint': {'lambda'}, 'dint_lowrank': {'lambda'}}.get(attn_type, set())
+    assert [r['iter'] for r in evals] == [0, 50]
+    assert all(set(r) - {'iter', 'train_loss', 'val_loss', 'lr'} == learned for r in evals)
+    if learned:
+        assert evals[0][min(learned)] != evals[1][min(learned)]  # they moved during training
 
 
 def test_config_typo_exits_2_with_the_suggestion(tmp_path):
