@@ -139,6 +139,12 @@ def _parse_cli_value(text, default):
     """--key=value text -> a Python value: a literal when it parses as one, else the raw string."""
     if isinstance(default, bool) and text.lower() in ('true', 'false'):
         return text.lower() == 'true'
+    if isinstance(default, list):  # --attn_types=base,diff or --seeds=[1, 2] or --seeds=1,2
+        try:
+            value = ast.literal_eval(text)
+        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+            return [_parse_cli_value(item.strip(), '') for item in text.split(',') if item.strip()]
+        return list(value) if isinstance(value, (list, tuple)) else [value]
     try:
         value = ast.literal_eval(text)
     except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
@@ -153,6 +159,8 @@ def _coerce(key, value, default, where):
     if default is None:
         return value
     expected = type(default)
+    if expected is list and type(value) is tuple:
+        return list(value)
     if expected is float and type(value) is int:  # bool is an int subclass, but not a number here
         return float(value)
     if type(value) is expected:

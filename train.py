@@ -43,8 +43,8 @@ from checkpoint import (CheckpointError, capture_rng_state, load_checkpoint, loa
                         optimizer_param_names, restore_rng_state, save_checkpoint)
 from configurator import ConfigError, apply_config
 from device import (autocast_context, compile_model, ddp_backend, ddp_device_ids, device_type,
-                    fused_optimizer, grad_scaler, manual_seed, mark_step, peak_flops, resolve_device,
-                    resolve_dtype, setup)
+                    fused_optimizer, grad_scaler, manual_seed, mark_step, max_memory_allocated, peak_flops,
+                    resolve_device, resolve_dtype, setup)
 from lr_schedule import check_schedule, get_lr
 from model import GPT, GPTConfig
 
@@ -261,6 +261,18 @@ def trim_metrics_log(resumed_iter):
     os.replace(metrics_path + '.tmp', metrics_path)
 
 
+def peak_memory_mib():
+    """Peak tensor memory on CUDA / Gaudi; on CPU the process's peak resident size (an upper bound)."""
+    peak = max_memory_allocated(device)
+    if peak is None:
+        try:
+            import resource  # Unix only
+        except ImportError:
+            return None
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    return peak / 2 ** 20
+
+
 def log_metrics(row):
     with open(metrics_path, 'a') as f:
         f.write(json.dumps(row) + '\n')
@@ -308,6 +320,7 @@ model_args = dict(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=bloc
 manual_seed(seed)  # the same initial weights in every run and on every rank
 iter_num = 0
 best_val_loss = 1e9
+train_time = 0.0  # seconds spent training (not evaluating), over every process that resumed this run
 try:
     if init_from == 'scratch':
         if master_process:
@@ -337,6 +350,7 @@ try:
         model.load_state_dict(checkpoint['model'])
         iter_num = checkpoint['iter_num']
         best_val_loss = checkpoint['best_val_loss']
+        train_time = checkpoint.get('train_time', 0.0)
     else:  # a GPT-2 name or a local transformers directory
         if master_process:
             print(f"Initializing from OpenAI GPT-2 weights: {init_from}")
@@ -433,6 +447,7 @@ def save(reason):
         'model_args': model_args,
         'iter_num': iter_num,
         'best_val_loss': best_val_loss,
+        'train_time': train_time,
         'config': config,
         'scaler': scaler.state_dict(),
         # batches and model noise are re-seeded from (seed, iter, micro-batch) anyway; these make
@@ -524,7 +539,8 @@ while True:
         losses = estimate_loss()
         if master_process:
             print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
-            row = {"iter": iter_num, "train_loss": losses['train'], "val_loss": losses['val'], "lr": lr}
+            row = {"iter": iter_num, "train_loss": losses['train'], "val_loss": losses['val'], "lr": lr,
+                   "time": train_time, "peak_memory_mib": peak_memory_mib()}
             learned = raw_model.learned_values()  # e.g. {'sigma': [[per head] per layer]}
             if not eval_only:
                 log_metrics({**row, **learned})
@@ -621,6 +637,7 @@ while True:
     t1 = time.time()
     dt = t1 - t0
     t0 = t1
+    train_time += dt
     if iter_num % log_interval == 0 and master_process:
         if local_iter_num >= 5:  # let the training loop settle a bit
             mfu = raw_model.estimate_mfu(batch_size * gradient_accumulation_steps, dt, peak)
@@ -628,7 +645,7 @@ while True:
         mfu_text = f", mfu {running_mfu * 100:.2f}%" if running_mfu >= 0 else ""
         print(f"iter {iter_num}: loss {loss_mean:.6f}, ce {ce_mean:.6f}, kl {kl_mean:.4g}, lr {lr:.3e}, "
               f"{dt * 1000:.2f}ms/iter, {tokens_per_iter / dt:,.0f} tok/s{mfu_text}")
-        row = {"iter": iter_num, "loss": loss_mean, "ce": ce_mean, "kl": kl_mean, "lr": lr, "ms": dt * 1000,
+        row = {"iter": iter_num, "loss": loss_mean, "ce": ce_mean, "kl": kl_mean, "lr": lr, "ms": dt * 1000, "time": train_time,
                "tokens_per_s": tokens_per_iter / dt, **({"mfu": running_mfu * 100} if running_mfu >= 0 else {})}
         log_metrics(row)
         if wandb_log:

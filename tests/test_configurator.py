@@ -195,3 +195,12 @@ def test_help_lists_every_key_with_default_and_meaning(script):
         assert f'--{key}' in lines, key
         default_and_meaning = lines[f'--{key}'].split('=', 1)[1]
         assert '  ' in default_and_meaning.strip(), f"{script}: --{key} has no meaning (comment on its line)"
+
+
+def test_list_keys_take_python_lists_or_comma_separated_values(tmp_path):
+    defaults = {'attn_types': ['base'], 'seeds': [1]}
+    assert apply_config(['--attn_types=base,diff', '--seeds=1,2'], defaults) == {'attn_types': ['base', 'diff'], 'seeds': [1, 2]}
+    assert apply_config(["--attn_types=['dint']", '--seeds=7'], defaults) == {'attn_types': ['dint'], 'seeds': [7]}
+    assert apply_config([write(tmp_path, "seeds = (3, 4)\n")], defaults)['seeds'] == [3, 4]
+    with pytest.raises(ConfigError, match="seeds must be a list"):
+        apply_config([write(tmp_path, "seeds = 5\n", name='bad.py')], defaults)

@@ -332,7 +332,8 @@ def test_every_attention_variant_trains(attn_type, tmp_path, capsys):
     learned = {'noiseformer_v1': {'sigma', 'mu'}, 'noiseformer_v2': {'sigma', 'mu'}, 'diff': {'lambda'},
                'dint': {'lambda'}, 'dint_lowrank': {'lambda'}}.get(attn_type, set())
     assert [r['iter'] for r in evals] == [0, 50]
-    assert all(set(r) - {'iter', 'train_loss', 'val_loss', 'lr'} == learned for r in evals)
+    assert all(set(r) - {'iter', 'train_loss', 'val_loss', 'lr', 'time', 'peak_memory_mib'} == learned for r in evals)
+    assert evals[0]['time'] == 0 < evals[1]['time'] and evals[1]['peak_memory_mib'] > 0
     if learned:
         assert evals[0][min(learned)] != evals[1][min(learned)]  # they moved during training
 
