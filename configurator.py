@@ -60,6 +60,20 @@ def apply_config(argv, defaults, script=None, given=None):
     return config
 
 
+def script_defaults(script):
+    """A script's settings without running it: its top-level assignments up to `config_keys = ...`,
+    evaluated like a config file (they are literals)."""
+    with open(script) as f:
+        tree = ast.parse(f.read())
+    defaults = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
+            if node.targets[0].id == 'config_keys':
+                break
+            defaults[node.targets[0].id] = eval(compile(ast.Expression(node.value), script, 'eval'), {})
+    return defaults
+
+
 def help_text(script, defaults):
     """The script's docstring, its usage and one line per key: --key=default  meaning. The meaning
     is the comment on the key's line in the script; a comment line of its own before a group of

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from configurator import ConfigError, apply_config
-from model import GPT, GPTConfig
+from model import ATTENTION_TYPES, GPT, GPTConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULTS = {'batch_size': 12, 'learning_rate': 6e-4, 'compile': False, 'out_dir': 'out',
@@ -113,7 +113,8 @@ def train_defaults():
     return defaults
 
 
-CONFIGS = sorted(p.name for p in (ROOT / 'config').glob('*.py'))
+CONFIGS = sorted(p.name for p in (ROOT / 'config').glob('*.py') if not p.name.startswith('compare_'))
+COMPARE_CONFIGS = sorted(p.name for p in (ROOT / 'config').glob('compare_*.py'))
 PAPER_CONFIGS = {'train_gpt2.py': 'base', 'symmetric.py': 'symmetric', 'noiseformer_v1.py': 'noiseformer_v1',
                  'noiseformer_v2.py': 'noiseformer_v2', 'diff.py': 'diff', 'dint.py': 'dint',
                  'dint_lowrank.py': 'dint_lowrank', 'linear.py': 'linear'}
@@ -137,6 +138,17 @@ def model_config(config):
 def test_shipped_config_is_valid(name):
     config = apply_config([str(ROOT / 'config' / name)], train_defaults())
     model_config(config)  # GPTConfig validates attn_type, head counts and variant fields
+
+
+@pytest.mark.parametrize('name', COMPARE_CONFIGS)
+def test_shipped_compare_config_is_valid(name):
+    from configurator import script_defaults
+    config = apply_config([str(ROOT / 'config' / name)], script_defaults(str(ROOT / 'compare.py')))
+    assert set(config['attn_types']) <= set(ATTENTION_TYPES) and len(config['seeds']) >= 2
+    # every run's settings: the base config and the overrides are valid train.py settings
+    import shlex
+    train = apply_config([str(ROOT / config['base_config']), *shlex.split(config['overrides'])], train_defaults())
+    model_config(train)
 
 
 def test_paper_configs_share_the_recipe():
@@ -175,7 +187,7 @@ def test_given_records_every_key_set_even_to_its_default(tmp_path):
     assert given == {'batch_size', 'out_dir', 'n_layer'}
 
 
-@pytest.mark.parametrize('script', ['train.py', 'sample.py', 'bench.py'])
+@pytest.mark.parametrize('script', ['train.py', 'sample.py', 'bench.py', 'compare.py'])
 def test_help_lists_every_key_with_default_and_meaning(script):
     import subprocess
     import sys

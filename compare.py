@@ -1,0 +1,260 @@
+"""
+Train several attention variants under identical conditions, over several seeds, and write a report
+(tables, plots, results.json) of how they compare.
+
+$ python3 compare.py config/compare_shakespeare_char.py
+$ python3 compare.py config/compare_shakespeare_char.py --attn_types=base,diff --seeds=1,2,3
+$ python3 compare.py config/compare_paper.py              # the NoiseFormer recipe, on 8 GPUs per run
+
+Every (attn_type, seed) pair is one train.py process: `base_config`, then `overrides`, then
+--attn_type, --seed and --out_dir=<out_dir>/runs/<attn_type>-seed<seed>; its output goes to
+train.log in that folder. Only attn_type and seed differ between runs: same data, batches, schedule
+and evaluation batches. Running the command again skips finished runs and resumes interrupted ones
+(train.py's resume is exact, so the numbers equal those of an uninterrupted sweep); a run that fails
+is reported and the others go on. Killing compare.py kills its train.py too (Linux), to be resumed.
+
+The report (out_dir/report/): report.md, results.json and PNGs. Every number in it is read from the
+runs' metrics.jsonl (train.py writes one row per logged iteration and per evaluation): final and
+best val loss (train.py's fixed eval_iters batches) as mean +- std over seeds, each seed listed;
+parameters; tokens/s (median over logged iterations); peak memory; training time; val loss against
+iterations and against training time; what the variants learn (NoiseFormer's sigma, DIFF/DINT's
+lambda) over training; one sample per variant (sample.py). A difference from base smaller than the
+seed-to-seed spread is marked as such.
+"""
+
+import json
+import os
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+
+import torch
+from tqdm import tqdm
+
+from configurator import ConfigError, apply_config, script_defaults
+from model import ATTENTION_TYPES, GPT, GPTConfig
+
+# -----------------------------------------------------------------------------
+attn_types = ['base', 'symmetric', 'noiseformer_v1', 'noiseformer_v2', 'diff', 'dint', 'dint_lowrank', 'linear']  # variants to train
+seeds = [1337, 1338]  # one run per variant and seed: train.py's seed sets initial weights, data order and noise
+base_config = 'config/train_shakespeare_char.py'  # the train.py config file every run starts from
+overrides = ''  # extra train.py settings for every run, e.g. '--max_iters=500 --eval_interval=100'
+out_dir = 'out-compare'  # runs in out_dir/runs/<attn_type>-seed<seed>/, the report in out_dir/report/
+nproc = 1  # processes per run; more than 1 launches train.py with torchrun --standalone
+samples = True  # put one sample per variant (sample.py on its first seed's checkpoint) in the report
+sample_tokens = 200  # new tokens in each sample
+report_only = False  # only write the report from the runs already in out_dir
+# -----------------------------------------------------------------------------
+config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str, list))]
+
+
+def fail(message):
+    print(f"compare.py: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+try:
+    globals().update(apply_config(sys.argv[1:], {k: globals()[k] for k in config_keys}, script=__file__))
+except ConfigError as e:
+    fail(e)
+unknown = [a for a in attn_types if a not in ATTENTION_TYPES]
+if unknown or not attn_types:
+    fail(f"attn_types={attn_types!r}: {unknown or 'empty'}; choose from {', '.join(ATTENTION_TYPES)}")
+if not seeds or not all(isinstance(s, int) and s >= 0 for s in seeds) or len(set(seeds)) != len(seeds):
+    fail(f"seeds={seeds!r} must be distinct non-negative integers, e.g. --seeds=1337,1338")
+if nproc < 1:
+    fail(f"nproc={nproc} must be at least 1")
+extra = shlex.split(overrides)
+# the settings every run trains with, checked now (a typo fails here, not in the eighth run)
+try:
+    train_config = apply_config([base_config, *extra], script_defaults('train.py'))
+except ConfigError as e:
+    fail(e)
+if train_config['init_from'] not in ('scratch',) and not train_config['init_from'].startswith('gpt2'):
+    fail("the runs must start from scratch or gpt2 weights: leave init_from out of base_config and overrides "
+         "(compare.py resumes interrupted runs itself)")
+max_iters = train_config['max_iters']
+runs = [(a, s, os.path.join(out_dir, 'runs', f'{a}-seed{s}')) for a in attn_types for s in seeds]
+
+
+# -----------------------------------------------------------------------------
+# training
+
+def read_metrics(run_dir):
+    """(iteration rows, evaluation rows) of a run's metrics.jsonl; ([], []) when it has none."""
+    path = os.path.join(run_dir, 'metrics.jsonl')
+    if not os.path.exists(path):
+        return [], []
+    with open(path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return [r for r in rows if 'loss' in r], [r for r in rows if 'val_loss' in r]
+
+
+def finished(run_dir):
+    """Trained to max_iters: the final evaluation is logged and the checkpoint written after it."""
+    _, evals = read_metrics(run_dir)
+    return bool(evals) and evals[-1]['iter'] >= max_iters and os.path.exists(os.path.join(run_dir, 'ckpt.pt'))
+
+
+def die_with_parent():
+    """Linux: the kernel sends SIGKILL to this train.py when compare.py dies, so an orphan never trains
+    on beside the resumed run; the next compare.py resumes from the last checkpoint, exactly."""
+    try:
+        import ctypes
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def train(attn_type, seed, run_dir, bar, done_before):
+    """One train.py process; returns its exit code. Progress goes to the bar, output to train.log."""
+    os.makedirs(run_dir, exist_ok=True)
+    resume = os.path.exists(os.path.join(run_dir, 'ckpt.pt'))
+    launcher = [sys.executable] if nproc == 1 else [sys.executable, '-m', 'torch.distributed.run', '--standalone',
+                                                     f'--nproc_per_node={nproc}']
+    cmd = [*launcher, 'train.py', base_config, *extra, f'--attn_type={attn_type}', f'--seed={seed}',
+           f'--out_dir={run_dir}', f'--wandb_run_name={attn_type}-seed{seed}', *(['--init_from=resume'] if resume else [])]
+    with open(os.path.join(run_dir, 'train.log'), 'a') as log:
+        log.write(f"$ {shlex.join(cmd)}\n")
+        log.flush()
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                preexec_fn=die_with_parent if sys.platform == 'linux' else None)
+        try:
+            for line in proc.stdout:
+                log.write(line)
+                if line.startswith('iter '):
+                    it = int(line.split(':')[0].split()[1])
+                    bar.n = done_before + it + 1
+                    bar.set_postfix_str(f"{attn_type} seed {seed}: iter {it + 1}/{max_iters}")
+        except KeyboardInterrupt:  # Ctrl-C reached train.py too: it checkpoints and exits
+            proc.wait()
+            raise
+        return proc.wait()
+
+
+def train_all():
+    failures = {}
+    bar = tqdm(total=len(runs) * max_iters, unit='it', desc=f'{len(runs)} runs', dynamic_ncols=True)
+    for i, (attn_type, seed, run_dir) in enumerate(runs):
+        done_before = i * max_iters
+        bar.n = done_before
+        if finished(run_dir):
+            bar.n = done_before + max_iters
+            bar.refresh()
+            continue
+        try:
+            rc = train(attn_type, seed, run_dir, bar, done_before)
+        except KeyboardInterrupt:
+            bar.close()
+            print(f"\ninterrupted: run the same command again to continue from {run_dir}", file=sys.stderr)
+            sys.exit(130)
+        if rc != 0 or not finished(run_dir):
+            failures[(attn_type, seed)] = rc
+            with open(os.path.join(run_dir, 'train.log')) as f:
+                tail = f.read().strip().splitlines()[-3:]
+            bar.write(f"run {attn_type} seed {seed} failed (exit {rc}); see {run_dir}/train.log:\n  "
+                      + "\n  ".join(tail))
+        bar.n = done_before + max_iters
+        bar.refresh()
+    bar.close()
+    return failures
+
+
+# -----------------------------------------------------------------------------
+# results
+
+def count_params(run_dir):
+    """get_num_params of the run's model, built on the meta device from the checkpoint's model_args
+    (mmap: no tensor data is read)."""
+    ckpt = torch.load(os.path.join(run_dir, 'ckpt.pt'), map_location='cpu', mmap=True, weights_only=True)
+    with torch.device('meta'):
+        model = GPT(GPTConfig(**{**ckpt['model_args'], **ckpt.get('attn_args', {})}))
+    return model.get_num_params()
+
+
+def run_results(attn_type, seed, run_dir):
+    steps, evals = read_metrics(run_dir)
+    return {
+        'attn_type': attn_type, 'seed': seed, 'out_dir': run_dir,
+        'params': count_params(run_dir),
+        'final_val_loss': evals[-1]['val_loss'], 'best_val_loss': min(r['val_loss'] for r in evals),
+        'final_iter': evals[-1]['iter'],
+        'tokens_per_s': statistics.median(r['tokens_per_s'] for r in steps) if steps else None,
+        'peak_memory_mib': max((r['peak_memory_mib'] or 0) for r in evals) or None,
+        'train_time_s': evals[-1]['time'],
+        'curve': [{k: r[k] for k in ('iter', 'val_loss', 'train_loss', 'time')} for r in evals],
+        'learned': [{k: v for k, v in r.items() if isinstance(v, list)} | {'iter': r['iter']} for r in evals],
+    }
+
+
+def mean_std(values):
+    return statistics.mean(values), (statistics.stdev(values) if len(values) > 1 else None)
+
+
+def summarize(results):
+    """Per attn_type: the seeds' numbers and their mean / std."""
+    summary = {}
+    for attn_type in attn_types:
+        rs = [r for r in results if r['attn_type'] == attn_type]
+        if not rs:
+            continue
+        s = {'seeds': [r['seed'] for r in rs], 'params': rs[0]['params']}
+        for key in ('final_val_loss', 'best_val_loss', 'tokens_per_s', 'peak_memory_mib', 'train_time_s'):
+            values = [r[key] for r in rs if r[key] is not None]
+            s[key] = {'values': values, 'mean': mean_std(values)[0] if values else None,
+                      'std': mean_std(values)[1] if values else None}
+        summary[attn_type] = s
+    return summary
+
+
+def reading(summary, attn_type):
+    """Honest words for a variant's final val loss against base's."""
+    if attn_type == 'base' or 'base' not in summary:
+        return ''
+    a, b = summary[attn_type]['final_val_loss'], summary['base']['final_val_loss']
+    delta = a['mean'] - b['mean']
+    if a['std'] is None or b['std'] is None:
+        return f"{delta:+.4f} vs base, one seed: no spread to judge it against"
+    spread = max(a['std'], b['std'])
+    if abs(delta) <= spread:
+        return f"{delta:+.4f} vs base: within the seed-to-seed spread ({spread:.4f}), not a difference"
+    return f"{delta:+.4f} vs base: {'lower' if delta < 0 else 'higher'}, larger than the seed spread ({spread:.4f})"
+
+
+def sample_text(run_dir):
+    cmd = [sys.executable, 'sample.py', f'--out_dir={run_dir}', '--num_samples=1',
+           f'--max_new_tokens={sample_tokens}', '--seed=1337']
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        return f"(sample.py failed: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode})"
+    return proc.stdout.replace('---------------', '').strip()
+
+
+# -----------------------------------------------------------------------------
+failures = {} if report_only else train_all()
+done = [(a, s, d) for a, s, d in runs if finished(d)]
+if not done:
+    fail(f"no finished run in {out_dir}/runs: nothing to report")
+results = [run_results(*r) for r in done]
+summary = summarize(results)
+report_dir = os.path.join(out_dir, 'report')
+os.makedirs(report_dir, exist_ok=True)
+first_run = {}  # attn_type -> the run of its first seed: the one sampled
+for a, s, d in done:
+    first_run.setdefault(a, d)
+texts = {a: sample_text(d) for a, d in first_run.items()} if samples else {}
+from compare_report import write_plots, write_report  # noqa: E402  (matplotlib: only when reporting)
+plots = write_plots(results, report_dir)
+write_report(report_dir, summary, results, failures, texts, plots, reading,
+             dict(base_config=base_config, overrides=overrides, seeds=seeds, max_iters=max_iters,
+                  command=shlex.join(['python3', 'compare.py', *sys.argv[1:]])))
+with open(os.path.join(report_dir, 'results.json'), 'w') as f:
+    json.dump({'summary': summary, 'runs': results,
+               'failed': [{'attn_type': a, 'seed': s, 'exit_code': rc} for (a, s), rc in failures.items()]},
+              f, indent=1)
+print(f"report: {os.path.join(report_dir, 'report.md')} ({len(done)} of {len(runs)} runs"
+      f"{f', {len(failures)} failed' if failures else ''})")
+if failures:
+    sys.exit(1)

@@ -1,0 +1,14 @@
+# Every attention variant on the quickstart's character-level Shakespeare, two seeds each, on a
+# laptop CPU. Prepare the data once (python3 data/shakespeare_char/prepare.py), then:
+# $ python3 compare.py config/compare_shakespeare_char.py
+# The report lands in out-compare-shakespeare-char/report/report.md.
+# Literal assignments only; every key is one of compare.py's settings.
+
+attn_types = ['base', 'symmetric', 'noiseformer_v1', 'noiseformer_v2', 'diff', 'dint', 'dint_lowrank', 'linear']
+seeds = [1337, 1338]
+base_config = 'config/train_shakespeare_char.py'
+# a shorter schedule than the quickstart's 1500 iterations, so 16 runs fit in about an hour on 2 cores
+overrides = '--max_iters=600 --lr_decay_iters=600 --eval_interval=100 --eval_iters=40 --log_interval=20'
+out_dir = 'out-compare-shakespeare-char'
+nproc = 1
+samples = True
