@@ -1,6 +1,5 @@
 """Data pipeline: data/*/prepare.py run as a user runs them (subprocesses, offline, local inputs), and
 batches.TokenBatches / load_meta on the files they write."""
-import io
 import json
 import os
 import pickle
@@ -16,10 +15,8 @@ import pyarrow.parquet as pq
 import datasets
 import pytest
 import tiktoken
-import torch
 
-import batches
-from batches import TokenBatches, load_meta
+from batches import load_meta
 
 ROOT = Path(__file__).resolve().parents[1]
 OWT = ROOT / "data" / "openwebtext" / "prepare.py"
@@ -432,101 +429,3 @@ def test_shakespeare_char_without_network_says_how_to_supply_the_file(tmp_path):
     assert r.returncode == 1 and "could not download" in r.stderr
     assert "pass --input path/to/input.txt" in r.stderr and "Traceback" not in r.stderr
     assert not (tmp_path / "out").exists()
-
-
-# ------------------------------------------------------------------------------ TokenBatches
-
-def write_tokens(path, tokens):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    np.asarray(tokens, dtype=np.uint16).tofile(path)
-
-
-@pytest.fixture
-def positions(tmp_path):
-    """train.bin whose token at position i is i: a window shows where it was cut from."""
-    write_tokens(tmp_path / "train.bin", np.arange(300))
-    return tmp_path
-
-
-def test_windows_are_slices_of_the_file(positions):
-    tb = TokenBatches(positions, "train", block_size=16, batch_size=8, vocab_size=300)
-    starts = []
-    for _ in range(200):
-        x, y = tb.get_batch()
-        assert x.shape == y.shape == (8, 16) and x.dtype == y.dtype == torch.int64 and x.device.type == "cpu"
-        assert x.is_contiguous() and y.is_contiguous()
-        assert torch.equal(x, x[:, :1] + torch.arange(16)) and torch.equal(y, x + 1)
-        starts += x[:, 0].tolist()
-    assert min(starts) == 0 and max(starts) == 300 - 16 - 1  # every window start is reachable, none overruns
-
-
-def test_state_dict_round_trip_reproduces_batches(positions):
-    tb = TokenBatches(positions, "train", block_size=16, batch_size=4, seed=7)
-    tb.get_batch()
-    buf = io.BytesIO()
-    torch.save(tb.state_dict(), buf)  # as a checkpoint holds it
-    expected = [tb.get_batch() for _ in range(3)]
-    other = TokenBatches(positions, "train", block_size=16, batch_size=4, seed=999)
-    buf.seek(0)
-    other.load_state_dict(torch.load(buf))
-    for (x, y), (ex, ey) in zip([other.get_batch() for _ in range(3)], expected):
-        assert torch.equal(x, ex) and torch.equal(y, ey)
-
-
-def test_generator_argument_leaves_own_state_alone(positions):
-    tb = TokenBatches(positions, "train", block_size=16, batch_size=4, seed=7)
-    fresh = TokenBatches(positions, "train", block_size=16, batch_size=4, seed=7)
-    x, _ = tb.get_batch(generator=torch.Generator().manual_seed(0))
-    assert torch.equal(x, tb.get_batch(generator=torch.Generator().manual_seed(0))[0])  # drawn from the argument
-    assert torch.equal(tb.get_batch()[0], fresh.get_batch()[0])  # self's sequence is where it was
-
-
-def test_bad_token_files_fail_clearly(tmp_path):
-    with pytest.raises(FileNotFoundError, match=r"train.bin not found: run the prepare.py"):
-        TokenBatches(tmp_path / "nothing", "train", 8, 2)
-    (tmp_path / "val.bin").write_bytes(b"\x01\x00\x02")
-    with pytest.raises(ValueError, match=r"odd size \(3 bytes\).*not a uint16 token file"):
-        TokenBatches(tmp_path, "val", 8, 2)
-    write_tokens(tmp_path / "short" / "train.bin", np.arange(8))
-    with pytest.raises(ValueError, match=r"has 8 tokens, fewer than block_size \+ 1 = 9"):
-        TokenBatches(tmp_path / "short", "train", 8, 2)
-    TokenBatches(tmp_path / "short", "train", 7, 2)  # exactly block_size + 1 is enough
-
-
-def test_token_ids_checked_against_vocab_size(tmp_path, monkeypatch):
-    tokens = np.zeros(5000, dtype=np.uint16)
-    tokens[4321] = 50257
-    write_tokens(tmp_path / "train.bin", tokens)
-    TokenBatches(tmp_path, "train", 8, 2, vocab_size=50258)  # the largest id is vocab_size - 1: fine
-    TokenBatches(tmp_path, "train", 8, 2)  # no vocab_size, no check
-    monkeypatch.setattr(batches, "SCAN_CHUNK", 1000)  # several chunks; the bad id is in the fifth
-    with pytest.raises(ValueError, match=r"token id 50257 at position 4321, but vocab_size is 50257"):
-        TokenBatches(tmp_path, "train", 8, 2, vocab_size=50257)
-    # A meta.json describing this file (prepare.py wrote it: ids < its vocab_size) stands in for
-    # the scan; one that describes another file (a token count that differs), or a larger
-    # vocabulary than the model's, does not.
-    meta = {"tokenizer": "gpt2", "vocab_size": 50257, "train_tokens": 5000}
-    (tmp_path / "meta.json").write_text(json.dumps(meta))
-    TokenBatches(tmp_path, "train", 8, 2, vocab_size=50257)  # trusted, not read: the planted id goes unseen
-    (tmp_path / "meta.json").write_text(json.dumps(dict(meta, train_tokens=4999)))
-    with pytest.raises(ValueError, match=r"token id 50257 at position 4321"):
-        TokenBatches(tmp_path, "train", 8, 2, vocab_size=50257)
-    (tmp_path / "meta.json").write_text(json.dumps(meta))
-    with pytest.raises(ValueError, match=r"token id 50257 at position 4321, but vocab_size is 50000"):
-        TokenBatches(tmp_path, "train", 8, 2, vocab_size=50000)
-
-
-def test_load_meta_json_pkl_or_none(tmp_path):
-    assert load_meta(tmp_path) is None
-    with open(tmp_path / "meta.pkl", "wb") as f:  # a nanoGPT character-level dataset
-        pickle.dump({"vocab_size": 3, "itos": {0: "a", 1: "b", 2: "c"}, "stoi": {"a": 0, "b": 1, "c": 2}}, f)
-    meta = load_meta(tmp_path)
-    assert meta["tokenizer"] == "char" and meta["vocab_size"] == 3 and meta["itos"][2] == "c"
-    (tmp_path / "meta.json").write_text(json.dumps({"tokenizer": "gpt2", "vocab_size": 50257}))
-    assert load_meta(tmp_path) == {"tokenizer": "gpt2", "vocab_size": 50257}  # meta.json wins
-    (tmp_path / "meta.json").write_text('{"tokenizer": "gpt2", ')
-    with pytest.raises(ValueError, match="meta.json is not valid JSON"):
-        load_meta(tmp_path)
-    (tmp_path / "meta.json").write_text(json.dumps({"tokenizer": "gpt2"}))
-    with pytest.raises(ValueError, match=r"lacks \['vocab_size'\]"):
-        load_meta(tmp_path)
