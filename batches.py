@@ -6,11 +6,53 @@ resumed run draws exactly the batches the uninterrupted run would have drawn.
 import json
 import os
 import pickle
+import stat
 
 import numpy as np
 import torch
 
 SCAN_CHUNK = 1 << 26  # tokens per step of the vocab check (128 MB of uint16): bounded work per call, stops early
+_OTHER_TOKENIZER = ("the file was made with another tokenizer; prepare it again or set vocab_size to the "
+                    "dataset's (see its meta.json)")
+
+
+def _permission_denied(path):
+    return ValueError(f"cannot read {path}: permission denied; give the user running this read access to it "
+                      f"and search (x) access to its folders (chmod/chown), or run as the user who prepared it")
+
+
+def _missing_data_hint(data_dir):
+    """What to run so that data_dir gets its train.bin/val.bin: the dataset's own prepare.py when
+    it has one (data/<name>/prepare.py), else what such a folder needs."""
+    script = os.path.join(data_dir, "prepare.py")
+    if os.path.isfile(script):
+        return f"run python3 {script} first (it writes train.bin and val.bin there)"
+    return (f"{data_dir} needs the train.bin and val.bin that a data/<name>/prepare.py writes (e.g. python3 "
+            f"data/shakespeare_char/prepare.py); set the `dataset` key (--dataset=<name> reads data/<name>/, "
+            f"or an absolute path) to a folder holding them")
+
+
+def _token_file_size(data_dir, path):
+    """Size in bytes of the token file `path`, once it is known to be a regular file we may read;
+    otherwise an error that says which of those it is not."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path} not found: {_missing_data_hint(data_dir)}") from None
+    except NotADirectoryError:
+        raise ValueError(f"cannot read {path}: {data_dir} is not a folder; set the `dataset` key to the folder "
+                         f"holding train.bin and val.bin") from None
+    except PermissionError:  # a folder on the way lacks x permission (stat fails, so isfile() says False)
+        raise _permission_denied(path) from None
+    if not stat.S_ISREG(st.st_mode):
+        kind = "folder" if stat.S_ISDIR(st.st_mode) else "FIFO" if stat.S_ISFIFO(st.st_mode) else "special file"
+        raise ValueError(f"cannot read {path}: it is a {kind}, not a token file; remove it and run that "
+                         f"dataset's prepare.py again")
+    try:
+        open(path, "rb").close()  # now, rather than as a raw PermissionError at the first batch
+    except PermissionError:
+        raise _permission_denied(path) from None
+    return st.st_size
 
 
 class TokenBatches:
@@ -19,10 +61,7 @@ class TokenBatches:
     def __init__(self, data_dir, split, block_size, batch_size, device="cpu", seed=1337, vocab_size=None):
         self.path = os.path.join(data_dir, f"{split}.bin")
         self.block_size, self.batch_size, self.device = block_size, batch_size, device
-        if not os.path.isfile(self.path):
-            raise FileNotFoundError(f"{self.path} not found: run the prepare.py of that dataset first "
-                                    f"(e.g. python3 data/shakespeare_char/prepare.py), or fix dataset/data_dir")
-        nbytes = os.path.getsize(self.path)
+        nbytes = _token_file_size(data_dir, self.path)
         if nbytes % 2:
             raise ValueError(f"{self.path} has an odd size ({nbytes} bytes), so it is not a uint16 token file: "
                              f"it is truncated or not a .bin from prepare.py; run prepare.py again")
@@ -38,15 +77,22 @@ class TokenBatches:
         self.pin = torch.device(device).type == "cuda"
 
     def _meta_vouches(self, data_dir, split, vocab_size):
-        # prepare.py writes ids < its meta.json's vocab_size only. When that meta.json describes this
-        # very file (same token count) and its vocabulary fits the model's, reading the whole file
-        # again (OpenWebText: 18 GB per rank, up to a minute when not in the page cache) adds nothing.
+        # prepare.py stores the largest id of each split in meta.json. When that meta.json describes
+        # this very file (same token count), its {split}_max_id settles the check without reading
+        # the whole file again (OpenWebText: 18 GB per rank, up to a minute when not in the page
+        # cache). Its vocab_size alone proves nothing: a file from another tokenizer may sit there.
         try:
             with open(os.path.join(data_dir, "meta.json")) as f:
                 meta = json.load(f)
         except (OSError, ValueError):
             return False
-        return meta.get(f"{split}_tokens") == self.num_tokens and meta.get("vocab_size", vocab_size + 1) <= vocab_size
+        top = meta.get(f"{split}_max_id")
+        if meta.get(f"{split}_tokens") != self.num_tokens or not isinstance(top, int):
+            return False  # another file, or a meta.json from before max ids were stored: scan
+        if top >= vocab_size:
+            raise ValueError(f"{self.path} holds token ids up to {top} (its meta.json's {split}_max_id), but "
+                             f"vocab_size is {vocab_size}: {_OTHER_TOKENIZER}")
+        return True
 
     def _check_ids(self, vocab_size):
         # Once, at construction: an id >= vocab_size would index past the embedding table much later,
@@ -57,8 +103,7 @@ class TokenBatches:
             if top >= vocab_size:
                 at = start + int(np.argmax(data[start:start + SCAN_CHUNK] >= vocab_size))
                 raise ValueError(f"{self.path} holds token id {int(data[at])} at position {at}, but vocab_size is "
-                                 f"{vocab_size}: the file was made with another tokenizer; prepare it again or set "
-                                 f"vocab_size to the dataset's (see its meta.json)")
+                                 f"{vocab_size}: {_OTHER_TOKENIZER}")
 
     def get_batch(self, generator=None):
         """(x, y), int64 tensors of shape (batch_size, block_size) on self.device. Draws the window
@@ -95,7 +140,9 @@ def read_meta_pkl(path):
     try:
         with open(path, "rb") as f:
             meta = _PlainDataUnpickler(f).load()
-    except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, IndexError, TypeError) as e:
+    except PermissionError:
+        raise _permission_denied(path) from None
+    except (ValueError, pickle.UnpicklingError, EOFError, AttributeError, ImportError, IndexError, TypeError) as e:
         raise ValueError(f"{path} is not a plain-data meta.pkl ({e}); it is not loaded because unpickling "
                          f"anything else can run code. Delete it and run that dataset's prepare.py again") from e
     if not isinstance(meta, dict):
@@ -104,20 +151,37 @@ def read_meta_pkl(path):
     return meta
 
 
+def _exists(path):
+    # os.path.exists() says False when a folder on the way cannot be searched: the metadata would be
+    # silently skipped (and the model built with GPT-2's vocabulary) instead of the real cause named.
+    try:
+        os.stat(path)
+    except PermissionError:
+        raise _permission_denied(path) from None
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    return True
+
+
 def load_meta(data_dir):
     """The dataset's metadata: meta.json (prepare.py here) if present, else nanoGPT's meta.pkl, else None.
     Always has 'vocab_size' and 'tokenizer' ('gpt2' or 'char'); char datasets also get 'stoi'/'itos'."""
     json_path, pkl_path = os.path.join(data_dir, "meta.json"), os.path.join(data_dir, "meta.pkl")
-    if os.path.exists(json_path):
+    if _exists(json_path):  # meta.json wins: a meta.pkl beside it is never unpickled
         try:
             with open(json_path) as f:
                 meta = json.load(f)
+        except PermissionError:
+            raise _permission_denied(json_path) from None
         except json.JSONDecodeError as e:
             raise ValueError(f"{json_path} is not valid JSON ({e}); run that dataset's prepare.py again") from e
+        if not isinstance(meta, dict):
+            raise ValueError(f"{json_path} holds a JSON {type(meta).__name__}, not an object; run that dataset's "
+                             f"prepare.py again")
         if meta.get("tokenizer") == "char" and "chars" in meta:
             meta["stoi"] = {ch: i for i, ch in enumerate(meta["chars"])}
             meta["itos"] = dict(enumerate(meta["chars"]))
-    elif os.path.exists(pkl_path):
+    elif _exists(pkl_path):
         meta = read_meta_pkl(pkl_path)
         meta.setdefault("tokenizer", "char")  # nanoGPT writes meta.pkl only for its character-level datasets
     else:

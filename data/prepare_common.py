@@ -394,20 +394,27 @@ def tokenize_files(units, column, text_unit, num_proc, tokens_path):
 
 def write_documents(tokens, lengths, order, path, desc):
     """Write the documents `order` (indices into lengths) of the flat `tokens`, in that order, to a
-    uint16 file; return its token count."""
+    uint16 file; return its token count and largest token id."""
     starts = np.cumsum(lengths) - lengths
     total = int(lengths[order].sum())
     out = np.memmap(path, dtype=np.uint16, mode="w+", shape=(total,))
-    pos = 0
+    pos, top = 0, -1
     with tqdm(total=total, unit="tok", unit_scale=True, desc=desc) as bar:
         for k in range(0, len(order), 100_000):  # Python ints (fast slicing) for 100k documents at a time
-            batch = order[k:k + 100_000]
+            batch, batch_start = order[k:k + 100_000], pos
             for s, n in zip(starts[batch].tolist(), lengths[batch].tolist()):
                 out[pos:pos + n] = tokens[s:s + n]
                 pos += n
+            top = max(top, max_id(out[batch_start:pos]))  # while these pages are still in memory
             bar.update(pos - bar.n)
     out.flush()
-    return total
+    return total, top
+
+
+def max_id(tokens):
+    """The largest id of a token array, -1 when it is empty; meta.json stores it per split so that
+    train.py can check the ids against the model's vocabulary without reading the files again."""
+    return int(tokens.max()) if len(tokens) else -1
 
 
 def prepare_local(args):
@@ -419,6 +426,8 @@ def prepare_local(args):
     try:
         print(f"tokenizing {len(files)} file(s), {sum(map(os.path.getsize, files)) / 1e6:,.1f} MB, in "
               f"{len(units)} part(s) on {min(args.num_proc, len(units))} process(es)")
+        if not units:  # every file is empty: nothing for the workers to do
+            check_count(0)
         lengths = tokenize_files(units, args.text_column, args.text_unit, args.num_proc, tokens_path)
         check_count(len(lengths))
         val_docs, train_docs = split_documents(len(lengths), args.val_fraction, args.seed)
@@ -426,9 +435,11 @@ def prepare_local(args):
             train_docs = train_docs[:documents_within(lengths[train_docs], args.max_tokens)]
         tokens = np.memmap(tokens_path, dtype=np.uint16, mode="r")
         with atomic_outputs(args.out_dir, ["val.bin", "train.bin", "meta.json"]) as tmp:
-            val_tokens = write_documents(tokens, lengths, val_docs, tmp["val.bin"], "writing val.bin")
-            train_tokens = write_documents(tokens, lengths, train_docs, tmp["train.bin"], "writing train.bin")
-            write_meta(tmp["meta.json"], args, train_tokens, val_tokens, len(train_docs), len(val_docs), args.input)
+            val_tokens, val_max = write_documents(tokens, lengths, val_docs, tmp["val.bin"], "writing val.bin")
+            train_tokens, train_max = write_documents(tokens, lengths, train_docs, tmp["train.bin"],
+                                                      "writing train.bin")
+            write_meta(tmp["meta.json"], args, (train_tokens, val_tokens), (train_max, val_max),
+                       (len(train_docs), len(val_docs)), args.input)
         del tokens
     finally:
         if os.path.exists(tokens_path):
@@ -482,20 +493,22 @@ def tokenize_within(train, max_tokens, num_proc):
 
 
 def write_bin(tok, path, desc):
-    """Stream the tokenised documents into a flat uint16 memmap, as nanoGPT does."""
+    """Stream the tokenised documents into a flat uint16 memmap, as nanoGPT does; return its token
+    count and largest token id."""
     import pyarrow.compute as pc
     total = int(token_counts(tok).sum())
     arr = np.memmap(path, dtype=np.uint16, mode="w+", shape=(total,))
-    i = 0
+    i, top = 0, -1
     with tqdm(total=total, unit="tok", unit_scale=True, desc=desc) as bar:
         for batch in tok.with_format("arrow").iter(batch_size=10_000):
             ids = pc.list_flatten(batch["ids"]).to_numpy()  # all documents of the batch, one copy
             arr[i:i + len(ids)] = ids
+            top = max(top, max_id(ids))
             i += len(ids)
             bar.update(len(ids))
     assert i == total, f"wrote {i} tokens into {path}, expected {total}"
     arr.flush()
-    return total
+    return total, top
 
 
 def prepare_dataset(docs, args, source):
@@ -510,9 +523,10 @@ def prepare_dataset(docs, args, source):
     else:
         train_tok = tokenize_within(train, args.max_tokens, args.num_proc)
     with atomic_outputs(args.out_dir, ["val.bin", "train.bin", "meta.json"]) as tmp:
-        val_tokens = write_bin(val_tok, tmp["val.bin"], "writing val.bin")
-        train_tokens = write_bin(train_tok, tmp["train.bin"], "writing train.bin")
-        write_meta(tmp["meta.json"], args, train_tokens, val_tokens, len(train_tok), len(val_tok), source)
+        val_tokens, val_max = write_bin(val_tok, tmp["val.bin"], "writing val.bin")
+        train_tokens, train_max = write_bin(train_tok, tmp["train.bin"], "writing train.bin")
+        write_meta(tmp["meta.json"], args, (train_tokens, val_tokens), (train_max, val_max),
+                   (len(train_tok), len(val_tok)), source)
     return train_tokens, val_tokens, len(train_tok), len(val_tok)
 
 
@@ -560,17 +574,21 @@ def write_json(path, obj):
         f.write("\n")
 
 
-def write_meta(path, args, train_tokens, val_tokens, train_documents, val_documents, source):
+def write_meta(path, args, tokens, max_ids, documents, source):
+    """meta.json; tokens, max_ids and documents are (train, val) pairs."""
     enc = gpt2_encoding()
     write_json(path, {
         "tokenizer": "gpt2", "vocab_size": enc.n_vocab, "eot_token": enc.eot_token, "dtype": "uint16",
-        "train_tokens": train_tokens, "val_tokens": val_tokens,
-        "train_documents": train_documents, "val_documents": val_documents,
+        "train_tokens": tokens[0], "val_tokens": tokens[1], "train_max_id": max_ids[0], "val_max_id": max_ids[1],
+        "train_documents": documents[0], "val_documents": documents[1],
         "source": source, "val_fraction": args.val_fraction, "seed": args.seed, "max_tokens": args.max_tokens,
     })
 
 
 def check_count(n):
+    if n == 0:
+        raise PrepareError("the input holds no documents (its files are empty or hold only blank lines); "
+                           "check that --input names the right files")
     if n < 2:
         raise PrepareError(f"the input has {n} document(s); the train/val split needs at least 2 "
                            f"(a .txt file is one document unless --text_unit paragraph or line)")
@@ -595,8 +613,9 @@ def main(description, hub_path, hub_name=None, out_dir="."):
     args = make_parser(description, out_dir).parse_args()
     try:
         run(args, hub_path, hub_name)
-    except PrepareError as e:
-        sys.exit(f"error: {e}")
+    except PrepareError as e:  # bad input or arguments: one line and exit 2, as argparse does
+        print(f"{os.path.basename(sys.argv[0])}: error: {e}", file=sys.stderr)
+        sys.exit(2)
     except BaseException:
         print("\nprepare.py stopped before finishing; this run wrote no train.bin/val.bin.\n" + RESTART_HINT,
               file=sys.stderr)

@@ -1,6 +1,5 @@
 """Data pipeline: data/*/prepare.py run as a user runs them (subprocesses, offline, local inputs), and
 batches.TokenBatches / load_meta on the files they write."""
-import io
 import json
 import os
 import pickle
@@ -8,6 +7,7 @@ import random
 import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -16,9 +16,7 @@ import pyarrow.parquet as pq
 import datasets
 import pytest
 import tiktoken
-import torch
 
-import batches
 from batches import TokenBatches, load_meta
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,9 +28,35 @@ sys.path.insert(0, str(ROOT / "data"))
 import prepare_common  # noqa: E402
 from prepare_common import PrepareError  # noqa: E402
 
-if not os.environ.get("TIKTOKEN_CACHE_DIR"):  # tests never download: conftest points it at ../shared
-    pytest.skip("the GPT-2 BPE files are not available offline: set TIKTOKEN_CACHE_DIR to a folder "
-                "holding them (CI copies ../shared/tiktoken)", allow_module_level=True)
+
+
+def gpt2_bpe_unavailable():
+    """None when tiktoken loads GPT-2's BPE ('gpt2' for these tests, 'r50k_base' for prepare.py) from
+    TIKTOKEN_CACHE_DIR (conftest points it at a copy of ../shared/tiktoken when there is one),
+    tiktoken's default cache, or a download; else why not."""
+    outcome = []
+
+    def load():
+        try:
+            for name in ("gpt2", "r50k_base"):
+                tiktoken.get_encoding(name)
+            outcome.append(None)
+        except Exception as e:  # requests' connection errors and friends
+            outcome.append(f"{type(e).__name__}: {e}"[:300])
+
+    # tiktoken downloads with no timeout: a network that drops packets would hang the whole suite
+    worker = threading.Thread(target=load, daemon=True)
+    worker.start()
+    worker.join(timeout=60)
+    return outcome[0] if outcome else "the download did not finish in 60 s"
+
+
+_why_no_bpe = gpt2_bpe_unavailable()
+if _why_no_bpe:
+    pytest.skip(f"the GPT-2 BPE files are neither cached nor downloadable ({_why_no_bpe}). To run these tests "
+                f"offline, set TIKTOKEN_CACHE_DIR to a folder holding them: a copy of the project's "
+                f"../shared/tiktoken, or of a tiktoken cache from a machine with network "
+                f"($TMPDIR/data-gym-cache)", allow_module_level=True)
 ENC = tiktoken.get_encoding("gpt2")
 EOT = ENC.eot_token
 
@@ -110,6 +134,8 @@ def test_prepare_jsonl_decodes_to_the_documents(owt_jsonl):
     assert meta["train_tokens"] * 2 == (out / "train.bin").stat().st_size
     assert meta["val_tokens"] * 2 == (out / "val.bin").stat().st_size
     assert (meta["train_documents"], meta["val_documents"]) == (30, 10)
+    for split in ["train", "val"]:  # stored so that train.py need not read the files to check the ids
+        assert meta[f"{split}_max_id"] == int(np.fromfile(out / f"{split}.bin", dtype=np.uint16).max())
     assert meta["source"] == [str(tmp / "docs.jsonl")]
     assert sorted(os.listdir(out)) == ["meta.json", "train.bin", "val.bin"]
     assert "train.bin" in r.stdout
@@ -205,6 +231,8 @@ def test_hub_path_writes_what_the_local_path_writes(owt_jsonl, tmp_path):
     prepare_common.run(args, str(tmp_path / "repo"), None)
     meta = json.loads((tmp_path / "out" / "meta.json").read_text())
     assert meta["source"] == str(tmp_path / "repo") and meta["train_documents"] == 30
+    for split in ["train", "val"]:
+        assert meta[f"{split}_max_id"] == int(np.fromfile(tmp_path / "out" / f"{split}.bin", dtype=np.uint16).max())
     for name in ["train.bin", "val.bin"]:
         assert (tmp_path / "out" / name).read_bytes() == (tmp / "out" / name).read_bytes()
     # again: every step comes from the datasets cache (no new cache file), same bytes
@@ -281,7 +309,7 @@ def test_prepare_cli_error_is_one_clear_line(tmp_path):
     # the hub path with no network (an empty HF_HOME, so nothing cached can stand in)
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", HF_HOME=str(tmp_path / "hf"))
     r = prepare(FINEWEB, "--out_dir", tmp_path / "out", "--cache_dir", tmp_path / "cache", check=False, env=env)
-    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert r.returncode == 2 and "Traceback" not in r.stderr and r.stderr.startswith("prepare.py: error: ")
     assert "Couldn't reach 'HuggingFaceFW/fineweb-edu'" in r.stderr and "Rerun the same command" in r.stderr
     assert not (tmp_path / "out").exists()
 
@@ -347,13 +375,35 @@ def test_prepare_bad_inputs(tmp_path):
     assert sorted(splits(tmp_path / "out")[0] + splits(tmp_path / "out")[1]) == ["a", "b"]
 
 
+def test_input_without_documents_says_so(tmp_path):
+    """An input with no documents is bad input (one line, exit 2), not a crash followed by advice to
+    run the same command again."""
+    (tmp_path / "empty.jsonl").write_bytes(b"")
+    r = prepare(OWT, "--input", tmp_path / "empty.jsonl", "--out_dir", tmp_path / "out", check=False)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.splitlines() == ["prepare.py: error: the input holds no documents (its files are empty or hold "
+                                     "only blank lines); check that --input names the right files"]
+    assert not (tmp_path / "out").exists()
+    (tmp_path / "empty.txt").write_bytes(b"")
+    (tmp_path / "blank.txt").write_text("\n  \n\t\r\n\n")
+    (tmp_path / "blank.jsonl").write_text("\n \n\n")
+    for inputs in [["empty.txt"], ["blank.txt"], ["empty.txt", "blank.txt"]]:
+        for unit in ["line", "paragraph"]:
+            with pytest.raises(PrepareError, match=r"^the input holds no documents"):
+                run_local("--input", *[tmp_path / name for name in inputs], "--text_unit", unit,
+                          "--out_dir", tmp_path / "out", "--num_proc", 2)
+    with pytest.raises(PrepareError, match=r"^the input holds no documents"):
+        run_local("--input", tmp_path / "blank.jsonl", tmp_path / "empty.jsonl", "--out_dir", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
 def test_without_the_bpe_files_the_error_says_how_to_supply_them(tmp_path):
     write_jsonl(tmp_path / "docs.jsonl", ["a", "b"])
     # an empty tiktoken cache, and a proxy on a closed local port: the download fails at once
     env = dict(os.environ, TIKTOKEN_CACHE_DIR=str(tmp_path / "empty"), https_proxy="http://127.0.0.1:9",
                HTTPS_PROXY="http://127.0.0.1:9")
     r = prepare(OWT, "--input", tmp_path / "docs.jsonl", "--out_dir", tmp_path / "out", check=False, env=env)
-    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "could not load the GPT-2 BPE" in r.stderr and "TIKTOKEN_CACHE_DIR" in r.stderr
     assert not (tmp_path / "out").exists()
 
@@ -407,21 +457,43 @@ def test_compressed_and_json_array_inputs(tmp_path):
 
 # ------------------------------------------------------------------------- shakespeare_char
 
-@pytest.mark.skipif(not SHAKESPEARE_TXT.exists(), reason=f"{SHAKESPEARE_TXT} not present")
+def shakespeare_text(tmp_path):
+    """The real Tiny Shakespeare when ../shared has it; else a stand-in written here: lines of
+    speaker names and verse drawn from a fixed alphabet (a non-ASCII letter among them, so reading
+    as UTF-8 is tested too), long enough that both splits hold many distinct characters."""
+    if SHAKESPEARE_TXT.exists():
+        return SHAKESPEARE_TXT
+    rng = random.Random(6)
+    words = ["thou", "art", "Verona", "naïve", "O", "ROMEO:", "JULIET:", "what's", "here?", "love,", "night;", "Ay!"]
+    text = "\n\n".join(rng.choice(words[5:7]) + "\n" + " ".join(rng.choice(words) for _ in range(rng.randint(3, 12)))
+                       for _ in range(800)) + "\n"
+    path = tmp_path / "stand-in.txt"
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
 def test_shakespeare_char_as_nanogpt(tmp_path):
-    r = prepare(SHAKESPEARE, "--input", SHAKESPEARE_TXT, "--out_dir", tmp_path)
-    assert "vocab size 65" in r.stdout
-    text = SHAKESPEARE_TXT.read_text(encoding="utf-8")
-    with open(tmp_path / "meta.pkl", "rb") as f:
+    src = shakespeare_text(tmp_path)
+    out = tmp_path / "out"
+    r = prepare(SHAKESPEARE, "--input", src, "--out_dir", out)
+    text = src.read_text(encoding="utf-8")
+    chars = sorted(set(text))
+    n_train = int(len(text) * 0.9)  # nanoGPT: the first 90% of the characters
+    if src == SHAKESPEARE_TXT:  # the figures every nanoGPT user has seen
+        assert (len(chars), n_train, len(text) - n_train) == (65, 1_003_854, 111_540)
+    assert f"vocab size {len(chars)}" in r.stdout
+    with open(out / "meta.pkl", "rb") as f:
         pkl = pickle.load(f)
-    assert pkl["vocab_size"] == 65 and set(pkl) == {"vocab_size", "itos", "stoi"}
-    train = np.fromfile(tmp_path / "train.bin", dtype=np.uint16)
-    val = np.fromfile(tmp_path / "val.bin", dtype=np.uint16)
-    assert (len(train), len(val)) == (1_003_854, 111_540)
+    assert pkl["vocab_size"] == len(chars) and set(pkl) == {"vocab_size", "itos", "stoi"}
+    assert pkl["stoi"] == {ch: i for i, ch in enumerate(chars)}  # ids in sorted character order, as nanoGPT
+    train = np.fromfile(out / "train.bin", dtype=np.uint16)
+    val = np.fromfile(out / "val.bin", dtype=np.uint16)
+    assert (len(train), len(val)) == (n_train, len(text) - n_train)
     assert "".join(pkl["itos"][i] for i in train.tolist()) + "".join(pkl["itos"][i] for i in val.tolist()) == text
-    meta = load_meta(tmp_path)  # meta.json, which alone can decode
-    assert meta["tokenizer"] == "char" and meta["vocab_size"] == 65
-    assert (meta["train_tokens"], meta["val_tokens"]) == (1_003_854, 111_540)
+    meta = load_meta(out)  # meta.json, which alone can decode
+    assert meta["tokenizer"] == "char" and meta["vocab_size"] == len(chars)
+    assert (meta["train_tokens"], meta["val_tokens"]) == (len(train), len(val))
+    assert (meta["train_max_id"], meta["val_max_id"]) == (int(train.max()), int(val.max()))
     assert meta["itos"] == pkl["itos"] and meta["stoi"] == pkl["stoi"]
 
 
@@ -434,99 +506,9 @@ def test_shakespeare_char_without_network_says_how_to_supply_the_file(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-# ------------------------------------------------------------------------------ TokenBatches
-
-def write_tokens(path, tokens):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    np.asarray(tokens, dtype=np.uint16).tofile(path)
-
-
-@pytest.fixture
-def positions(tmp_path):
-    """train.bin whose token at position i is i: a window shows where it was cut from."""
-    write_tokens(tmp_path / "train.bin", np.arange(300))
-    return tmp_path
-
-
-def test_windows_are_slices_of_the_file(positions):
-    tb = TokenBatches(positions, "train", block_size=16, batch_size=8, vocab_size=300)
-    starts = []
-    for _ in range(200):
-        x, y = tb.get_batch()
-        assert x.shape == y.shape == (8, 16) and x.dtype == y.dtype == torch.int64 and x.device.type == "cpu"
-        assert x.is_contiguous() and y.is_contiguous()
-        assert torch.equal(x, x[:, :1] + torch.arange(16)) and torch.equal(y, x + 1)
-        starts += x[:, 0].tolist()
-    assert min(starts) == 0 and max(starts) == 300 - 16 - 1  # every window start is reachable, none overruns
-
-
-def test_state_dict_round_trip_reproduces_batches(positions):
-    tb = TokenBatches(positions, "train", block_size=16, batch_size=4, seed=7)
-    tb.get_batch()
-    buf = io.BytesIO()
-    torch.save(tb.state_dict(), buf)  # as a checkpoint holds it
-    expected = [tb.get_batch() for _ in range(3)]
-    other = TokenBatches(positions, "train", block_size=16, batch_size=4, seed=999)
-    buf.seek(0)
-    other.load_state_dict(torch.load(buf))
-    for (x, y), (ex, ey) in zip([other.get_batch() for _ in range(3)], expected):
-        assert torch.equal(x, ex) and torch.equal(y, ey)
-
-
-def test_generator_argument_leaves_own_state_alone(positions):
-    tb = TokenBatches(positions, "train", block_size=16, batch_size=4, seed=7)
-    fresh = TokenBatches(positions, "train", block_size=16, batch_size=4, seed=7)
-    x, _ = tb.get_batch(generator=torch.Generator().manual_seed(0))
-    assert torch.equal(x, tb.get_batch(generator=torch.Generator().manual_seed(0))[0])  # drawn from the argument
-    assert torch.equal(tb.get_batch()[0], fresh.get_batch()[0])  # self's sequence is where it was
-
-
-def test_bad_token_files_fail_clearly(tmp_path):
-    with pytest.raises(FileNotFoundError, match=r"train.bin not found: run the prepare.py"):
-        TokenBatches(tmp_path / "nothing", "train", 8, 2)
-    (tmp_path / "val.bin").write_bytes(b"\x01\x00\x02")
-    with pytest.raises(ValueError, match=r"odd size \(3 bytes\).*not a uint16 token file"):
-        TokenBatches(tmp_path, "val", 8, 2)
-    write_tokens(tmp_path / "short" / "train.bin", np.arange(8))
-    with pytest.raises(ValueError, match=r"has 8 tokens, fewer than block_size \+ 1 = 9"):
-        TokenBatches(tmp_path / "short", "train", 8, 2)
-    TokenBatches(tmp_path / "short", "train", 7, 2)  # exactly block_size + 1 is enough
-
-
-def test_token_ids_checked_against_vocab_size(tmp_path, monkeypatch):
-    tokens = np.zeros(5000, dtype=np.uint16)
-    tokens[4321] = 50257
-    write_tokens(tmp_path / "train.bin", tokens)
-    TokenBatches(tmp_path, "train", 8, 2, vocab_size=50258)  # the largest id is vocab_size - 1: fine
-    TokenBatches(tmp_path, "train", 8, 2)  # no vocab_size, no check
-    monkeypatch.setattr(batches, "SCAN_CHUNK", 1000)  # several chunks; the bad id is in the fifth
-    with pytest.raises(ValueError, match=r"token id 50257 at position 4321, but vocab_size is 50257"):
-        TokenBatches(tmp_path, "train", 8, 2, vocab_size=50257)
-    # A meta.json describing this file (prepare.py wrote it: ids < its vocab_size) stands in for
-    # the scan; one that describes another file (a token count that differs), or a larger
-    # vocabulary than the model's, does not.
-    meta = {"tokenizer": "gpt2", "vocab_size": 50257, "train_tokens": 5000}
-    (tmp_path / "meta.json").write_text(json.dumps(meta))
-    TokenBatches(tmp_path, "train", 8, 2, vocab_size=50257)  # trusted, not read: the planted id goes unseen
-    (tmp_path / "meta.json").write_text(json.dumps(dict(meta, train_tokens=4999)))
-    with pytest.raises(ValueError, match=r"token id 50257 at position 4321"):
-        TokenBatches(tmp_path, "train", 8, 2, vocab_size=50257)
-    (tmp_path / "meta.json").write_text(json.dumps(meta))
-    with pytest.raises(ValueError, match=r"token id 50257 at position 4321, but vocab_size is 50000"):
-        TokenBatches(tmp_path, "train", 8, 2, vocab_size=50000)
-
-
-def test_load_meta_json_pkl_or_none(tmp_path):
-    assert load_meta(tmp_path) is None
-    with open(tmp_path / "meta.pkl", "wb") as f:  # a nanoGPT character-level dataset
-        pickle.dump({"vocab_size": 3, "itos": {0: "a", 1: "b", 2: "c"}, "stoi": {"a": 0, "b": 1, "c": 2}}, f)
-    meta = load_meta(tmp_path)
-    assert meta["tokenizer"] == "char" and meta["vocab_size"] == 3 and meta["itos"][2] == "c"
-    (tmp_path / "meta.json").write_text(json.dumps({"tokenizer": "gpt2", "vocab_size": 50257}))
-    assert load_meta(tmp_path) == {"tokenizer": "gpt2", "vocab_size": 50257}  # meta.json wins
-    (tmp_path / "meta.json").write_text('{"tokenizer": "gpt2", ')
-    with pytest.raises(ValueError, match="meta.json is not valid JSON"):
-        load_meta(tmp_path)
-    (tmp_path / "meta.json").write_text(json.dumps({"tokenizer": "gpt2"}))
-    with pytest.raises(ValueError, match=r"lacks \['vocab_size'\]"):
-        load_meta(tmp_path)
+def test_prepared_max_ids_checked_against_the_model_vocab(owt_jsonl):
+    out = owt_jsonl[0] / "out"
+    TokenBatches(out, "val", 8, 2, vocab_size=50257)  # GPT-2's EOT, 50256, is the largest id
+    with pytest.raises(ValueError, match=r"val.bin holds token ids up to 50256 \(its meta.json's val_max_id\), "
+                                         r"but vocab_size is 50000"):
+        TokenBatches(out, "val", 8, 2, vocab_size=50000)

@@ -1,7 +1,8 @@
 """
 Tiny Shakespeare at the character level, exactly as nanoGPT: the first 90% of the text is
 train.bin, the last 10% val.bin (uint16 character ids), meta.pkl {vocab_size, itos, stoi}, plus
-meta.json {tokenizer: 'char', vocab_size, chars, train_tokens, val_tokens, source}.
+meta.json {tokenizer: 'char', vocab_size, chars, train_tokens, val_tokens, train_max_id,
+val_max_id, source}.
 
     python3 data/shakespeare_char/prepare.py                    # downloads input.txt here once (1.1 MB)
     python3 data/shakespeare_char/prepare.py --input input.txt  # a local copy, no network
@@ -15,7 +16,7 @@ import urllib.request
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # data/, for prepare_common
-from prepare_common import atomic_outputs, write_json
+from prepare_common import atomic_outputs, max_id, write_json
 
 URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -62,5 +63,6 @@ if __name__ == "__main__":
         # 'chars' (the vocabulary in id order) lets meta.json alone decode, without the pickle
         write_json(tmp["meta.json"], {"tokenizer": "char", "vocab_size": len(chars), "chars": "".join(chars),
                                       "train_tokens": len(train_ids), "val_tokens": len(val_ids),
+                                      "train_max_id": max_id(train_ids), "val_max_id": max_id(val_ids),
                                       "source": args.input or URL})
     print(f"vocab size {len(chars)}; train {len(train_ids):,} tokens, val {len(val_ids):,} tokens; wrote {args.out_dir}")

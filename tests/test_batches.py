@@ -1,0 +1,295 @@
+"""batches.py: TokenBatches (random windows of a token file, checkpointable) and load_meta, and the
+clear errors both give for missing, unreadable or mismatched data. No tokenizer needed."""
+import io
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import batches
+from batches import TokenBatches, load_meta
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def write_tokens(path, tokens):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    np.asarray(tokens, dtype=np.uint16).tofile(path)
+
+
+@pytest.fixture
+def positions(tmp_path):
+    """train.bin whose token at position i is i: a window shows where it was cut from."""
+    write_tokens(tmp_path / "train.bin", np.arange(300))
+    return tmp_path
+
+
+def test_windows_are_slices_of_the_file(positions):
+    tb = TokenBatches(positions, "train", block_size=16, batch_size=8, vocab_size=300)
+    starts = []
+    for _ in range(200):
+        x, y = tb.get_batch()
+        assert x.shape == y.shape == (8, 16) and x.dtype == y.dtype == torch.int64 and x.device.type == "cpu"
+        assert x.is_contiguous() and y.is_contiguous()
+        assert torch.equal(x, x[:, :1] + torch.arange(16)) and torch.equal(y, x + 1)
+        starts += x[:, 0].tolist()
+    assert min(starts) == 0 and max(starts) == 300 - 16 - 1  # every window start is reachable, none overruns
+
+
+def test_state_dict_round_trip_reproduces_batches(positions):
+    tb = TokenBatches(positions, "train", block_size=16, batch_size=4, seed=7)
+    tb.get_batch()
+    buf = io.BytesIO()
+    torch.save(tb.state_dict(), buf)  # as a checkpoint holds it
+    expected = [tb.get_batch() for _ in range(3)]
+    other = TokenBatches(positions, "train", block_size=16, batch_size=4, seed=999)
+    buf.seek(0)
+    other.load_state_dict(torch.load(buf))
+    for (x, y), (ex, ey) in zip([other.get_batch() for _ in range(3)], expected):
+        assert torch.equal(x, ex) and torch.equal(y, ey)
+
+
+def test_generator_argument_leaves_own_state_alone(positions):
+    tb = TokenBatches(positions, "train", block_size=16, batch_size=4, seed=7)
+    fresh = TokenBatches(positions, "train", block_size=16, batch_size=4, seed=7)
+    x, _ = tb.get_batch(generator=torch.Generator().manual_seed(0))
+    assert torch.equal(x, tb.get_batch(generator=torch.Generator().manual_seed(0))[0])  # drawn from the argument
+    assert torch.equal(tb.get_batch()[0], fresh.get_batch()[0])  # self's sequence is where it was
+
+
+def test_bad_token_files_fail_clearly(tmp_path):
+    (tmp_path / "val.bin").write_bytes(b"\x01\x00\x02")
+    with pytest.raises(ValueError, match=r"odd size \(3 bytes\).*not a uint16 token file"):
+        TokenBatches(tmp_path, "val", 8, 2)
+    write_tokens(tmp_path / "short" / "train.bin", np.arange(8))
+    with pytest.raises(ValueError, match=r"has 8 tokens, fewer than block_size \+ 1 = 9"):
+        TokenBatches(tmp_path / "short", "train", 8, 2)
+    TokenBatches(tmp_path / "short", "train", 7, 2)  # exactly block_size + 1 is enough
+
+
+def test_token_ids_checked_against_vocab_size(tmp_path, monkeypatch):
+    tokens = np.zeros(5000, dtype=np.uint16)
+    tokens[4321] = 50257
+    write_tokens(tmp_path / "train.bin", tokens)
+    TokenBatches(tmp_path, "train", 8, 2, vocab_size=50258)  # the largest id is vocab_size - 1: fine
+    TokenBatches(tmp_path, "train", 8, 2)  # no vocab_size, no check
+    monkeypatch.setattr(batches, "SCAN_CHUNK", 1000)  # several chunks; the bad id is in the fifth
+    with pytest.raises(ValueError, match=r"token id 50257 at position 4321, but vocab_size is 50257"):
+        TokenBatches(tmp_path, "train", 8, 2, vocab_size=50257)
+    # meta.json's vocab_size and a matching token count prove nothing about the ids (a file from
+    # another tokenizer): without a stored max id the file is still scanned, at construction
+    meta = {"tokenizer": "gpt2", "vocab_size": 50257, "train_tokens": 5000}
+    (tmp_path / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match=r"token id 50257 at position 4321, but vocab_size is 50257"):
+        TokenBatches(tmp_path, "train", 8, 2, vocab_size=50257)
+    # the max id prepare.py stored for this very file (same token count) stands in for the scan:
+    # too large fails from meta.json alone, ...
+    (tmp_path / "meta.json").write_text(json.dumps(dict(meta, train_max_id=50257)))
+    with pytest.raises(ValueError, match=r"train.bin holds token ids up to 50257 \(its meta.json's train_max_id\), "
+                                         r"but vocab_size is 50257: the file was made with another tokenizer"):
+        TokenBatches(tmp_path, "train", 8, 2, vocab_size=50257)
+    # ... small enough is trusted, the file not read (the planted id goes unseen), ...
+    (tmp_path / "meta.json").write_text(json.dumps(dict(meta, train_max_id=50256)))
+    TokenBatches(tmp_path, "train", 8, 2, vocab_size=50257)
+    # ... and a meta.json describing another file (another token count) is not trusted
+    (tmp_path / "meta.json").write_text(json.dumps(dict(meta, train_max_id=50256, train_tokens=4999)))
+    with pytest.raises(ValueError, match=r"token id 50257 at position 4321"):
+        TokenBatches(tmp_path, "train", 8, 2, vocab_size=50257)
+
+
+def test_load_meta_json_pkl_or_none(tmp_path):
+    assert load_meta(tmp_path) is None
+    with open(tmp_path / "meta.pkl", "wb") as f:  # a nanoGPT character-level dataset
+        pickle.dump({"vocab_size": 3, "itos": {0: "a", 1: "b", 2: "c"}, "stoi": {"a": 0, "b": 1, "c": 2}}, f)
+    meta = load_meta(tmp_path)
+    assert meta["tokenizer"] == "char" and meta["vocab_size"] == 3 and meta["itos"][2] == "c"
+    (tmp_path / "meta.json").write_text(json.dumps({"tokenizer": "gpt2", "vocab_size": 50257}))
+    assert load_meta(tmp_path) == {"tokenizer": "gpt2", "vocab_size": 50257}  # meta.json wins
+    (tmp_path / "meta.json").write_text('{"tokenizer": "gpt2", ')
+    with pytest.raises(ValueError, match="meta.json is not valid JSON"):
+        load_meta(tmp_path)
+    (tmp_path / "meta.json").write_text(json.dumps({"tokenizer": "gpt2"}))
+    with pytest.raises(ValueError, match=r"lacks \['vocab_size'\]"):
+        load_meta(tmp_path)
+
+
+# ------------------------------------------------------------------------- missing or unreadable data
+
+def test_missing_data_names_the_prepare_script_to_run(tmp_path, monkeypatch):
+    # as train.py reads --dataset=openwebtext: data/openwebtext/, relative to the repository root
+    (tmp_path / "data" / "openwebtext").mkdir(parents=True)
+    (tmp_path / "data" / "openwebtext" / "prepare.py").write_text("")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError) as e:
+        TokenBatches(os.path.join("data", "openwebtext"), "train", 8, 2)
+    assert str(e.value) == (f"{os.path.join('data', 'openwebtext', 'train.bin')} not found: run python3 "
+                            f"{os.path.join('data', 'openwebtext', 'prepare.py')} first (it writes train.bin and "
+                            f"val.bin there)")
+    # a folder with no prepare.py of its own: what it needs, and the setting that names it
+    with pytest.raises(FileNotFoundError) as e:
+        TokenBatches(tmp_path / "mine", "val", 8, 2)
+    message = str(e.value)
+    assert message.startswith(f"{tmp_path / 'mine' / 'val.bin'} not found: {tmp_path / 'mine'} needs the "
+                              f"train.bin and val.bin that a data/<name>/prepare.py writes")
+    assert "the `dataset` key" in message and "data_dir" not in message
+
+
+def test_what_is_not_a_readable_token_file_is_named(tmp_path):
+    """These fail the same way for root, whom chmod 000 does not stop."""
+    (tmp_path / "dir" / "train.bin").mkdir(parents=True)
+    with pytest.raises(ValueError, match=r"^cannot read .*train.bin: it is a folder, not a token file; remove it"):
+        TokenBatches(tmp_path / "dir", "train", 8, 2)
+    (tmp_path / "fifo").mkdir()
+    os.mkfifo(tmp_path / "fifo" / "val.bin")  # opening it would block: refused before that
+    with pytest.raises(ValueError, match=r"^cannot read .*val.bin: it is a FIFO, not a token file"):
+        TokenBatches(tmp_path / "fifo", "val", 8, 2)
+    (tmp_path / "a-file").write_bytes(b"\0" * 100)
+    with pytest.raises(ValueError, match=r"^cannot read .*a-file/train.bin: .*a-file is not a folder; set the "
+                                         r"`dataset` key"):
+        TokenBatches(tmp_path / "a-file", "train", 8, 2)
+    assert load_meta(tmp_path / "a-file") is None  # (TokenBatches then names the problem)
+
+
+def without_root_privileges(fn):
+    """Call fn() where file permissions apply, and return (exception type name, message) or None.
+    An ordinary user calls it here; root, whom chmod 000 does not stop, calls it in a forked child
+    that first drops to the unprivileged uid/gid 65534 ('nobody')."""
+    def call():
+        try:
+            fn()
+        except Exception as e:
+            return [type(e).__name__, str(e)]
+        return None
+
+    if os.geteuid() != 0:
+        return call()
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report through the pipe, never return into pytest
+        try:
+            os.close(read_end)
+            os.setgroups([])
+            os.setgid(65534)
+            os.setuid(65534)
+            os.write(write_end, json.dumps(call()).encode())
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end) as f:
+        report = f.read()
+    os.waitpid(pid, 0)
+    return json.loads(report)
+
+
+@pytest.fixture
+def world_readable_dir():
+    # pytest's tmp_path lies in a folder only its owner may enter; the unprivileged child must be
+    # stopped by the permission under test, not by that
+    path = Path(tempfile.mkdtemp(prefix="batches-perm-"))
+    path.chmod(0o755)
+    yield path
+    for p in [path, *path.rglob("*")]:
+        p.chmod(0o755)
+    shutil.rmtree(path)
+
+
+def test_unreadable_data_says_permission_denied(world_readable_dir):
+    d = world_readable_dir / "locked"
+    d.mkdir()
+    np.arange(100, dtype=np.uint16).tofile(d / "train.bin")
+    (d / "meta.json").write_text(json.dumps({"tokenizer": "char", "vocab_size": 100}))
+    d.chmod(0o000)  # the dataset folder: its files cannot even be looked up (os.path.isfile says False)
+    assert without_root_privileges(lambda: TokenBatches(d, "train", 8, 2)) == [
+        "ValueError", f"cannot read {d / 'train.bin'}: permission denied; give the user running this read access "
+                      f"to it and search (x) access to its folders (chmod/chown), or run as the user who prepared it"]
+    assert without_root_privileges(lambda: load_meta(d)) == [
+        "ValueError", batches._permission_denied(d / "meta.json").args[0]]
+    d.chmod(0o755)
+    (d / "train.bin").chmod(0o000)  # the token file itself
+    assert without_root_privileges(lambda: TokenBatches(d, "train", 8, 2)) == [
+        "ValueError", batches._permission_denied(d / "train.bin").args[0]]
+    (d / "meta.json").chmod(0o000)
+    assert without_root_privileges(lambda: load_meta(d)) == [
+        "ValueError", batches._permission_denied(d / "meta.json").args[0]]
+    (d / "meta.json").unlink()
+    with open(d / "meta.pkl", "wb") as f:
+        pickle.dump({"vocab_size": 3}, f)
+    (d / "meta.pkl").chmod(0o000)
+    assert without_root_privileges(lambda: load_meta(d)) == [
+        "ValueError", batches._permission_denied(d / "meta.pkl").args[0]]
+    # and with the permissions back, the same calls work (what failed was the permission)
+    for p in d.iterdir():
+        p.chmod(0o644)
+    assert without_root_privileges(lambda: (TokenBatches(d, "train", 8, 2), load_meta(d))) is None
+
+
+# ---------------------------------------------------------------------------------- meta.pkl
+
+class RunsCode:
+    """Unpickling this calls os.mkdir(marker): what a crafted meta.pkl would do, harmlessly."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.mkdir, (self.marker,)
+
+
+def crafted_dataset(folder, marker):
+    """A dataset folder whose meta.pkl runs code when unpickled, with valid token files beside it."""
+    folder.mkdir(parents=True)
+    with open(folder / "meta.pkl", "wb") as f:
+        pickle.dump({"vocab_size": 65, "itos": RunsCode(str(marker)), "stoi": {}}, f)
+    for split in ["train", "val"]:
+        np.zeros(1000, dtype=np.uint16).tofile(folder / f"{split}.bin")
+    return folder
+
+
+def test_crafted_meta_pkl_is_refused_not_run(tmp_path):
+    data = crafted_dataset(tmp_path / "data", tmp_path / "marker")
+    # the payload is live: plain pickle runs it
+    with open(data / "meta.pkl", "rb") as f:
+        pickle.load(f)
+    assert (tmp_path / "marker").is_dir()
+    (tmp_path / "marker").rmdir()
+    with pytest.raises(ValueError, match=r"meta.pkl is not a plain-data meta.pkl \(refusing to load posix.mkdir: "
+                                         r"only plain data is read\); it is not loaded"):
+        load_meta(data)
+    assert not (tmp_path / "marker").exists()
+    # with a meta.json beside it, meta.pkl is not even opened: the vocabulary is meta.json's
+    (data / "meta.json").write_text(json.dumps({"tokenizer": "char", "vocab_size": 3, "chars": "abc"}))
+    meta = load_meta(data)
+    assert meta["vocab_size"] == 3 and meta["itos"] == {0: "a", 1: "b", 2: "c"}
+    assert not (tmp_path / "marker").exists()
+
+
+def test_train_py_refuses_a_crafted_meta_pkl(tmp_path):
+    data = crafted_dataset(tmp_path / "data", tmp_path / "marker")
+    r = subprocess.run([sys.executable, "train.py", str(ROOT / "config" / "test_tiny.py"), f"--dataset={data}",
+                        f"--out_dir={tmp_path / 'out'}", "--max_iters=1"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.splitlines() == [
+        f"train.py: error: {data / 'meta.pkl'} is not a plain-data meta.pkl (refusing to load posix.mkdir: only plain "
+        f"data is read); it is not loaded because unpickling anything else can run code. Delete it and run that "
+        f"dataset's prepare.py again"]
+    assert not (tmp_path / "marker").exists()
+
+
+def test_nanogpt_meta_pkl_loads_in_every_pickle_protocol(tmp_path):
+    # nanoGPT's data/shakespeare_char/prepare.py: pickle.dump(meta, f) with the default protocol;
+    # older Pythons wrote older protocols
+    chars = sorted(set("First Citizen:\nBefore we proceed any further, hear me speak."))
+    meta = {"vocab_size": len(chars), "itos": dict(enumerate(chars)), "stoi": {c: i for i, c in enumerate(chars)}}
+    for protocol in range(pickle.HIGHEST_PROTOCOL + 1):
+        with open(tmp_path / "meta.pkl", "wb") as f:
+            pickle.dump(meta, f, protocol=protocol)
+        assert load_meta(tmp_path) == {**meta, "tokenizer": "char"}, protocol
