@@ -273,7 +273,7 @@ def test_crafted_meta_pkl_is_refused_not_run(tmp_path):
 
 def test_train_py_refuses_a_crafted_meta_pkl(tmp_path):
     data = crafted_dataset(tmp_path / "data", tmp_path / "marker")
-    r = subprocess.run([sys.executable, "train.py", str(ROOT / "config" / "test_tiny.py"), f"--dataset={data}",
+    r = subprocess.run([sys.executable, "train.py", str(ROOT / "tests" / "config_tiny.py"), f"--dataset={data}",
                         f"--out_dir={tmp_path / 'out'}", "--max_iters=1"], cwd=ROOT, capture_output=True, text=True,
                        timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 2, r.stderr
