@@ -124,6 +124,7 @@ def train(attn_type, seed, run_dir, bar, done_before):
         try:
             for line in proc.stdout:
                 log.write(line)
+                log.flush()  # `tail -f train.log` follows the run
                 if line.startswith('iter '):
                     it = int(line.split(':')[0].split()[1])
                     bar.n = done_before + it + 1

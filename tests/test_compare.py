@@ -1,0 +1,114 @@
+"""compare.py end to end on a tiny sweep (2 variants x 2 seeds, CPU): the report's numbers are the
+runs' metrics.jsonl rows, a sweep killed in the middle of a run and started again gives the same
+numbers as an uninterrupted one, and finished runs are skipped."""
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+
+import pytest
+
+from test_train import ROOT, TINY, make_dataset, subprocess_env
+
+ITERS = 24
+
+
+def sweep_command(out_dir, data, *args, attn_types='base,noiseformer_v2', seeds='1,2'):
+    overrides = f"--dataset={data} --max_iters={ITERS} --lr_decay_iters={ITERS} --eval_interval=8 --eval_iters=2"
+    return [sys.executable, 'compare.py', f'--base_config={TINY}', f'--overrides={overrides}',
+            f'--attn_types={attn_types}', f'--seeds={seeds}', f'--out_dir={out_dir}', *args]
+
+
+def metrics(run_dir):
+    rows = [json.loads(line) for line in (run_dir / 'metrics.jsonl').read_text().splitlines()]
+    return [r for r in rows if 'loss' in r], [r for r in rows if 'val_loss' in r]
+
+
+@pytest.fixture(scope='module')
+def sweep(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp('compare')
+    data = make_dataset(tmp)
+    chars = ''.join(chr(ord('a') + i) if i < 26 else chr(ord('A') + i - 26) for i in range(48))
+    meta = json.loads((data / 'meta.json').read_text())
+    (data / 'meta.json').write_text(json.dumps({**meta, 'chars': list(chars)}))  # so sample.py can decode
+    proc = subprocess.run(sweep_command(tmp / 'out', data, '--sample_tokens=20'), cwd=ROOT, env=subprocess_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return tmp, data, proc
+
+
+def test_report_numbers_are_the_metrics_rows(sweep):
+    tmp, _, proc = sweep
+    report_dir = tmp / 'out' / 'report'
+    assert f"report: {report_dir / 'report.md'} (4 of 4 runs)" in proc.stdout
+    results = json.loads((report_dir / 'results.json').read_text())
+    report = (report_dir / 'report.md').read_text()
+    assert len(results['runs']) == 4 and results['failed'] == []
+    for r in results['runs']:
+        steps, evals = metrics(tmp / 'out' / 'runs' / f"{r['attn_type']}-seed{r['seed']}")
+        assert [e['iter'] for e in evals] == [0, 8, 16, 24]
+        assert r['final_val_loss'] == evals[-1]['val_loss']
+        assert r['best_val_loss'] == min(e['val_loss'] for e in evals)
+        assert r['tokens_per_s'] == statistics.median(s['tokens_per_s'] for s in steps)
+        assert r['train_time_s'] == evals[-1]['time']
+        assert [p['val_loss'] for p in r['curve']] == [e['val_loss'] for e in evals]
+    for attn_type in ('base', 'noiseformer_v2'):
+        finals = [r['final_val_loss'] for r in results['runs'] if r['attn_type'] == attn_type]
+        s = results['summary'][attn_type]
+        assert s['final_val_loss']['mean'] == statistics.mean(finals)
+        assert s['final_val_loss']['std'] == statistics.stdev(finals)
+        row = next(line for line in report.splitlines() if line.startswith(f"| `{attn_type}` |"))
+        assert f"{statistics.mean(finals):.4f} ± {statistics.stdev(finals):.4f}" in row
+        assert ', '.join(f"{v:.4f}" for v in finals) in row
+    # the seeds' initial weights differ, so their losses do
+    assert len({r['final_val_loss'] for r in results['runs']}) == 4
+    # parameters: noiseformer_v2 = symmetric (no key projection) + mu, sigma per head and layer
+    params = results['summary']
+    assert params['base']['params'] - params['noiseformer_v2']['params'] == 2 * (32 * 32) - 2 * 2 * 2
+    # the plots exist and are PNG files; the sigma plot is there because noiseformer_v2 learns sigma
+    for png in ('val_loss.png', 'learned.png'):
+        assert (report_dir / png).read_bytes()[:8] == b'\x89PNG\r\n\x1a\n' and f"({png})" in report
+    assert "### `base`" in report and "### `noiseformer_v2`" in report  # one sample each
+
+
+def test_finished_runs_are_skipped(sweep):
+    tmp, data, _ = sweep
+    before = {p: p.stat().st_mtime_ns for p in (tmp / 'out' / 'runs').glob('*/ckpt.pt')}
+    proc = subprocess.run(sweep_command(tmp / 'out', data, '--samples=False'), cwd=ROOT, env=subprocess_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert {p: p.stat().st_mtime_ns for p in before} == before  # nothing trained again
+
+
+def test_killed_sweep_started_again_gives_the_same_numbers(sweep):
+    tmp, data, _ = sweep
+    out = tmp / 'killed'
+    command = sweep_command(out, data, '--samples=False', attn_types='noiseformer_v2', seeds='2')
+    proc = subprocess.Popen(command, cwd=ROOT, env=subprocess_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    run_dir = out / 'runs' / 'noiseformer_v2-seed2'
+    deadline = time.time() + 120
+    while time.time() < deadline and not ((run_dir / 'train.log').exists() and
+                                          'saved checkpoint' in (run_dir / 'train.log').read_text()):
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)  # in the middle of the run: its train.py dies with it
+    proc.wait()
+    _, evals = metrics(run_dir)
+    assert evals[-1]['iter'] < ITERS, "the run finished before the kill: nothing was interrupted"
+    rerun = subprocess.run(command, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr
+    commands = [line for line in (run_dir / 'train.log').read_text().splitlines() if line.startswith('$ ')]
+    assert len(commands) == 2 and '--init_from=resume' in commands[1]
+    a = next(r for r in json.loads((tmp / 'out' / 'report' / 'results.json').read_text())['runs']
+             if (r['attn_type'], r['seed']) == ('noiseformer_v2', 2))
+    b = json.loads((out / 'report' / 'results.json').read_text())['runs'][0]
+    for key in ('attn_type', 'seed', 'final_val_loss', 'best_val_loss', 'params', 'learned'):
+        assert a[key] == b[key], key
+    assert [p['val_loss'] for p in a['curve']] == [p['val_loss'] for p in b['curve']]
+    steps_a, _ = metrics(tmp / 'out' / 'runs' / 'noiseformer_v2-seed2')
+    steps_b, _ = metrics(run_dir)
+    assert [s['iter'] for s in steps_b] == list(range(ITERS))  # one row per iteration after the resume
+    assert [s['loss'] for s in steps_a] == [s['loss'] for s in steps_b]
