@@ -200,8 +200,8 @@ def load_checkpoint(out_dir_or_file, map_location='cpu'):
         raise CheckpointError(f"{path} is not a training checkpoint: it lacks {', '.join(missing)}")
     # torch.compile'd models (nanoGPT saves them so) prefix every key with '_orig_mod.'; nanoGPT
     # without flash attention (torch < 2) saved each layer's causal mask, a buffer, as attn.bias
-    ckpt['model'] = {k.removeprefix('_orig_mod.'): v for k, v in ckpt['model'].items()
-                     if not NANOGPT_MASK_KEY.fullmatch(k.removeprefix('_orig_mod.'))}
+    model = {_clean_name(k): v for k, v in ckpt['model'].items()}
+    ckpt['model'] = {k: v for k, v in model.items() if not NANOGPT_MASK_KEY.fullmatch(k)}
     # callers see one full model_args whatever the layout (see split_model_args)
     ckpt['model_args'] = {**ckpt['model_args'], **ckpt.pop('attn_args', {})}
     return ckpt
