@@ -38,6 +38,7 @@ import glob
 import os
 import pickle
 import random
+import re
 import shutil
 import zipfile
 
@@ -49,6 +50,7 @@ PREV_NAME = 'ckpt.prev.pt'
 REQUIRED_KEYS = ('model', 'optimizer', 'model_args', 'iter_num', 'best_val_loss', 'config')
 # nanoGPT's GPTConfig fields: what its sample.py / train.py pass to GPTConfig(**model_args)
 NANOGPT_MODEL_ARGS = ('n_layer', 'n_head', 'n_embd', 'block_size', 'bias', 'vocab_size', 'dropout')
+NANOGPT_MASK_KEY = re.compile(r'transformer\.h\.\d+\.attn\.bias')  # a buffer, not a parameter
 
 
 class CheckpointError(RuntimeError):
@@ -92,7 +94,7 @@ def split_model_args(model_args):
     """Full model_args -> (what nanoGPT's GPTConfig accepts, everything else) for the file.
     attn_type stays with nanoGPT's keys unless it is 'base', so that nanoGPT builds a base model
     and refuses (naming attn_type) any other variant."""
-    keep = NANOGPT_MODEL_ARGS if model_args.get('attn_type', 'base') == 'base' else NANOGPT_MODEL_ARGS + ('attn_type',)
+    keep = NANOGPT_MODEL_ARGS + (() if model_args.get('attn_type', 'base') == 'base' else ('attn_type',))
     return ({k: v for k, v in model_args.items() if k in keep},
             {k: v for k, v in model_args.items() if k not in keep})
 
@@ -124,7 +126,8 @@ def _os_error_behind(e):
 
 def _write_failure_message(err, out_dir, path, prev):
     kept = [p for p in (path, prev) if os.path.isfile(p)]
-    intact = f"{' / '.join(kept)} {'are' if len(kept) > 1 else 'is'} intact" if kept else "no checkpoint was written"
+    intact = (f"{' / '.join(kept)} {'are' if len(kept) > 1 else 'is'} intact" if kept
+              else "no checkpoint was written")
     if err.errno in (errno.ENOSPC, getattr(errno, 'EDQUOT', errno.ENOSPC)):  # disk full / quota
         return (f"no space left on device in {out_dir} while saving a checkpoint; {intact}. Free some "
                 f"space (or set out_dir to a disk with room) and resume with init_from='resume'")
@@ -186,7 +189,7 @@ def load_checkpoint(out_dir_or_file, map_location='cpu'):
         raise CheckpointError(f"checkpoint {path} holds Python objects other than tensors and plain "
                               f"values, which are not loaded because unpickling them can run code "
                               f"({_first_line(e)})") from e
-    except (RuntimeError, EOFError, OSError, ValueError, zipfile.BadZipFile) as e:  # zip reader / short read errors
+    except (RuntimeError, EOFError, OSError, ValueError, zipfile.BadZipFile) as e:  # short reads, bad zips
         raise CheckpointError(f"checkpoint {path} is truncated or corrupt ({type(e).__name__}: "
                               f"{_first_line(e)}). {use_prev}") from e
     if damaged:
@@ -195,8 +198,10 @@ def load_checkpoint(out_dir_or_file, map_location='cpu'):
     missing = [k for k in REQUIRED_KEYS if not isinstance(ckpt, dict) or k not in ckpt]
     if missing:
         raise CheckpointError(f"{path} is not a training checkpoint: it lacks {', '.join(missing)}")
-    # torch.compile'd models (nanoGPT saves them so) prefix every key with '_orig_mod.'
-    ckpt['model'] = {k.removeprefix('_orig_mod.'): v for k, v in ckpt['model'].items()}
+    # torch.compile'd models (nanoGPT saves them so) prefix every key with '_orig_mod.'; nanoGPT
+    # without flash attention (torch < 2) saved each layer's causal mask, a buffer, as attn.bias
+    model = {_clean_name(k): v for k, v in ckpt['model'].items()}
+    ckpt['model'] = {k: v for k, v in model.items() if not NANOGPT_MASK_KEY.fullmatch(k)}
     # callers see one full model_args whatever the layout (see split_model_args)
     ckpt['model_args'] = {**ckpt['model_args'], **ckpt.pop('attn_args', {})}
     return ckpt
@@ -239,21 +244,23 @@ def load_optimizer_state(optimizer, model, checkpoint):
     matches exactly when the order is the same. A missing name or a shape that differs raises
     CheckpointError. `model` is the plain module (not the DDP wrapper), as for configure_optimizers."""
     saved = checkpoint['optimizer']
-    saved_names = checkpoint.get('optimizer_param_names') or _nanogpt_param_names(checkpoint, model)
+    if 'optimizer_param_names' in checkpoint:
+        saved_names, source = checkpoint['optimizer_param_names'], "its optimizer_param_names name"
+    else:
+        saved_names, source = _nanogpt_param_names(checkpoint, model), "nanoGPT's grouping of its model gives"
     saved_names = [[_clean_name(n) for n in group] for group in saved_names]
-    _check_group_sizes(saved['param_groups'], saved_names, "its optimizer_param_names")
+    sizes, named = [len(g['params']) for g in saved['param_groups']], [len(n) for n in saved_names]
+    if sizes != named:
+        raise CheckpointError(f"the checkpoint's optimizer has param groups of {sizes} tensors but {source} "
+                              f"{named}: its state cannot be matched to parameters")
     saved_state = {name: saved['state'][i]
                    for group, names in zip(saved['param_groups'], saved_names)
                    for i, name in zip(group['params'], names) if i in saved['state']}
     own_names = optimizer_param_names(model, optimizer)
-    if len(own_names) != len(saved_names):
-        raise CheckpointError(f"the checkpoint's optimizer has {len(saved_names)} parameter groups, this "
-                              f"one {len(own_names)}: it was built by a different configure_optimizers")
-    for g, (own, theirs) in enumerate(zip(own_names, saved_names)):
-        if set(own) != set(theirs):
-            lacking, extra = sorted(set(own) - set(theirs)), sorted(set(theirs) - set(own))
-            raise CheckpointError(f"the checkpoint's optimizer state does not fit this model: param group "
-                                  f"{g} lacks {lacking[:3] or 'nothing'} and has extra {extra[:3] or 'nothing'}")
+    _check_same_groups(own_names, saved_names)
+
+    # torch's own format, numbered in our slot order, so that load_state_dict pairs each saved state
+    # with the parameter of its name (and casts it to that parameter's device and dtype as usual)
     params = {_clean_name(n): p for n, p in model.named_parameters()}
     slot = 0
     state, groups = {}, []
@@ -265,24 +272,29 @@ def load_optimizer_state(optimizer, model, checkpoint):
                 state[slot] = saved_state[name]
             ids.append(slot)
             slot += 1
-        groups.append({**saved_group, 'params': ids})
+        groups.append({**saved_group, 'params': ids})  # the saved lr, betas, weight_decay, ...
     optimizer.load_state_dict({'state': state, 'param_groups': groups})
 
 
 def _nanogpt_param_names(checkpoint, model):
     """Slot names in the order nanoGPT's configure_optimizers builds them: named_parameters order
     (= checkpoint['model'] order without the tied lm_head.weight and buffers such as its causal
-    mask attn.bias), split into dim >= 2 (decayed) and dim < 2 (not decayed)."""
+    mask attn.bias), split into dim >= 2 (decayed) and dim < 2 (not decayed). Older checkpoints of
+    ours (attn.c_proj registered before attn.c_attn) follow their own key order the same way."""
     own = {_clean_name(n) for n, _ in model.named_parameters()}  # excludes the tied lm_head, buffers
     weights = [(k, v) for k, v in ((_clean_name(k), v) for k, v in checkpoint['model'].items()) if k in own]
     return [[k for k, v in weights if v.dim() >= 2], [k for k, v in weights if v.dim() < 2]]
 
 
-def _check_group_sizes(saved_groups, saved_names, source):
-    sizes, named = [len(g['params']) for g in saved_groups], [len(n) for n in saved_names]
-    if sizes != named:
-        raise CheckpointError(f"the checkpoint's optimizer has param groups of {sizes} tensors but {source} "
-                              f"name {named}: the optimizer state cannot be matched to parameters")
+def _check_same_groups(own_names, saved_names):
+    if len(own_names) != len(saved_names):
+        raise CheckpointError(f"the checkpoint's optimizer has {len(saved_names)} parameter groups, this "
+                              f"one {len(own_names)}: it was built by a different configure_optimizers")
+    for g, (own, theirs) in enumerate(zip(own_names, saved_names)):
+        if set(own) != set(theirs):
+            lacking, extra = sorted(set(own) - set(theirs)), sorted(set(theirs) - set(own))
+            raise CheckpointError(f"the checkpoint's optimizer state does not fit this model: param group {g} "
+                                  f"lacks {lacking[:3] or 'nothing'} and has extra {extra[:3] or 'nothing'}")
 
 
 def _check_state_shapes(name, param_state, param):

@@ -147,8 +147,8 @@ class AttentionBase(nn.Module):
         self.head_size = config.n_embd // config.n_head
         self.dropout = config.dropout
         # c_attn before c_proj, as nanoGPT registers them: optimizers store their state by parameter
-        # position, so only this order lets a nanoGPT checkpoint's AdamW state resume here (and
-        # nanoGPT resume ours). A variant's own parameters come after both.
+        # position, so only this order lets nanoGPT resume a base checkpoint of ours (optimizer
+        # included), and the same seed gives nanoGPT's initial weights.
         self.c_attn = nn.Linear(config.n_embd, self.c_attn_projections * config.n_embd, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)

@@ -1,18 +1,24 @@
-"""checkpoint.py: atomic saves that keep the previous checkpoint, clear errors on damaged files,
-RNG states that round-trip through weights_only loading."""
+"""checkpoint.py: atomic saves that keep the previous checkpoint, clear errors on damaged files and
+failed writes, nanoGPT's model_args layout, optimizer state by parameter name, RNG states that
+round-trip through weights_only loading. (nanoGPT's own files both ways: test_nanogpt_compat.py.)"""
+import copy
+import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import textwrap
+import zipfile
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from checkpoint import (CheckpointError, capture_rng_state, load_checkpoint, restore_rng_state,
-                        save_checkpoint)
+from checkpoint import (NANOGPT_MODEL_ARGS, CheckpointError, capture_rng_state, load_checkpoint,
+                        load_optimizer_state, optimizer_param_names, restore_rng_state, save_checkpoint)
+from model import GPT, GPTConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -109,3 +115,229 @@ def test_rng_states_round_trip_through_a_weights_only_checkpoint(tmp_path):
     restore_rng_state(load_checkpoint(tmp_path)['rng'], 'cpu')  # loads with weights_only=True
     again = (torch.rand(3), np.random.rand(3), random.random())
     assert torch.equal(draws[0], again[0]) and np.array_equal(draws[1], again[1]) and draws[2] == again[2]
+
+
+# ---------------------------------------------------------------------------- model_args layout
+
+FULL_BASE_ARGS = dict(n_layer=2, n_head=4, n_embd=32, block_size=16, bias=False, vocab_size=61, dropout=0.0,
+                      attn_type='base', noise_init_std=0.01, lowrank_rank=32, linear_chunk_size=64)
+
+
+def test_model_args_are_written_in_nanogpt_layout_and_read_back_whole(tmp_path):
+    s = state(1, model_args=dict(FULL_BASE_ARGS))
+    save_checkpoint(s, tmp_path)
+    assert s['model_args'] == FULL_BASE_ARGS and 'attn_args' not in s  # the caller's state is untouched
+    raw = torch.load(tmp_path / 'ckpt.pt', weights_only=True)
+    assert list(raw['model_args']) == [k for k in FULL_BASE_ARGS if k in NANOGPT_MODEL_ARGS]
+    assert sorted(raw['model_args']) == sorted(NANOGPT_MODEL_ARGS)
+    assert raw['attn_args'] == {k: v for k, v in FULL_BASE_ARGS.items() if k not in NANOGPT_MODEL_ARGS}
+    loaded = load_checkpoint(tmp_path)
+    assert loaded['model_args'] == FULL_BASE_ARGS and 'attn_args' not in loaded
+    # older checkpoints of ours (everything in model_args) and nanoGPT's (its 7 keys) read as before
+    for name, model_args in (('ours_old.pt', FULL_BASE_ARGS), ('nanogpt.pt', raw['model_args'])):
+        torch.save({**state(2), 'model_args': model_args}, tmp_path / name)
+        assert load_checkpoint(tmp_path / name)['model_args'] == model_args
+
+
+# ---------------------------------------------------------------------------- integrity
+
+def flip_bytes_inside_record(path, record_suffix):
+    """Overwrite 8 bytes in the middle of a record's data, as a bad disk or copy would."""
+    with zipfile.ZipFile(path) as z:
+        info = next(i for i in z.infolist() if i.filename.endswith(record_suffix))
+    data = bytearray(path.read_bytes())
+    name_len, extra_len = int.from_bytes(data[info.header_offset + 26:info.header_offset + 28], 'little'), \
+        int.from_bytes(data[info.header_offset + 28:info.header_offset + 30], 'little')
+    start = info.header_offset + 30 + name_len + extra_len + info.file_size // 2
+    data[start:start + 8] = bytes(b ^ 0xFF for b in data[start:start + 8])
+    path.write_bytes(data)
+
+
+def test_bytes_flipped_inside_a_tensor_are_reported_like_a_truncated_file(tmp_path):
+    save_checkpoint(state(1), tmp_path)
+    save_checkpoint(state(2), tmp_path)
+    path = tmp_path / 'ckpt.pt'
+    flip_bytes_inside_record(path, 'data/0')  # the 64x64 model weight
+    damaged = torch.load(path, weights_only=True)['model']['w']  # torch itself loads it silently
+    assert not torch.equal(damaged, state(2)['model']['w'])
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(tmp_path)
+    msg = str(e.value)
+    assert 'truncated or corrupt' in msg and 'CRC-32' in msg and str(tmp_path / 'ckpt.prev.pt') in msg
+    assert '\n' not in msg
+    assert load_checkpoint(tmp_path / 'ckpt.prev.pt')['iter_num'] == 1
+
+
+def test_files_saved_without_crcs_load_and_our_saves_always_have_them(tmp_path):
+    was = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(False)  # a user's (or library's) global choice
+    try:
+        torch.save(state(1), tmp_path / 'no_crc.pt')
+        save_checkpoint(state(2), tmp_path)
+    finally:
+        torch.serialization.set_crc32_options(was)
+    with zipfile.ZipFile(tmp_path / 'no_crc.pt') as z:
+        assert all(i.CRC == 0 for i in z.infolist())  # nothing to verify: not reported as damage
+    assert load_checkpoint(tmp_path / 'no_crc.pt')['iter_num'] == 1
+    with zipfile.ZipFile(tmp_path / 'ckpt.pt') as z:
+        assert all(i.CRC == zipfile.crc32(z.read(i)) for i in z.infolist())
+        assert any(i.CRC != 0 for i in z.infolist())
+
+
+# ---------------------------------------------------------------------------- failed writes
+
+SAVE_UNTIL_IT_FAILS = """
+import json, os, sys, torch
+sys.path.insert(0, {root!r})
+from checkpoint import CheckpointError, save_checkpoint
+out = {out!r}
+def state(i, numel):
+    return {{'model': {{'w': torch.full((numel,), float(i))}}, 'optimizer': {{}}, 'model_args': {{}},
+            'iter_num': i, 'best_val_loss': 0.0, 'config': {{}}}}
+save_checkpoint(state(1, 1000), out)
+save_checkpoint(state(2, 1000), out)
+before = {{n: open(os.path.join(out, n), 'rb').read().hex() for n in ('ckpt.pt', 'ckpt.prev.pt')}}
+{limit}
+try:
+    save_checkpoint(state(3, 1_000_000), out)  # 4 MB: more than the limit allows
+    message = None
+except CheckpointError as e:
+    message = str(e)
+after = {{n: open(os.path.join(out, n), 'rb').read().hex() for n in sorted(os.listdir(out))}}
+save_checkpoint(state(4, 1000), out)  # the half-written file was removed: a small save fits again
+print(json.dumps(dict(message=message, intact=before == after, files=sorted(after))))
+"""
+
+
+def run_save_until_it_fails(out, limit, wrap=()):
+    script = SAVE_UNTIL_IT_FAILS.format(root=str(ROOT), out=str(out), limit=limit)
+    proc = subprocess.run([*wrap, sys.executable, '-c', script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def tmpfs_available():
+    if sys.platform != 'linux' or not shutil.which('unshare'):
+        return False
+    probe = subprocess.run(['unshare', '-rm', 'sh', '-c', 'mount -t tmpfs -o size=64k tmpfs /tmp'],
+                           capture_output=True)
+    return probe.returncode == 0
+
+
+@pytest.mark.skipif(not tmpfs_available(), reason="needs `unshare -rm` (user + mount namespaces) to mount a "
+                                                  "small tmpfs, i.e. a real full disk")
+def test_disk_full_during_save_is_one_line_and_keeps_both_checkpoints(tmp_path):
+    out = tmp_path / 'full_disk'
+    out.mkdir()
+    # a 1 MiB tmpfs over out, seen by this child process only: two small checkpoints fit, a 4 MB one not
+    wrap = ['unshare', '-rm', 'sh', '-c', f'mount -t tmpfs -o size=1m tmpfs {out} && exec "$0" "$@"']
+    result = run_save_until_it_fails(out, limit='', wrap=wrap)
+    assert result['message'] == (f"no space left on device in {out} while saving a checkpoint; {out}/ckpt.pt / "
+                                 f"{out}/ckpt.prev.pt are intact. Free some space (or set out_dir to a disk "
+                                 f"with room) and resume with init_from='resume'")
+    assert result['intact'] and result['files'] == ['ckpt.prev.pt', 'ckpt.pt']
+
+
+@pytest.mark.skipif(sys.platform != 'linux', reason="RLIMIT_FSIZE / SIGXFSZ as on Linux")
+def test_other_write_errors_are_one_line_and_keep_both_checkpoints(tmp_path):
+    # the file size limit (RLIMIT_FSIZE) makes the kernel refuse the write with EFBIG
+    limit = ("import resource, signal; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+             "resource.setrlimit(resource.RLIMIT_FSIZE, (1_000_000, resource.RLIM_INFINITY))")
+    result = run_save_until_it_fails(tmp_path, limit=limit)
+    assert result['message'] == (f"could not write a checkpoint in {tmp_path} (File too large); {tmp_path}/ckpt.pt"
+                                 f" / {tmp_path}/ckpt.prev.pt are intact. Fix the cause and resume with "
+                                 f"init_from='resume'")
+    assert result['intact'] and result['files'] == ['ckpt.prev.pt', 'ckpt.pt']
+
+
+# ---------------------------------------------------------------------------- optimizer state by name
+
+def tiny_gpt(seed, attn_type='noiseformer_v2', **overrides):
+    torch.manual_seed(seed)
+    args = {**dict(n_layer=2, n_head=4, n_embd=32, block_size=16, vocab_size=61, attn_type=attn_type), **overrides}
+    model = GPT(GPTConfig(**args))
+    return model, model.configure_optimizers(0.1, 1e-2, (0.9, 0.95), 'cpu')
+
+
+def train_steps(model, optimizer, seeds):
+    for s in seeds:
+        g = torch.Generator().manual_seed(s)
+        x = torch.randint(0, model.config.vocab_size, (2, model.config.block_size + 1), generator=g)
+        torch.manual_seed(s)  # the same noise draws in every copy
+        model(x[:, :-1], x[:, 1:])[1].backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
+def trained_checkpoint(tmp_path, attn_type='noiseformer_v2', **overrides):
+    model, optimizer = tiny_gpt(0, attn_type, **overrides)
+    train_steps(model, optimizer, [1, 2])
+    save_checkpoint({**state(2), 'model': model.state_dict(), 'optimizer': optimizer.state_dict(),
+                     'optimizer_param_names': optimizer_param_names(model, optimizer)}, tmp_path)
+    return load_checkpoint(tmp_path)
+
+
+def test_optimizer_param_names_name_every_slot_in_order():
+    model, optimizer = tiny_gpt(0, 'base')
+    names = optimizer_param_names(model, optimizer)
+    params = dict(model.named_parameters())
+    assert [[params[n] for n in group] for group in names] == [g['params'] for g in optimizer.param_groups]
+    assert names[0][:3] == ['transformer.wte.weight', 'transformer.wpe.weight', 'transformer.h.0.attn.c_attn.weight']
+
+
+def test_loading_by_name_is_bit_identical_to_load_state_dict_for_our_checkpoints(tmp_path):
+    ckpt = trained_checkpoint(tmp_path)
+    resumed = []
+    for load in ('plain', 'by name'):
+        model, optimizer = tiny_gpt(5)  # different init: everything must come from the checkpoint
+        model.load_state_dict(ckpt['model'])
+        c = copy.deepcopy(ckpt)
+        optimizer.load_state_dict(c['optimizer']) if load == 'plain' else load_optimizer_state(optimizer, model, c)
+        train_steps(model, optimizer, [3])
+        resumed.append(model.state_dict())
+    assert all(torch.equal(resumed[0][k], resumed[1][k]) for k in resumed[0])
+
+
+def test_an_older_checkpoint_of_ours_with_c_proj_first_resumes_by_name(tmp_path):
+    """Before c_attn was registered first, our checkpoints listed each block's attn.c_proj before
+    attn.c_attn in the model and in the optimizer's slots, with no optimizer_param_names."""
+    model, _ = tiny_gpt(0, 'base')
+    params = dict(model.named_parameters())
+    old = list(params)
+    for i in range(model.config.n_layer):  # c_attn.weight, c_attn.bias, c_proj.weight, c_proj.bias
+        attn = [n for n in old if n.startswith(f'transformer.h.{i}.attn.c_')]
+        at = old.index(attn[0])
+        old[at:at + 4] = attn[2:] + attn[:2]
+    assert old.index('transformer.h.0.attn.c_proj.weight') < old.index('transformer.h.0.attn.c_attn.weight')
+    optimizer = torch.optim.AdamW([{'params': [params[n] for n in old if params[n].dim() >= 2], 'weight_decay': 0.1},
+                                   {'params': [params[n] for n in old if params[n].dim() < 2], 'weight_decay': 0.0}],
+                                  lr=1e-2, betas=(0.9, 0.95))
+    train_steps(model, optimizer, [1, 2])
+    sd = model.state_dict()
+    sd = {k: sd[k] for k in old + ['lm_head.weight']}
+    save_checkpoint({**state(2), 'model': sd, 'optimizer': optimizer.state_dict()}, tmp_path)
+
+    new_model, new_optimizer = tiny_gpt(5, 'base')
+    ckpt = load_checkpoint(tmp_path)
+    new_model.load_state_dict(ckpt['model'])
+    load_optimizer_state(new_optimizer, new_model, ckpt)
+    for name, p in new_model.named_parameters():
+        for key in ('exp_avg', 'exp_avg_sq'):
+            assert torch.equal(new_optimizer.state[p][key], optimizer.state[params[name]][key]), (name, key)
+
+
+def test_optimizer_state_that_does_not_fit_the_model_is_refused_clearly(tmp_path):
+    ckpt = trained_checkpoint(tmp_path / 'a', attn_type='base')
+    model, optimizer = tiny_gpt(0, 'base', vocab_size=64)
+    with pytest.raises(CheckpointError, match=r"exp_avg for transformer.wte.weight has shape \(61, 32\) but the "
+                                              r"model's parameter has \(64, 32\)"):
+        load_optimizer_state(optimizer, model, copy.deepcopy(ckpt))
+    model, optimizer = tiny_gpt(0, 'diff')  # the same matrices plus lambda vectors and a norm
+    with pytest.raises(CheckpointError, match=r"param group 1 lacks \['transformer.h.0.attn.head_norm.weight'"):
+        load_optimizer_state(optimizer, model, copy.deepcopy(ckpt))
+    del ckpt['optimizer_param_names']  # nanoGPT's layout: names inferred from the model's keys
+    ckpt['model'].pop('transformer.ln_f.weight')
+    model, optimizer = tiny_gpt(0, 'base')
+    with pytest.raises(CheckpointError, match=r"param groups of \[10, 18\] tensors but nanoGPT's grouping of "
+                                              r"its model gives \[10, 17\]"):
+        load_optimizer_state(optimizer, model, ckpt)

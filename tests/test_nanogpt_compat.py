@@ -1,0 +1,276 @@
+"""nanoGPT interoperability, both ways, against an independent nanoGPT-shaped model written here:
+its checkpoints resume in our GPT (weights and AdamW state, by parameter name), and a `base`
+checkpoint of ours loads and resumes in it the way nanoGPT's sample.py / train.py load one."""
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.nn import functional as F
+
+from checkpoint import (NANOGPT_MODEL_ARGS, load_checkpoint, load_optimizer_state, optimizer_param_names,
+                        save_checkpoint)
+from model import ATTENTION_TYPES, GPT, GPTConfig
+
+# ---------------------------------------------------------------------------- nanoGPT, minimal
+
+
+@dataclass
+class NanoConfig:  # nanoGPT's GPTConfig: these seven fields and no others
+    block_size: int = 16
+    vocab_size: int = 61
+    n_layer: int = 2
+    n_head: int = 4
+    n_embd: int = 32
+    dropout: float = 0.0
+    bias: bool = True
+
+
+class NanoLayerNorm(nn.Module):
+    def __init__(self, ndim, bias):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(ndim))
+        self.bias = nn.Parameter(torch.zeros(ndim)) if bias else None
+
+    def forward(self, x):
+        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, 1e-5)
+
+
+class NanoAttention(nn.Module):
+    def __init__(self, cfg, mask_buffer):
+        super().__init__()
+        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
+        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.n_head = cfg.n_head
+        if mask_buffer:  # nanoGPT without flash attention keeps its causal mask as a buffer 'bias'
+            # (only its presence in the checkpoint matters here: forward uses SDPA either way, so
+            # both models compute the same numbers)
+            self.register_buffer("bias", torch.tril(torch.ones(cfg.block_size, cfg.block_size))
+                                 .view(1, 1, cfg.block_size, cfg.block_size))
+
+    def forward(self, x):
+        B, T, C = x.size()
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+                   for t in self.c_attn(x).split(C, dim=2))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+
+class NanoMLP(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
+        self.gelu = nn.GELU()
+        self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+
+    def forward(self, x):
+        return self.c_proj(self.gelu(self.c_fc(x)))
+
+
+class NanoBlock(nn.Module):
+    def __init__(self, cfg, mask_buffer):
+        super().__init__()
+        self.ln_1 = NanoLayerNorm(cfg.n_embd, cfg.bias)
+        self.attn = NanoAttention(cfg, mask_buffer)
+        self.ln_2 = NanoLayerNorm(cfg.n_embd, cfg.bias)
+        self.mlp = NanoMLP(cfg)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class NanoGPT(nn.Module):
+    def __init__(self, cfg, mask_buffer=False):
+        super().__init__()
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(cfg.vocab_size, cfg.n_embd),
+            wpe=nn.Embedding(cfg.block_size, cfg.n_embd),
+            drop=nn.Dropout(cfg.dropout),
+            h=nn.ModuleList([NanoBlock(cfg, mask_buffer) for _ in range(cfg.n_layer)]),
+            ln_f=NanoLayerNorm(cfg.n_embd, cfg.bias),
+        ))
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight
+        self.apply(self._init_weights)
+        for pn, p in self.named_parameters():
+            if pn.endswith('c_proj.weight'):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+
+    @staticmethod
+    def _init_weights(module):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+
+    def forward(self, idx, targets):
+        pos = torch.arange(idx.size(1))
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        for block in self.transformer.h:
+            x = block(x)
+        logits = self.lm_head(self.transformer.ln_f(x))
+        return logits, F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+    def configure_optimizers(self, weight_decay, learning_rate, betas):
+        params = [p for p in self.parameters() if p.requires_grad]
+        groups = [{'params': [p for p in params if p.dim() >= 2], 'weight_decay': weight_decay},
+                  {'params': [p for p in params if p.dim() < 2], 'weight_decay': 0.0}]
+        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas)
+
+
+# ---------------------------------------------------------------------------- helpers
+
+LR, BETAS, WD = 1e-2, (0.9, 0.95), 0.1
+
+
+def batch(seed, cfg):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, cfg.vocab_size, (4, cfg.block_size + 1), generator=g)
+    return x[:, :-1].contiguous(), x[:, 1:].contiguous()
+
+
+def train_steps(model, optimizer, cfg, seeds):
+    for s in seeds:
+        _, loss = model(*batch(s, cfg))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
+def nano_checkpoint(model, optimizer, cfg, compiled):
+    """What nanoGPT's train.py saves; a torch.compile'd model's state_dict names every key
+    '_orig_mod.<name>' (compile stays off in CPU tests, so the prefix is added here)."""
+    sd = model.state_dict()
+    if compiled:
+        sd = {'_orig_mod.' + k: v for k, v in sd.items()}
+    model_args = dict(n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd, block_size=cfg.block_size,
+                      bias=cfg.bias, vocab_size=cfg.vocab_size, dropout=cfg.dropout)
+    return {'model': sd, 'optimizer': optimizer.state_dict(), 'model_args': model_args, 'iter_num': 2,
+            'best_val_loss': 3.5, 'config': {'dataset': 'shakespeare_char', 'learning_rate': LR}}
+
+
+def adam_state_by_name(model, optimizer):
+    return {n: optimizer.state[p] for n, p in model.named_parameters() if p in optimizer.state}
+
+
+def our_base_config(cfg, **extra):
+    return GPTConfig(**{k: getattr(cfg, k) for k in NANOGPT_MODEL_ARGS}, **extra)
+
+
+# ---------------------------------------------------------------------------- parameter order
+
+def nanogpt_parameter_names(n_layer, bias):
+    names = ['transformer.wte.weight', 'transformer.wpe.weight']
+    for i in range(n_layer):
+        for mod in ('ln_1', 'attn.c_attn', 'attn.c_proj', 'ln_2', 'mlp.c_fc', 'mlp.c_proj'):
+            names += [f'transformer.h.{i}.{mod}.weight'] + ([f'transformer.h.{i}.{mod}.bias'] if bias else [])
+    return names + ['transformer.ln_f.weight'] + (['transformer.ln_f.bias'] if bias else [])
+
+
+@pytest.mark.parametrize('bias', [True, False])
+def test_base_parameters_come_in_nanogpt_order_with_nanogpt_init(bias):
+    cfg = NanoConfig(bias=bias)
+    torch.manual_seed(0)
+    ours = GPT(our_base_config(cfg))
+    torch.manual_seed(0)
+    theirs = NanoGPT(cfg)
+    assert [n for n, _ in ours.named_parameters()] == nanogpt_parameter_names(cfg.n_layer, bias)
+    assert [n for n, _ in theirs.named_parameters()] == nanogpt_parameter_names(cfg.n_layer, bias)
+    # the modules draw their initial weights in the same order too, so the same seed gives the same model
+    for (name, p), q in zip(ours.named_parameters(), theirs.parameters()):
+        assert torch.equal(p, q), name
+
+
+@pytest.mark.parametrize('attn_type', list(ATTENTION_TYPES))
+def test_every_variant_registers_c_attn_right_before_c_proj(attn_type):
+    n_head = 4
+    model = GPT(GPTConfig(attn_type=attn_type, n_layer=2, n_head=n_head, n_embd=32, block_size=16, vocab_size=61))
+    names = [n for n, _ in model.named_parameters()]
+    for i in range(2):
+        at = names.index(f'transformer.h.{i}.attn.c_attn.weight')
+        assert names[at:at + 4] == [f'transformer.h.{i}.attn.{m}' for m in
+                                    ('c_attn.weight', 'c_attn.bias', 'c_proj.weight', 'c_proj.bias')]
+
+
+# ---------------------------------------------------------------------------- nanoGPT -> ours
+
+@pytest.mark.parametrize('compiled,mask_buffer', [(False, False), (True, True)])
+def test_nanogpt_checkpoint_resumes_in_our_gpt_with_its_adamw_state(tmp_path, compiled, mask_buffer):
+    cfg = NanoConfig()
+    torch.manual_seed(1)
+    nano = NanoGPT(cfg, mask_buffer=mask_buffer)
+    nano_opt = nano.configure_optimizers(WD, LR, BETAS)
+    train_steps(nano, nano_opt, cfg, seeds=[1, 2])
+    torch.save(nano_checkpoint(nano, nano_opt, cfg, compiled), tmp_path / 'ckpt.pt')
+
+    ckpt = load_checkpoint(tmp_path)
+    assert ckpt['model_args'] == {k: getattr(cfg, k) for k in NANOGPT_MODEL_ARGS}
+    ours = GPT(GPTConfig(**ckpt['model_args']))
+    ours.load_state_dict(ckpt['model'])  # no '_orig_mod.' prefixes, no causal-mask buffers left
+    our_opt = ours.configure_optimizers(WD, LR, BETAS, 'cpu')
+    load_optimizer_state(our_opt, ours, ckpt)
+
+    theirs_by_name, ours_by_name = adam_state_by_name(nano, nano_opt), adam_state_by_name(ours, our_opt)
+    assert sorted(ours_by_name) == sorted(theirs_by_name) == sorted(n for n, _ in ours.named_parameters())
+    for name, state in theirs_by_name.items():
+        for key in ('exp_avg', 'exp_avg_sq', 'step'):
+            assert torch.equal(ours_by_name[name][key], state[key]), (name, key)
+    assert [g['lr'] for g in our_opt.param_groups] == [LR, LR]
+    assert [g['weight_decay'] for g in our_opt.param_groups] == [WD, 0.0]
+
+    train_steps(nano, nano_opt, cfg, seeds=[3])
+    train_steps(ours, our_opt, cfg, seeds=[3])
+    theirs = dict(nano.named_parameters())
+    for name, p in ours.named_parameters():
+        torch.testing.assert_close(p, theirs[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+# ---------------------------------------------------------------------------- ours -> nanoGPT
+
+def test_our_base_checkpoint_loads_and_resumes_in_nanogpt(tmp_path):
+    cfg = NanoConfig(bias=False)
+    torch.manual_seed(2)
+    ours = GPT(our_base_config(cfg))
+    our_opt = ours.configure_optimizers(WD, LR, BETAS, 'cpu')
+    train_steps(ours, our_opt, cfg, seeds=[1, 2])
+    model_args = {k: getattr(ours.config, k) for k in ('n_layer', 'n_head', 'n_embd', 'block_size', 'bias',
+                                                       'vocab_size', 'dropout', 'attn_type', 'noise_init_std',
+                                                       'lowrank_rank', 'linear_chunk_size')}
+    save_checkpoint({'model': ours.state_dict(), 'optimizer': our_opt.state_dict(),
+                     'optimizer_param_names': optimizer_param_names(ours, our_opt), 'model_args': model_args,
+                     'iter_num': 2, 'best_val_loss': 3.5, 'config': {'dataset': 'shakespeare_char'}}, tmp_path)
+
+    # what nanoGPT's sample.py and train.py (init_from='resume') do with it
+    checkpoint = torch.load(tmp_path / 'ckpt.pt', map_location='cpu', weights_only=True)
+    nano = NanoGPT(NanoConfig(**checkpoint['model_args']))  # a TypeError if a variant key were left in
+    nano.load_state_dict(checkpoint['model'])
+    nano_opt = nano.configure_optimizers(WD, LR, BETAS)
+    nano_opt.load_state_dict(checkpoint['optimizer'])  # by position: needs nanoGPT's parameter order
+
+    ours_by_name, theirs_by_name = adam_state_by_name(ours, our_opt), adam_state_by_name(nano, nano_opt)
+    for name, state in ours_by_name.items():
+        assert torch.equal(theirs_by_name[name]['exp_avg'], state['exp_avg']), name
+        assert torch.equal(theirs_by_name[name]['exp_avg_sq'], state['exp_avg_sq']), name
+    train_steps(ours, our_opt, cfg, seeds=[3])
+    train_steps(nano, nano_opt, cfg, seeds=[3])
+    theirs = dict(nano.named_parameters())
+    for name, p in ours.named_parameters():
+        torch.testing.assert_close(p, theirs[name], rtol=1e-5, atol=1e-6, msg=name)
+    # and our loader gives back the full model_args
+    assert load_checkpoint(tmp_path)['model_args'] == model_args
+
+
+def test_nanogpt_refuses_a_non_base_checkpoint_by_name(tmp_path):
+    # linear attention has base's exact parameter names and shapes: nanoGPT would load its weights
+    # into softmax attention without a word, so its model_args keep attn_type for nanoGPT to refuse
+    model = GPT(GPTConfig(attn_type='linear', n_layer=1, n_head=4, n_embd=32, block_size=16, vocab_size=61))
+    assert sorted(model.state_dict()) == sorted(NanoGPT(NanoConfig(n_layer=1)).state_dict())
+    model_args = {k: getattr(model.config, k) for k in NANOGPT_MODEL_ARGS + ('attn_type', 'linear_chunk_size')}
+    save_checkpoint({'model': model.state_dict(), 'optimizer': {}, 'model_args': model_args, 'iter_num': 0,
+                     'best_val_loss': 9.0, 'config': {}}, tmp_path)
+    checkpoint = torch.load(tmp_path / 'ckpt.pt', weights_only=True)
+    with pytest.raises(TypeError, match="attn_type"):
+        NanoConfig(**checkpoint['model_args'])
+    assert load_checkpoint(tmp_path)['model_args'] == model_args
