@@ -274,3 +274,41 @@ def test_nanogpt_refuses_a_non_base_checkpoint_by_name(tmp_path):
     with pytest.raises(TypeError, match="attn_type"):
         NanoConfig(**checkpoint['model_args'])
     assert load_checkpoint(tmp_path)['model_args'] == model_args
+
+
+def test_train_py_resumes_a_nanogpt_checkpoint_and_keeps_it(tmp_path):
+    """The whole path of `python3 train.py --init_from=resume` on a ckpt.pt written the way nanoGPT's
+    train.py writes it (its config dict too: device, dtype and compile of the machine it ran on, which
+    are not taken over). It used to crash at the first step after moving the original to ckpt.prev.pt."""
+    import subprocess
+    import sys
+    from test_train import ITER_LINE, ROOT, VOCAB, make_dataset, subprocess_env
+    data = make_dataset(tmp_path)
+    cfg = NanoConfig(block_size=32, vocab_size=VOCAB, n_layer=2, n_head=2, n_embd=32, dropout=0.0, bias=False)
+    torch.manual_seed(0)
+    model = NanoGPT(cfg)
+    optimizer = model.configure_optimizers(WD, LR, BETAS)
+    train_steps(model, optimizer, cfg, seeds=[0, 1])
+    ckpt = nano_checkpoint(model, optimizer, cfg, compiled=True)
+    ckpt['config'] = dict(out_dir='out-shakespeare-char', eval_interval=100, log_interval=1, eval_iters=4,
+                          eval_only=False, always_save_checkpoint=True, init_from='scratch', wandb_log=False,
+                          dataset=str(data), gradient_accumulation_steps=1, batch_size=4, block_size=32,
+                          n_layer=2, n_head=2, n_embd=32, dropout=0.0, bias=False, learning_rate=LR,
+                          max_iters=2, weight_decay=WD, beta1=BETAS[0], beta2=BETAS[1], grad_clip=1.0,
+                          decay_lr=False, warmup_iters=0, lr_decay_iters=2, min_lr=1e-3, backend='nccl',
+                          device='cuda', dtype='bfloat16', compile=True)
+    out = tmp_path / 'nano'
+    out.mkdir()
+    torch.save(ckpt, out / 'ckpt.pt')
+    original = (out / 'ckpt.pt').read_bytes()
+    proc = subprocess.run([sys.executable, 'train.py', '--init_from=resume', f'--out_dir={out}', '--max_iters=5',
+                           '--device=cpu', '--dtype=float32'], cwd=ROOT, env=subprocess_env(), capture_output=True,
+                          text=True, timeout=120)  # nanoGPT's way: no config file
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(int(m[1]) for m in ITER_LINE.finditer(proc.stdout)) == [2, 3, 4]
+    assert "tokens per iteration will be: 128" in proc.stdout  # the nanoGPT run's batch x block
+    resumed = load_checkpoint(out)
+    assert resumed['iter_num'] == 5 and resumed['config']['learning_rate'] == LR
+    assert (out / 'ckpt.prev.pt').read_bytes() == original  # kept until a newer one existed
+    # the AdamW state went on with the nanoGPT run's: step counts continue from 2
+    assert all(s['step'].item() == 5 for s in resumed['optimizer']['state'].values())
