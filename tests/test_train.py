@@ -348,12 +348,18 @@ def test_config_typo_exits_2_with_the_suggestion(tmp_path):
 # -----------------------------------------------------------------------------
 # Hardening: resume and out_dir semantics, settings checked before any work
 
-def test_resume_refuses_an_architecture_given_at_its_default_value(tmp_path):
+def tiny_args(tmp_path, data, out='out'):
+    return [str(TINY), f'--dataset={data}', f'--out_dir={tmp_path / out}']
+
+
+def test_resume_refuses_an_architecture_given_at_its_default_value(tmp_path, capsys):
     data = make_dataset(tmp_path)
-    run_train(tmp_path / 'out', data, '--attn_type=dint', '--max_iters=0')
+    run_in_process([*tiny_args(tmp_path, data), '--attn_type=dint', '--max_iters=0'], capsys)
     # base is train.py's default, but it was given: it must be compared, not ignored
-    proc = run_train(tmp_path / 'out', data, '--init_from=resume', '--attn_type=base', expect_rc=2)
-    assert "attn_type: checkpoint 'dint', this run 'base'" in proc.stderr
+    with pytest.raises(SystemExit) as e:
+        run_in_process([*tiny_args(tmp_path, data), '--init_from=resume', '--attn_type=base'], capsys)
+    assert e.value.code == 2
+    assert "attn_type: checkpoint 'dint', this run 'base'" in capsys.readouterr().err
     assert load_checkpoint(tmp_path / 'out')['model_args']['attn_type'] == 'dint'
 
 
@@ -375,32 +381,32 @@ def test_resume_continues_the_checkpoints_run_settings(tmp_path, capsys):
     assert (ckpt['config']['batch_size'], ckpt['config']['dataset'], ckpt['config']['learning_rate']) == (2, str(data), 0.001)
 
 
-def test_scratch_run_keeps_another_runs_checkpoint_aside(tmp_path):
+def test_scratch_run_keeps_another_runs_checkpoint_aside(tmp_path, capsys):
     data = make_dataset(tmp_path)
     out = tmp_path / 'out'
-    run_train(out, data, '--max_iters=10', '--eval_interval=5')
-    before = {name: (out / name).read_bytes() for name in ('ckpt.pt', 'ckpt.prev.pt')}
+    run_in_process([*tiny_args(tmp_path, data), '--max_iters=10', '--eval_interval=5'], capsys)
+    before = {name: (out / name).read_bytes() for name in ('ckpt.pt', 'ckpt.prev.pt', 'metrics.jsonl')}
     # the same command again (or a short test run with the same out_dir): the first run is not lost
-    proc = run_train(out, data, '--max_iters=2', '--eval_interval=5')
+    stdout = run_in_process([*tiny_args(tmp_path, data), '--max_iters=2', '--eval_interval=5'], capsys)
     aside = [p for p in out.iterdir() if p.name.startswith('replaced-')]
-    assert len(aside) == 1 and f"moved it to {aside[0]}/" in proc.stdout
+    assert len(aside) == 1 and f"moved it to {aside[0]}/" in stdout
     assert {name: (aside[0] / name).read_bytes() for name in before} == before
     assert load_checkpoint(out)['iter_num'] == 2
-    proc = run_train(out, data, '--max_iters=1', '--overwrite=True')
-    assert "deleted the previous run's checkpoint" in proc.stdout
+    stdout = run_in_process([*tiny_args(tmp_path, data), '--max_iters=1', '--overwrite=True'], capsys)
+    assert "deleted the previous run's checkpoint" in stdout
     assert len([p for p in out.iterdir() if p.name.startswith('replaced-')]) == 1
 
 
-def test_resume_does_not_replace_the_fallback_before_training(tmp_path):
+def test_resume_does_not_replace_the_fallback_before_training(tmp_path, capsys):
     data = make_dataset(tmp_path)
     out = tmp_path / 'out'
-    run_train(out, data, '--max_iters=10', '--eval_interval=5')  # saves at 5 (-> ckpt.prev.pt) and 10
+    run_in_process([*tiny_args(tmp_path, data), '--max_iters=10', '--eval_interval=5'], capsys)  # saves at 5, 10
     assert load_checkpoint(out / 'ckpt.prev.pt')['iter_num'] == 5
     before = {name: (out / name).read_bytes() for name in ('ckpt.pt', 'ckpt.prev.pt')}
-    proc = run_train(out, data, '--init_from=resume', '--max_iters=10')  # nothing left to train
-    assert 'saved checkpoint' not in proc.stdout and 'step 10:' not in proc.stdout
+    stdout = run_in_process([*tiny_args(tmp_path, data), '--init_from=resume', '--max_iters=10'], capsys)
+    assert 'saved checkpoint' not in stdout and 'step 10:' not in stdout  # nothing left to train
     assert {name: (out / name).read_bytes() for name in before} == before
-    run_train(out, data, '--init_from=resume', '--max_iters=12')
+    run_in_process([*tiny_args(tmp_path, data), '--init_from=resume', '--max_iters=12'], capsys)
     assert load_checkpoint(out)['iter_num'] == 12 and load_checkpoint(out / 'ckpt.prev.pt')['iter_num'] == 10
 
 
