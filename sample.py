@@ -11,11 +11,11 @@ Every prompt gets num_samples completions of max_new_tokens tokens, generated to
 with the model's KV cache (model.generate): at batch 1 each token reads all the weights for one
 sequence, so a batch of 3 costs little more than one sequence.
 
-Reproducibility: before prompt i (0-based) the random generators are seeded with seed + i, and that
-prompt's batch is the only thing generated until the next seeding. So prompt i's samples depend only
-on the prompt, seed + i and the model/settings (same device and dtype; i counts the prompts, not blank lines): a command prints the same
-samples every time it runs, adding a prompt at the end of the file changes none of the others, and
-the samples of prompt i equal those of --start=<that prompt> --seed=<seed + i>.
+Reproducibility: before prompt i (0-based, blank lines not counted) the random generators are seeded
+with seed + i, and that prompt's batch is the only thing generated until the next seeding. So prompt
+i's samples depend only on the prompt, seed + i and the model and settings (same device and dtype): a
+command prints the same samples every time it runs, adding a prompt at the end of the file changes
+none of the others, and the samples of prompt i equal those of --start=<that prompt> --seed=<seed + i>.
 Prompts are not batched with each other, even when of equal length: the shared batch would make a
 prompt's samples depend on which other prompts are in the file (NoiseFormer noise draws, rounding).
 
@@ -48,6 +48,7 @@ import json
 import os
 import re
 import sys
+import time
 
 import tiktoken
 import torch
@@ -448,6 +449,7 @@ encoded = [encode(p) for p in prompts]  # every prompt checked before any output
 log(f"{model_sentence(str, str)}; device {device} ({dtype})")
 if header() is not None:
     print(header())
+generating = 0.0  # seconds spent in model.generate, for the tokens/s line at the end
 for i, (prompt, prompt_ids) in enumerate(zip(prompts, encoded)):
     if len(prompt_ids) > model.config.block_size:
         log(f"prompt {i + 1} has {len(prompt_ids)} tokens, more than block_size={model.config.block_size}: "
@@ -455,7 +457,12 @@ for i, (prompt, prompt_ids) in enumerate(zip(prompts, encoded)):
     # the prompt's num_samples completions as one batch (row j = sample j), seeded for this prompt only
     x = torch.tensor(prompt_ids, dtype=torch.long, device=device).repeat(num_samples, 1)
     manual_seed(seed + i)
+    t0 = time.perf_counter()
     with torch.no_grad(), ctx:
         y = model.generate(x, max_new_tokens, temperature=temperature, top_k=top_k or None, use_cache=kv_cache)
-    completions = [decode_pieces(row[len(prompt_ids):].tolist()) for row in y]
+    new_tokens = y[:, len(prompt_ids):].tolist()  # .tolist() waits for the device: the timing is complete
+    generating += time.perf_counter() - t0
+    completions = [decode_pieces(row) for row in new_tokens]
     print(render_prompt(i, prompt, prompt_ids, completions), flush=True)
+n_tokens = len(prompts) * num_samples * max_new_tokens
+log(f"generated {n_tokens} tokens in {generating:.1f} s ({n_tokens / generating:.1f} tokens/s)")
