@@ -1,15 +1,27 @@
 """
 Sample from a trained model: plain text, a ready-to-paste Markdown or LaTeX appendix, or JSON lines.
 
-$ python sample.py --out_dir=out-shakespeare-char
-$ python sample.py --out_dir=out-owt-noiseformer_v2 --prompts_file=prompts.txt --format=latex > appendix.tex
-$ python sample.py --init_from=gpt2-xl --start="What is the answer to life, the universe, and everything?"
+$ python3 sample.py --out_dir=out-shakespeare-char
+$ python3 sample.py --out_dir=out-owt-noiseformer_v2 --prompts_file=prompts/appendix.txt --format=latex > appendix.tex
+$ python3 sample.py --init_from=gpt2-xl --start="What is the answer to life, the universe, and everything?"
 
 Prompts come from --start (the text itself, or FILE:path to use a whole file as one prompt) or from
---prompts_file (one prompt per line, blank lines skipped). Every prompt gets num_samples completions
-of max_new_tokens tokens, generated with the model's KV cache (model.generate). Before prompt i the
-random generators are seeded with seed + i, so a command prints the same samples every time it runs
-(same device and dtype), and adding a prompt to the file does not change the others' samples.
+--prompts_file (one prompt per line, blank lines skipped; prompts/appendix.txt is a small neutral set).
+Every prompt gets num_samples completions of max_new_tokens tokens, generated together as one batch
+with the model's KV cache (model.generate): at batch 1 each token reads all the weights for one
+sequence, so a batch of 3 costs little more than one sequence.
+
+Reproducibility: before prompt i (0-based, blank lines not counted) the random generators are seeded
+with seed + i, and that prompt's batch is the only thing generated until the next seeding. So prompt
+i's samples depend only on the prompt, seed + i and the model and settings (same device and dtype): a
+command prints the same samples every time it runs, adding a prompt at the end of the file changes
+none of the others, and the samples of prompt i equal those of --start=<that prompt> --seed=<seed + i>.
+Prompts are not batched with each other, even when of equal length: the shared batch would make a
+prompt's samples depend on which other prompts are in the file (NoiseFormer noise draws, rounding).
+
+Weights are held in the sampling dtype (bfloat16, or float16 on CUDA) instead of being autocast from
+float32 at every token; the few parameters model.py computes with in float32 (DIFF/DINT lambda and
+head norm, NoiseFormer mu/sigma) stay float32. --dtype=float32 keeps everything in float32.
 
 Only the samples go to stdout; messages go to stderr, so `> appendix.md` captures a clean file.
 Formats:
@@ -21,23 +33,30 @@ Formats:
   jsonl     one JSON object per completion: prompt, completion, and the model and sampling settings
 Special tokens (GPT-2's <|endoftext|>) are kept as readable markers: `<|endoftext|>`.
 NoiseFormer models keep their attention noise on while sampling (as in the paper) unless
---noise_at_eval=False.
+--noise_at_eval=False. Each completion of a batch gets its own noise draw (noise_per_sample=True
+while sampling): with one draw shared by the batch, the completions of a prompt would see the same
+noise at every step, unlike completions generated one at a time (at temperature 0 they would even
+be identical). Each sequence's own noise has the distribution training gave it either way.
+
+The char-level vocabulary is read from data/<dataset>/ (meta.json, or nanoGPT's meta.pkl read as
+plain data only: a meta.pkl that would run code is refused). When a checkpoint's dataset points
+outside data/, a note names the folder the vocabulary is read from.
 """
 
 import contextlib
 import json
 import os
-import pickle
 import re
 import sys
+import time
 
 import tiktoken
 import torch
 
-from batches import load_meta
+from batches import load_meta, read_meta_pkl
 from checkpoint import CheckpointError, load_checkpoint
 from configurator import ConfigError, apply_config
-from device import autocast_context, manual_seed, resolve_device, resolve_dtype, setup
+from device import autocast_context, manual_seed, resolve_device, resolve_dtype, setup, torch_dtype
 from model import ATTENTION_TYPES, GPT, GPTConfig
 
 # -----------------------------------------------------------------------------
@@ -49,9 +68,9 @@ num_samples = 3  # number of completions per prompt
 max_new_tokens = 100  # number of tokens generated in each completion
 temperature = 0.8  # 1.0 = no change, < 1.0 = less random, > 1.0 = more random; 0 = always the likeliest
 top_k = 200  # retain only the top_k most likely tokens, clamp others to have 0 probability (0: keep all)
-seed = 1337  # prompt i is sampled after seeding with seed + i
+seed = 1337  # prompt i (0-based) is sampled after seeding with seed + i: its samples never depend on other prompts
 device = 'auto'  # 'auto' (cuda > hpu > mps > cpu), 'cpu', 'cuda', 'cuda:1', 'hpu', 'mps'
-dtype = 'auto'  # 'auto', 'float32', 'bfloat16' or 'float16'
+dtype = 'auto'  # 'auto', 'float32', 'bfloat16' or 'float16' (CUDA); the weights are held in it while sampling
 format = 'text'  # 'text', 'markdown', 'latex' or 'jsonl' (see the top of this file)
 noise_at_eval = None  # NoiseFormer only: None keeps the checkpoint's setting (noise on), False turns it off
 kv_cache = True  # generate with the KV cache; False recomputes the whole context for every token
@@ -129,7 +148,6 @@ try:
 except ValueError as e:
     fail(e)
 setup(device)
-ctx = autocast_context(device, dtype)
 
 checkpoint = None
 if init_from == 'resume':
@@ -154,6 +172,10 @@ if noise_at_eval is not None:
 if checkpoint is not None:
     if noise_at_eval is not None:
         model_args['noise_at_eval'] = noise_at_eval
+    if 'noise_per_sample' in getattr(ATTENTION_TYPES.get(attn_type), 'config_fields', ()):
+        # the completions of a prompt are one batch: give each its own noise draw, as if it had been
+        # generated alone (a shared draw would correlate them; see the top of this file)
+        model_args['noise_per_sample'] = True
     try:
         model = GPT(GPTConfig(**model_args))
         model.load_state_dict(checkpoint['model'])
@@ -170,6 +192,28 @@ else:
 model.eval()
 model.to(device)
 
+# modules whose weights model.py uses at the activations' precision; every other parameter (DIFF/DINT
+# lambda vectors and head RMSNorm, NoiseFormer mu/sigma) is used in float32 there (upcast) and stays so
+LOW_PRECISION_MODULES = (torch.nn.Linear, torch.nn.Embedding, torch.nn.LayerNorm)
+
+
+def hold_weights_in(model, dtype):
+    """Cast the matmul, embedding and LayerNorm weights to dtype once. Generation at small batch is
+    memory-bound (each token reads every weight), so half-size weights and no per-token autocast copy
+    of them is what makes it faster. Tied weights (wte = lm_head) stay tied: the shared Parameter is
+    converted in place."""
+    for module in model.modules():
+        if isinstance(module, LOW_PRECISION_MODULES):
+            module.to(torch_dtype(dtype))
+
+
+if dtype == 'float32':
+    ctx = autocast_context(device, dtype)  # a no-op context: float32 weights, float32 compute
+else:
+    hold_weights_in(model, dtype)
+    ctx = contextlib.nullcontext()  # the activations follow the weights' dtype; nothing to autocast
+    log(f"weights held in {dtype} for sampling (norm/lambda/noise parameters in float32)")
+
 if checkpoint is not None:
     val = checkpoint['best_val_loss']
     val = float(val.item() if torch.is_tensor(val) else val)
@@ -183,11 +227,23 @@ noise_on = 'noise_at_eval' in ATTENTION_TYPES[attn_type].config_fields and model
 # -----------------------------------------------------------------------------
 # tokenizer: the char-level vocabulary of the checkpoint's dataset (meta.pkl), else GPT-2's BPE
 
+
+
+def outside_data_dir(path):
+    data_dir = os.path.realpath('data')
+    return os.path.commonpath([data_dir, os.path.realpath(path)]) != data_dir
+
+
 meta_dir = None
 if dataset:
     meta_dir = os.path.join('data', dataset)
 elif checkpoint is not None and 'dataset' in checkpoint.get('config', {}):
     meta_dir = os.path.join('data', checkpoint['config']['dataset'])
+if meta_dir and os.path.isdir(meta_dir) and outside_data_dir(meta_dir):
+    # an absolute or ../ dataset (a checkpoint from another machine, or a crafted one) is followed,
+    # but never silently: its meta.pkl is read as plain data only (batches.read_meta_pkl)
+    source = "--dataset" if dataset else "the checkpoint's config['dataset']"
+    log(f"note: reading the vocabulary from {os.path.realpath(meta_dir)}, outside data/ ({source})")
 try:
     meta = load_meta(meta_dir) if meta_dir and os.path.isdir(meta_dir) else None
 except ValueError as e:
@@ -197,8 +253,10 @@ if meta is not None and 'stoi' not in meta and meta.get('tokenizer') == 'char':
     if not os.path.isfile(meta_pkl):
         fail(f"{meta_dir} is a char-level dataset but has no meta.pkl (its vocabulary); "
              f"run its prepare.py again")
-    with open(meta_pkl, 'rb') as f:
-        meta = {**meta, **pickle.load(f)}
+    try:
+        meta = {**meta, **read_meta_pkl(meta_pkl)}  # plain data only: a crafted meta.pkl cannot run code
+    except ValueError as e:
+        fail(e)
 char_level = meta is not None and 'stoi' in meta
 vocab_size = model.config.vocab_size
 if char_level:
@@ -391,16 +449,20 @@ encoded = [encode(p) for p in prompts]  # every prompt checked before any output
 log(f"{model_sentence(str, str)}; device {device} ({dtype})")
 if header() is not None:
     print(header())
+generating = 0.0  # seconds spent in model.generate, for the tokens/s line at the end
 for i, (prompt, prompt_ids) in enumerate(zip(prompts, encoded)):
     if len(prompt_ids) > model.config.block_size:
         log(f"prompt {i + 1} has {len(prompt_ids)} tokens, more than block_size={model.config.block_size}: "
             f"only its last {model.config.block_size} tokens condition the samples")
-    x = torch.tensor(prompt_ids, dtype=torch.long, device=device)[None, ...]
+    # the prompt's num_samples completions as one batch (row j = sample j), seeded for this prompt only
+    x = torch.tensor(prompt_ids, dtype=torch.long, device=device).repeat(num_samples, 1)
     manual_seed(seed + i)
-    completions = []
+    t0 = time.perf_counter()
     with torch.no_grad(), ctx:
-        for _ in range(num_samples):
-            y = model.generate(x, max_new_tokens, temperature=temperature, top_k=top_k or None,
-                               use_cache=kv_cache)
-            completions.append(decode_pieces(y[0, len(prompt_ids):].tolist()))
+        y = model.generate(x, max_new_tokens, temperature=temperature, top_k=top_k or None, use_cache=kv_cache)
+    new_tokens = y[:, len(prompt_ids):].tolist()  # .tolist() waits for the device: the timing is complete
+    generating += time.perf_counter() - t0
+    completions = [decode_pieces(row) for row in new_tokens]
     print(render_prompt(i, prompt, prompt_ids, completions), flush=True)
+n_tokens = len(prompts) * num_samples * max_new_tokens
+log(f"generated {n_tokens} tokens in {generating:.1f} s ({n_tokens / generating:.1f} tokens/s)")

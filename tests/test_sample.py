@@ -2,8 +2,10 @@
 
 Every output format is parsed back and counted: 3 completions per prompt, and the completions of
 markdown, LaTeX and plain text are exactly the ones the JSON lines give for the same seed (LaTeX after
-undoing its escapes). Same seed -> same output; NoiseFormer noise on by default and off on request;
-bad inputs exit non-zero with a message that names the problem.
+undoing its escapes). Same seed -> same output; a prompt's samples do not depend on the other prompts;
+the batched greedy completions equal unbatched greedy generation; NoiseFormer noise on by default
+(its own draw per completion) and off on request; bf16 weights give valid samples for every attn_type;
+a crafted meta.pkl never runs; bad inputs exit non-zero with a message that names the problem.
 """
 import dataclasses
 import json
@@ -17,21 +19,28 @@ from pathlib import Path
 import pytest
 import torch
 
-from checkpoint import save_checkpoint
-from model import GPT, GPTConfig
+from checkpoint import load_checkpoint, save_checkpoint
+from model import ATTENTION_TYPES, GPT, GPTConfig
 
 ROOT = Path(__file__).resolve().parents[1]
+APPENDIX_PROMPTS = "prompts/appendix.txt"  # shipped with the repo, named in the README
 # a character vocabulary with every LaTeX / Markdown special character in it
 CHARS = sorted(set("\n !$%&#_{}~^\\<>|`*'.,:;?-0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"))
 PROMPTS = ["ROMEO:", "50% of $x_1$ & {y} #2 ~^ \\ <a|b> `c`"]
+THIRD_PROMPT = "JULIET: O"
 NUM_SAMPLES = 3
 NEW_TOKENS = 100
+
+
+def tiny_config(attn_type, vocab_size, **kwargs):
+    return GPTConfig(block_size=64, vocab_size=vocab_size, n_layer=2, n_head=2, n_embd=32, attn_type=attn_type,
+                     **kwargs)
 
 
 def make_checkpoint(out_dir, attn_type, vocab_size, dataset, tweak=None, best_val_loss=3.25):
     """A tiny untrained model saved as train.py saves it; tweak(model) may set weights first."""
     torch.manual_seed(0)
-    config = GPTConfig(block_size=64, vocab_size=vocab_size, n_layer=2, n_head=2, n_embd=32, attn_type=attn_type)
+    config = tiny_config(attn_type, vocab_size)
     model = GPT(config)
     if tweak is not None:
         with torch.no_grad():
@@ -42,9 +51,11 @@ def make_checkpoint(out_dir, attn_type, vocab_size, dataset, tweak=None, best_va
 
 
 def loud_noise(model):
-    """NoiseFormer noise large enough to change what is sampled."""
+    """NoiseFormer noise large enough to change what is sampled, even greedily: the attention output
+    (30x its initial scale) decides the next token, and the noise (sigma 3) decides the attention."""
     for block in model.transformer.h:
         block.attn.noise_sigma.fill_(3.0)
+        block.attn.c_proj.weight.mul_(30)
 
 
 def always_endoftext(model):
@@ -53,6 +64,27 @@ def always_endoftext(model):
     b = torch.randn(model.config.n_embd)
     model.transformer.ln_f.bias.copy_(b)
     model.lm_head.weight[50256] = 10 * b / b.norm()
+
+
+class CreatesFile:
+    """Unpickling this calls open(path, 'w'): the way a crafted pickle runs code."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, 'w'))
+
+
+def crafted_dataset(folder, with_meta_json):
+    """A data folder whose meta.pkl would create folder/marker when unpickled. with_meta_json: a
+    meta.json that names a char vocabulary without its characters, so the vocabulary comes from meta.pkl."""
+    folder.mkdir()
+    if with_meta_json:
+        (folder / "meta.json").write_text(json.dumps({'vocab_size': len(CHARS), 'tokenizer': 'char'}))
+    with open(folder / "meta.pkl", "wb") as f:
+        pickle.dump({'vocab_size': len(CHARS), 'itos': CreatesFile(folder / "marker"), 'stoi': {}}, f)
+    return folder
 
 
 @pytest.fixture(scope="module")
@@ -64,8 +96,15 @@ def ckpts(tmp_path_factory):
         pickle.dump({'vocab_size': len(CHARS), 'itos': dict(enumerate(CHARS)),
                      'stoi': {c: i for i, c in enumerate(CHARS)}}, f)
     (root / "prompts.txt").write_text(f"\n{PROMPTS[0]}\n\n   \n{PROMPTS[1]}\n")  # blank lines skipped
+    (root / "prompts3.txt").write_text(f"{PROMPTS[0]}\n{PROMPTS[1]}\n{THIRD_PROMPT}\n")  # one prompt added
+    evil_pkl = crafted_dataset(root / "evil-pkl", with_meta_json=False)
+    evil_json = crafted_dataset(root / "evil-json", with_meta_json=True)
     return {
-        'root': root, 'prompts': root / "prompts.txt",
+        'root': root, 'prompts': root / "prompts.txt", 'prompts3': root / "prompts3.txt",
+        'evil_pkl': make_checkpoint(root / "out-evil-pkl", "base", len(CHARS), evil_pkl),
+        'evil_json': make_checkpoint(root / "out-evil-json", "base", len(CHARS), evil_json),
+        **{attn: make_checkpoint(root / f"out-{attn}", attn, len(CHARS), data)
+           for attn in ATTENTION_TYPES if attn not in ('base', 'noiseformer_v1')},
         'noisy': make_checkpoint(root / "out-noisy", "noiseformer_v1", len(CHARS), data, loud_noise),
         'base': make_checkpoint(root / "out-base", "base", len(CHARS), data),
         # GPT-2's vocabulary and no meta.pkl in its (missing) dataset folder: tiktoken's gpt2 encoding
@@ -91,7 +130,6 @@ def runs(ckpts):
     (root / "no-ckpt").mkdir(exist_ok=True)
     commands = {
         'jsonl': [noisy, prompts, "--format=jsonl"],
-        'jsonl_again': [noisy, prompts, "--format=jsonl"],
         'text': [noisy, prompts],
         'markdown': [noisy, prompts, "--format=markdown"],
         'latex': [noisy, prompts, "--format=latex"],
@@ -102,9 +140,23 @@ def runs(ckpts):
         'no_checkpoint': [f"--out_dir={root / 'no-ckpt'}"],
         'gpt2_eot': [f"--out_dir={ckpts['gpt2']}", "--start=Hello world", "--temperature=0",
                      "--max_new_tokens=3", "--num_samples=1", "--format=latex"],
+        'appendix_file': [f"--out_dir={ckpts['gpt2']}", f"--prompts_file={APPENDIX_PROMPTS}", "--temperature=0",
+                          "--max_new_tokens=2", "--num_samples=1", "--format=jsonl"],
+        # seeding: a prompt added at the end; that prompt alone with the seed its position gives it
+        'appended': [noisy, f"--prompts_file={ckpts['prompts3']}", "--format=jsonl"],
+        'third_alone': [noisy, f"--start={THIRD_PROMPT}", f"--seed={1337 + 2}", "--format=jsonl"],
+        # greedy: the only randomness left is the noise, drawn per completion (and weights in bf16)
+        'noisy_greedy': [noisy, prompts, "--format=jsonl", "--temperature=0", "--dtype=bfloat16"],
+        'greedy': [base, prompts, "--format=jsonl", "--temperature=0", "--dtype=float32"],
+        'greedy_no_cache': [base, prompts, "--format=jsonl", "--temperature=0", "--dtype=float32", "--kv_cache=False"],
+        'evil_pkl': [f"--out_dir={ckpts['evil_pkl']}"],
+        'evil_json': [f"--out_dir={ckpts['evil_json']}"],
+        # noiseformer_v1 in bf16: noisy_greedy
+        **{f"bf16_{attn}": [f"--out_dir={ckpts[attn]}", f"--start={PROMPTS[0]}", "--format=jsonl", "--dtype=bfloat16"]
+           for attn in ATTENTION_TYPES if attn != 'noiseformer_v1'},
     }
     if not os.environ.get("TIKTOKEN_CACHE_DIR"):  # tests never download: conftest points it at ../shared
-        del commands['gpt2_eot']
+        del commands['gpt2_eot'], commands['appendix_file']
     procs = {name: launch(*args) for name, args in commands.items()}
     results = {}
     for name, p in procs.items():
@@ -131,7 +183,8 @@ def completions_by_prompt(records):
 
 def test_jsonl_three_completions_per_prompt_reproducible(runs, reference):
     records = reference
-    assert output(runs, 'jsonl') == output(runs, 'jsonl_again'), "the same seed must give the same samples"
+    again = output(runs, 'appended').splitlines()[:len(records)]  # a second run; its extra prompt comes last
+    assert output(runs, 'jsonl').splitlines() == again, "the same seed must give the same samples"
     assert len(records) == len(PROMPTS) * NUM_SAMPLES  # blank lines of the prompts file skipped
     assert [r['prompt'] for r in records] == [p for p in PROMPTS for _ in range(NUM_SAMPLES)]
     for r in records:
@@ -227,3 +280,98 @@ def test_gpt2_vocab_special_tokens_readable(runs):
     eot = r"\texttt{\textless{}\textbar{}endoftext\textbar{}\textgreater{}}"
     assert re.search(r"\\begin\{quote\}\n(.*?)\n\\end\{quote\}", out, re.S).group(1) == eot * 3
     assert "Hello world" in out and "best val loss" not in out  # never evaluated: not shown
+
+
+def records_of(runs, name):
+    return [json.loads(line) for line in output(runs, name).splitlines()]
+
+
+def test_prompt_samples_do_not_depend_on_other_prompts(runs, reference):
+    """Prompt i is seeded with seed + i and batched alone: appending a prompt changes no other
+    prompt's samples, and the added prompt's samples are those of that prompt alone at seed + 2."""
+    appended = records_of(runs, 'appended')
+    assert completions_by_prompt(appended) == completions_by_prompt(reference)
+    third = [r for r in appended if r['prompt_index'] == 2]
+    alone = records_of(runs, 'third_alone')
+    assert [r['completion'] for r in third] == [r['completion'] for r in alone]
+    assert third[0]['seed'] == alone[0]['seed'] == 1339
+    assert len(set(r['completion'] for r in alone)) == NUM_SAMPLES  # the batch's rows are different samples
+
+
+def unbatched_greedy(out_dir, prompt, use_cache):
+    """What the model generates for one sequence at temperature 0 (float32), in this process."""
+    checkpoint = load_checkpoint(out_dir, map_location="cpu")
+    model = GPT(GPTConfig(**checkpoint['model_args']))
+    model.load_state_dict(checkpoint['model'])
+    model.eval()
+    x = torch.tensor([[CHARS.index(c) for c in prompt]])
+    y = model.generate(x, NEW_TOKENS, temperature=0, use_cache=use_cache)
+    return ''.join(CHARS[i] for i in y[0, len(prompt):].tolist())
+
+
+def test_batched_greedy_equals_unbatched_generation(runs, ckpts):
+    """temperature=0: every completion of sample.py's batch (KV cache or not) is the model's own
+    one-sequence greedy continuation."""
+    expected = [unbatched_greedy(ckpts['base'], p, use_cache=True) for p in PROMPTS]
+    for name in ('greedy', 'greedy_no_cache'):
+        assert completions_by_prompt(records_of(runs, name)) == [[e] * NUM_SAMPLES for e in expected], name
+
+
+@pytest.mark.parametrize("attn_type, extra", [(a, {}) for a in ATTENTION_TYPES if 'noise_at_eval' not in
+                                              ATTENTION_TYPES[a].config_fields] +
+                         [('noiseformer_v2', {'noise_at_eval': False})])
+def test_generate_batch_rows_equal_single_sequence_greedy(attn_type, extra):
+    """What sample.py's batching relies on, for every deterministic variant: row j of a batched greedy
+    generation equals the generation of that sequence alone, with and without the cache."""
+    torch.manual_seed(0)
+    model = GPT(tiny_config(attn_type, len(CHARS), **extra))
+    model.eval()
+    x = torch.randint(len(CHARS), (1, 5))
+    for use_cache in (True, False):
+        alone = model.generate(x, 70, temperature=0, use_cache=use_cache)  # 75 > block_size: crops too
+        batch = model.generate(x.repeat(3, 1), 70, temperature=0, use_cache=use_cache)
+        assert torch.equal(batch, alone.expand(3, -1)), (attn_type, use_cache)
+
+
+def test_noise_drawn_per_completion(runs):
+    """With noise on, the completions of a batch must not share one noise draw: at temperature 0 the
+    noise is the only randomness, so a shared draw would make the 3 completions identical."""
+    for comps in completions_by_prompt(records_of(runs, 'noisy_greedy')):
+        assert len(set(comps)) == NUM_SAMPLES
+
+
+@pytest.mark.parametrize("attn_type", list(ATTENTION_TYPES))
+def test_bf16_weights_sample_valid_tokens(runs, attn_type):
+    name = 'noisy_greedy' if attn_type == 'noiseformer_v1' else f"bf16_{attn_type}"
+    records = records_of(runs, name)
+    assert "weights held in bfloat16" in runs[name].stderr
+    assert len(records) >= NUM_SAMPLES
+    for r in records:  # NaN/inf logits would stop multinomial; a wrong id would not decode to a character
+        assert len(r['completion']) == NEW_TOKENS and set(r['completion']) <= set(CHARS), r['completion']
+    assert len(set(r['completion'] for r in records[:NUM_SAMPLES])) == NUM_SAMPLES
+
+
+@pytest.mark.parametrize("name", ['evil_pkl', 'evil_json'])
+def test_crafted_meta_pkl_refused_never_run(runs, ckpts, name):
+    """A clean checkpoint whose config['dataset'] points (outside data/) at a folder with a meta.pkl
+    that would create a file when unpickled: exit 2, one clear error line, no file created."""
+    folder = ckpts['root'] / name.replace('_', '-')
+    proc = runs[name]
+    assert not (folder / "marker").exists(), "the crafted meta.pkl was unpickled with plain pickle"
+    assert proc.returncode == 2 and proc.stdout == "" and "Traceback" not in proc.stderr, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("sample.py: error:")]
+    assert len(errors) == 1 and "meta.pkl" in errors[0] and "plain-data" in errors[0], proc.stderr
+    notes = [line for line in proc.stderr.splitlines() if line.startswith("note:")]
+    assert len(notes) == 1 and str(folder.resolve()) in notes[0] and "outside data/" in notes[0]
+
+
+def test_readme_sampling_example_prompts_file_exists(runs):
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Sampling", 1)[1].split("\n## ", 1)[0]
+    named = re.findall(r"--prompts_file=(\S+)", section)
+    assert named == [APPENDIX_PROMPTS], named
+    prompts = [line for line in (ROOT / APPENDIX_PROMPTS).read_text().splitlines() if line.strip()]
+    assert len(prompts) >= 3
+    assert f"--prompts_file={APPENDIX_PROMPTS}" in (ROOT / "sample.py").read_text()  # the docstring's example
+    if 'appendix_file' in runs:  # and sample.py reads it: one record per prompt, in order
+        assert [r['prompt'] for r in records_of(runs, 'appendix_file')] == prompts
