@@ -228,7 +228,6 @@ noise_on = 'noise_at_eval' in ATTENTION_TYPES[attn_type].config_fields and model
 # tokenizer: the char-level vocabulary of the checkpoint's dataset (meta.pkl), else GPT-2's BPE
 
 
-
 def outside_data_dir(path):
     data_dir = os.path.realpath('data')
     return os.path.commonpath([data_dir, os.path.realpath(path)]) != data_dir
