@@ -289,6 +289,7 @@ if compile:
         ce.backward()
         mark_step()
         raw_model.zero_grad(set_to_none=True)
+        del dummy, ce
         print(f"compiled the training step in {time.time() - t_compile:.1f} s (cold compile; "
               f"evaluation compiles at its first call)")
     elif model is not raw_model and master_process:
