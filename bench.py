@@ -1,10 +1,15 @@
 """
 How fast each attention variant trains (and, optionally, generates) on this device.
 
-$ python bench.py                                  # GPT-2 small (nanoGPT's bench), every attn_type
+$ python bench.py                                  # every attn_type, at a size that fits the device (below)
 $ python bench.py --attn_types=base,diff,dint --batch_size=8 --block_size=256 --n_layer=4 --n_head=4 --n_embd=256
+$ python bench.py --attn_types=base --compile=both --fused_loss=False   # eager vs torch.compile, plain loss
 $ python bench.py --attn_types=base --dtype=float32 --json_out=bench-fp32.json
 $ python bench.py --generate=True                  # also: tokens/s of generation with / without the KV cache
+
+Size: GPT-2 small at batch 12, block 1024 (nanoGPT's bench.py) on CUDA and Gaudi; on CPU and MPS,
+where that takes minutes per step, a 4-layer 256-wide model at batch 8, block 256. A size key given
+on the command line or in a config file always wins; the first line printed says which size ran.
 
 For each attn_type: build the model (same seed), run warmup_iters training steps, then time
 bench_iters steps one at a time (the device synchronised around each) and report the median:
@@ -14,7 +19,9 @@ the ratio of ms/iter to base's in the same run. The step is train.py's: autocast
 cross-entropy + kl_weight * KL, backward, gradient clipping, AdamW (model.configure_optimizers),
 zero_grad. Fetching the batch is not timed. rounds > 1 repeats the whole list, interleaved
 (base, diff, base, diff, ...), and reports the median over every timed step, so that background
-load on a shared machine hits all variants alike.
+load on a shared machine hits all variants alike. compile='both' times every variant eager and
+compiled, one after the other; '1st step' is the first warm-up step in seconds, which for a
+compiled model is the cold compile (forward and backward graphs) plus one step.
 
 Peak memory: CUDA / Gaudi: max_memory_allocated (tensors only). CPU (Linux): the peak resident set
 size of the process while the variant ran minus its resident size just before the model was built;
@@ -39,17 +46,18 @@ import torch
 from configurator import ConfigError, apply_config
 from device import (autocast_context, compile_model, device_name, device_type, fused_optimizer,
                     grad_scaler, manual_seed, mark_step, max_memory_allocated, peak_flops,
-                    resolve_device, resolve_dtype, setup, spec_sheet_tflops, synchronize)
+                    resolve_compile, resolve_device, resolve_dtype, setup, spec_sheet_tflops,
+                    synchronize)
 from model import ATTENTION_TYPES, GPT, GPTConfig
 
 # -----------------------------------------------------------------------------
 attn_types = 'all'  # comma-separated attn_type values (e.g. 'base,diff'), or 'all'
-# model: nanoGPT's bench.py defaults (GPT-2 small at batch 12, block 1024)
-batch_size = 12  # sequences per step
-block_size = 1024  # context length in tokens
-n_layer = 12  # transformer blocks
-n_head = 12  # attention heads per block
-n_embd = 768  # model width
+# model: GPT-2 small (nanoGPT's bench.py); on cpu / mps, each size key not given takes the value in ()
+batch_size = 12  # sequences per step (cpu / mps: 8 unless given)
+block_size = 1024  # context length in tokens (cpu / mps: 256 unless given)
+n_layer = 12  # transformer blocks (cpu / mps: 4 unless given)
+n_head = 12  # attention heads per block (cpu / mps: 4 unless given)
+n_embd = 768  # model width (cpu / mps: 256 unless given)
 vocab_size = 50304  # with --dataset, the dataset's own vocabulary size when it has one
 bias = False  # biases in Linear and LayerNorm layers
 dropout = 0.0  # dropout probability
@@ -61,10 +69,11 @@ beta1 = 0.9  # AdamW beta1
 beta2 = 0.95  # AdamW beta2
 grad_clip = 1.0  # gradient clipping (0 = off)
 kl_weight = 5e-6  # loss = cross-entropy + kl_weight * KL (NoiseFormer)
+fused_loss = True  # the fused, chunked lm_head + cross-entropy train.py uses; False: lm_head + F.cross_entropy
 # timing
-warmup_iters = 5  # untimed steps first (allocator, kernel selection, compile)
-bench_iters = 10  # timed steps per variant and round; the median is reported
-rounds = 1  # run the whole list this many times, interleaved
+warmup_iters = 3  # untimed steps first (allocator, kernel selection, compile)
+bench_iters = 5  # timed steps per variant and round; the median over all rounds is reported
+rounds = 3  # run the whole list this many times, interleaved (one round is too noisy to compare variants)
 profile = False  # after timing, print torch.profiler's top operators of 3 steps for each variant
 # generation benchmark
 generate = False  # also time model.generate with and without the KV cache
@@ -73,11 +82,14 @@ gen_prompt_len = 1  # prompt tokens (random ids); generation uses temperature 0.
 # system
 device = 'auto'  # 'auto' (cuda > hpu > mps > cpu), 'cpu', 'cuda', 'cuda:1', 'hpu', 'mps'
 dtype = 'auto'  # 'auto', 'float32', 'bfloat16' or 'float16'
-compile = False  # torch.compile the model (timed after warm-up; slow to start)
+compile = 'auto'  # torch.compile: True, False, 'auto' (where it measured faster: CUDA, Gaudi eager) or 'both'
 seed = 1337  # the same initial weights and batches for every variant
 json_out = ''  # write the results here as JSON too
 # -----------------------------------------------------------------------------
 config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str))]
+SIZE_KEYS = ('batch_size', 'block_size', 'n_layer', 'n_head', 'n_embd')
+# GPT-2 small takes minutes per step on a CPU: there, the model of docs/benchmarks.md
+SMALL_DEVICE_SIZE = dict(batch_size=8, block_size=256, n_layer=4, n_head=4, n_embd=256)
 
 
 def fail(message):
@@ -86,11 +98,12 @@ def fail(message):
     sys.exit(2)
 
 
+given = set()  # the keys a config file or --key=value set
 try:
-    globals().update(apply_config(sys.argv[1:], {k: globals()[k] for k in config_keys}, script=__file__))
+    globals().update(apply_config(sys.argv[1:], {k: globals()[k] for k in config_keys}, script=__file__,
+                                  given=given))
 except ConfigError as e:
     fail(e)
-config = {k: globals()[k] for k in config_keys}
 
 variants = list(ATTENTION_TYPES) if attn_types == 'all' else [a.strip() for a in attn_types.split(',') if a.strip()]
 unknown = [a for a in variants if a not in ATTENTION_TYPES]
@@ -98,19 +111,22 @@ if unknown or not variants:
     fail(f"attn_types={attn_types!r}: {'unknown ' + ', '.join(map(repr, unknown)) if unknown else 'empty'}; "
          f"use 'all' or a comma-separated list of {', '.join(ATTENTION_TYPES)}")
 variants = list(dict.fromkeys(variants))  # drop repeats, keep the order
-for key in ('batch_size', 'block_size', 'bench_iters', 'rounds', 'max_new_tokens', 'gen_prompt_len'):
-    if globals()[key] < 1:
+for key in ('batch_size', 'block_size', 'warmup_iters', 'bench_iters', 'rounds', 'max_new_tokens', 'gen_prompt_len'):
+    if globals()[key] < 1:  # warm-up: the first step pays for allocation, kernel selection, compiling
         fail(f"{key}={globals()[key]} must be at least 1")
-if warmup_iters < 0:
-    fail(f"warmup_iters={warmup_iters} must not be negative")
 try:
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
+    if device_type(device) in ('cpu', 'mps'):
+        globals().update({k: v for k, v in SMALL_DEVICE_SIZE.items() if k not in given})
+    size_note = 'size as given' if given & set(SIZE_KEYS) else f'the default size on {device_type(device)}'
+    compile_modes = [False, True] if compile == 'both' else [resolve_compile(compile, device)]
     for a in variants:  # every variant's shape checks before anything runs
         GPTConfig(block_size=block_size, vocab_size=vocab_size, n_layer=n_layer, n_head=n_head,
                   n_embd=n_embd, bias=bias, dropout=dropout, attn_type=a)
 except ValueError as e:
-    fail(e)
+    fail(f"{e}{' (or, in bench.py, --compile=both)' if str(e).startswith('compile=') else ''}")
+config = {k: globals()[k] for k in config_keys}
 setup(device)
 kind = device_type(device)
 ctx = autocast_context(device, dtype)
@@ -216,8 +232,9 @@ def build(attn_type):
     return model
 
 
-def train_steps(attn_type):
-    """Warm up, time bench_iters steps; returns (per-step seconds, peak memory bytes, params, model)."""
+def train_steps(attn_type, compiled):
+    """Warm up, time bench_iters steps; returns (per-step seconds, first step seconds, peak memory
+    bytes, params, model)."""
     baseline = memory_start()
     model = build(attn_type)
     with contextlib.redirect_stdout(io.StringIO()):  # configure_optimizers reports its groups
@@ -225,7 +242,7 @@ def train_steps(attn_type):
         optimizer = fused_optimizer(optimizer, device)
     scaler = grad_scaler(device, dtype)
     raw_model = model
-    if compile:
+    if compiled:
         model = compile_model(model, device)
 
     def step():
@@ -233,7 +250,7 @@ def train_steps(attn_type):
         synchronize(device)
         t0 = time.perf_counter()
         with ctx:
-            _, ce = model(x, y, return_logits=False)  # as train.py
+            _, ce = model(x, y, return_logits=not fused_loss)  # train.py: the fused loss
             loss = ce + kl_weight * raw_model.kl_divergence()
         scaler.scale(loss).backward()
         mark_step()
@@ -247,7 +264,8 @@ def train_steps(attn_type):
         synchronize(device)
         return time.perf_counter() - t0
 
-    for _ in range(warmup_iters):
+    first = step()  # compiles, when compiled
+    for _ in range(warmup_iters - 1):
         step()
     times = [step() for _ in range(bench_iters)]
     peak_mem = memory_peak(baseline)
@@ -259,10 +277,10 @@ def train_steps(attn_type):
             for _ in range(3):
                 step()
         sort = 'self_cuda_time_total' if kind == 'cuda' else 'self_cpu_time_total'
-        print(f"\n--- {attn_type}: top operators over 3 steps ---")
+        print(f"\n--- {attn_type}{' (compiled)' if compiled else ''}: top operators over 3 steps ---")
         print(prof.key_averages().table(sort_by=sort, row_limit=15, max_name_column_width=60))
     del optimizer
-    return times, peak_mem, raw_model.get_num_params(), raw_model
+    return times, first, peak_mem, raw_model.get_num_params(), raw_model
 
 
 def generation(model):
@@ -302,9 +320,11 @@ if sys.platform.startswith('linux'):
 hardware = device_name(device) if kind in ('cuda', 'hpu') else f"{cpu_name}, {torch.get_num_threads()} thread{'s' if torch.get_num_threads() > 1 else ''}" if kind == 'cpu' else kind
 tokens_per_iter = batch_size * block_size
 print(f"device {device} ({dtype}): {hardware}; torch {torch.__version__}")
-print(f"model: n_layer {n_layer}, n_head {n_head}, n_embd {n_embd}, block_size {block_size}, vocab_size "
-      f"{vocab_size}, bias {bias}; batch_size {batch_size} ({tokens_per_iter:,} tokens/iter), "
-      f"{os.path.join('data', dataset) if dataset else 'synthetic tokens'}{', compiled' if compile else ''}")
+print(f"model ({size_note}): n_layer {n_layer}, n_head {n_head}, n_embd {n_embd}, block_size {block_size}, "
+      f"vocab_size {vocab_size}, bias {bias}; batch_size {batch_size} ({tokens_per_iter:,} tokens/iter), "
+      f"{os.path.join('data', dataset) if dataset else 'synthetic tokens'}")
+print(f"step: {'fused lm_head + cross-entropy' if fused_loss else 'lm_head + F.cross_entropy'}, "
+      f"{' and '.join('compiled' if c else 'eager' for c in compile_modes)} (compile={compile!r})")
 print(f"MFU against {peak / 1e12:.3g} TFLOP/s ({peak_source}); peak memory: {memory_method or 'n/a on this device'}")
 print(f"timing: {warmup_iters} warm-up + {bench_iters} timed steps per variant, {rounds} round(s), "
       f"median per step", flush=True)
@@ -321,34 +341,46 @@ with contextlib.redirect_stdout(io.StringIO()):
     synchronize(device)
     del _m, _opt, _loss
 
-step_times = {a: [] for a in variants}
-peak_memory = {a: None for a in variants}
+runs = [(a, c) for a in variants for c in compile_modes]  # (attn_type, compiled), in running order
+# each variant's graph is one more entry in dynamo's cache of GPT.forward (later rounds reuse it);
+# past the recompile limit (8 by default) dynamo would silently run the rest eager
+torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 2 * len(variants))  # Gaudi: torch 2.6
+step_times = {run: [] for run in runs}
+first_step = {}  # seconds of a run's first step in the first round: the cold compile when compiled
+peak_memory = {run: None for run in runs}
 num_params = {}
 flops_per_iter = {}  # estimate_mfu at 1 s/iter against 1 FLOP/s = the FLOPs of one iteration
 gen_times = {a: {True: [], False: []} for a in variants}
 for r in range(rounds):
-    for a in variants:
-        times, mem, n_params, model = train_steps(a)
-        step_times[a] += times
+    for i, (a, c) in enumerate(runs):
+        label = f"{a}{' compiled' if c else ''}"
+        print(f"  round {r + 1}/{rounds}, {i + 1}/{len(runs)} {label}: ", end='', flush=True)
+        t_run = time.perf_counter()
+        times, first, mem, n_params, model = train_steps(a, c)
+        step_times[a, c] += times
+        first_step.setdefault((a, c), first)
         num_params[a] = n_params
         flops_per_iter[a] = model.estimate_mfu(batch_size, 1.0, 1.0)
         if mem is not None:
-            peak_memory[a] = max(mem, peak_memory[a] or 0)
-        if generate:
+            peak_memory[a, c] = max(mem, peak_memory[a, c] or 0)
+        if generate and c == compile_modes[0]:  # generation is eager either way: once per variant
             for use_cache, t in generation(model).items():
                 gen_times[a][use_cache].append(t)
         del model
-        print(f"  round {r + 1}/{rounds} {a}: {statistics.median(times) * 1000:.1f} ms/iter", flush=True)
+        print(f"{statistics.median(times) * 1000:.1f} ms/iter (1st step {first:.1f} s, "
+              f"{time.perf_counter() - t_run:.0f} s in all)", flush=True)
 
 results = []
-base_ms = statistics.median(step_times['base']) * 1000 if 'base' in variants else None
-for a in variants:
-    ms = statistics.median(step_times[a]) * 1000
-    results.append(dict(attn_type=a, params=num_params[a], ms_per_iter=ms,
-                        ms_per_iter_min=min(step_times[a]) * 1000, tokens_per_s=tokens_per_iter / (ms / 1000),
-                        mfu=flops_per_iter[a] / (ms / 1000) / peak, peak_memory_bytes=peak_memory[a],
-                        ratio_to_base=ms / base_ms if base_ms else None))
-    if generate:
+for a, c in runs:
+    ms = statistics.median(step_times[a, c]) * 1000
+    base_ms = statistics.median(step_times['base', c]) * 1000 if 'base' in variants else None
+    eager_ms = statistics.median(step_times[a, False]) * 1000 if (a, False) in step_times else None
+    results.append(dict(attn_type=a, compile=c, fused_loss=fused_loss, params=num_params[a], ms_per_iter=ms,
+                        ms_per_iter_min=min(step_times[a, c]) * 1000, tokens_per_s=tokens_per_iter / (ms / 1000),
+                        mfu=flops_per_iter[a] / (ms / 1000) / peak, peak_memory_bytes=peak_memory[a, c],
+                        first_step_s=first_step[a, c], ratio_to_base=ms / base_ms if base_ms else None,
+                        ratio_to_eager=ms / eager_ms if eager_ms else None))
+    if generate and c == compile_modes[0]:
         cached, uncached = (statistics.median(gen_times[a][c]) for c in (True, False))
         results[-1].update(gen_tokens_per_s_cache=max_new_tokens / cached,
                            gen_tokens_per_s_no_cache=max_new_tokens / uncached, gen_cache_speedup=uncached / cached)
@@ -358,20 +390,25 @@ def fmt_bytes(b):
     return 'n/a' if b is None else f"{b / 2**30:.2f} GiB" if b >= 2**30 else f"{b / 2**20:.0f} MiB"
 
 
+def fmt_ratio(x):
+    return f"{x:.2f}x" if x is not None else '-'
+
+
 print()
-print(f"{'attn_type':<16}{'params':>9}{'ms/iter':>10}{'tokens/s':>10}{'MFU':>8}{'peak mem':>11}{'vs base':>9}")
+print(f"{'attn_type':<16}{'compile':>8}{'params':>9}{'ms/iter':>10}{'tokens/s':>10}{'MFU':>8}{'peak mem':>11}"
+      f"{'1st step':>10}{'vs base':>9}{'vs eager':>10}")
 for r in results:
-    ratio = f"{r['ratio_to_base']:.2f}x" if r['ratio_to_base'] is not None else '-'
-    print(f"{r['attn_type']:<16}{r['params'] / 1e6:>8.2f}M{r['ms_per_iter']:>10.1f}{r['tokens_per_s']:>10,.0f}"
-          f"{r['mfu'] * 100:>7.1f}%{fmt_bytes(r['peak_memory_bytes']):>11}{ratio:>9}")
-if base_ms is None:
+    print(f"{r['attn_type']:<16}{'yes' if r['compile'] else 'no':>8}{r['params'] / 1e6:>8.2f}M{r['ms_per_iter']:>10.1f}"
+          f"{r['tokens_per_s']:>10,.0f}{r['mfu'] * 100:>7.1f}%{fmt_bytes(r['peak_memory_bytes']):>11}"
+          f"{r['first_step_s']:>9.1f}s{fmt_ratio(r['ratio_to_base']):>9}{fmt_ratio(r['ratio_to_eager']):>10}")
+if 'base' not in variants:
     print("\n(add base to --attn_types for the 'vs base' column)")
 if generate:
     print()
     print(f"generation: {max_new_tokens} new tokens after a {gen_prompt_len}-token prompt, batch 1, "
           f"temperature 0.8, top_k 200")
     print(f"{'attn_type':<16}{'KV cache tok/s':>16}{'no cache tok/s':>16}{'speed-up':>10}")
-    for r in results:
+    for r in (r for r in results if 'gen_tokens_per_s_cache' in r):
         print(f"{r['attn_type']:<16}{r['gen_tokens_per_s_cache']:>16.1f}{r['gen_tokens_per_s_no_cache']:>16.1f}"
               f"{r['gen_cache_speedup']:>9.2f}x")
 

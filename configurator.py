@@ -7,8 +7,9 @@ Arguments are applied left to right: a plain argument is a config file (flat Pyt
 empty namespace; only its assignments matter), `--key=value` overrides one key. Unlike nanoGPT's
 exec-into-globals version, a typo cannot silently create a new variable: every key must already
 be one of the script's defaults, and every value must have the default's type (an int is accepted
-where a float is expected; a default of None accepts anything). Errors raise ConfigError naming
-the file or argument and, for unknown keys, the closest valid key.
+where a float is expected, True or False where the default is 'auto'; a default of None accepts
+anything). Errors raise ConfigError naming the file or argument and, for unknown keys, the closest
+valid key.
 
 Used by train.py (and sample.py / bench.py) as:
 
@@ -179,6 +180,8 @@ def _coerce(key, value, default, where):
         return float(value)
     if type(value) is expected:
         return value
+    if default == 'auto' and type(value) is bool:
+        return value  # an on / off / 'auto' setting (compile): the script checks its string values
     if expected is bool:
         wanted = "True or False"
     else:

@@ -164,6 +164,24 @@ def mark_step():
         _htcore.mark_step()
 
 
+def resolve_compile(setting, device):
+    """compile=True / False / 'auto' (also 'true' / 'false' as typed on the command line) -> bool.
+    'auto' compiles where it measured faster than eager for a training step (docs/benchmarks.md):
+    on CUDA, and on Gaudi in eager mode (hpu_backend); lazy mode builds graphs itself. Not on CPU:
+    the cold compile takes about a minute there and the step gained at most a few percent (the
+    lm_head + loss, most of a small model's step, is already a fused eager kernel), and not on MPS,
+    where inductor is still a prototype."""
+    if isinstance(setting, str) and setting.lower() in ('true', 'false'):
+        setting = setting.lower() == 'true'
+    if not (isinstance(setting, bool) or setting == 'auto'):
+        raise ValueError(f"compile={setting!r} is not a valid setting; use --compile=True, --compile=False "
+                         f"or --compile=auto (on where it measured faster: CUDA, Gaudi eager mode)")
+    if setting != 'auto':
+        return setting
+    kind = device_type(device)
+    return kind == 'cuda' or (kind == 'hpu' and _htcore is None)
+
+
 def compile_model(model, device):
     """torch.compile for the device: 'hpu_backend' in Gaudi eager mode; lazy mode has its own graph
     compiler, so the model is returned unchanged there (with a note)."""

@@ -383,8 +383,11 @@ class LinearAttention(AttentionBase):
         self.chunk_size = config.linear_chunk_size
 
     def forward(self, x, cache=None):
-        q, k, v = (split_heads(t, self.n_head) for t in self.c_attn(x).split(self.n_embd, dim=2))
-        q, k, v = upcast(F.elu(q) + 1), upcast(F.elu(k) + 1), upcast(v)  # accumulate in float32
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        # phi before splitting heads: the same numbers, but elu's gradient on the transposed heads
+        # made torch.compile's backward fail ('view size is not compatible', torch 2.13)
+        q, k, v = (split_heads(t, self.n_head) for t in (F.elu(q) + 1, F.elu(k) + 1, v))
+        q, k, v = upcast(q), upcast(k), upcast(v)  # accumulate in float32
         state = (cache['S'], cache['z']) if cache is not None and 'S' in cache else None
         y, S, z = chunked_linear_attention(q, k, v, self.chunk_size, self.eps, state)
         if cache is not None:
@@ -476,9 +479,15 @@ class LMHeadCrossEntropy(torch.autograd.Function):
         return gx, gw, None, None, None, None
 
 
+@torch.compiler.disable
 def lm_head_cross_entropy(x, weight, targets, chunk=32):
     """(B, T, C) activations, the (V, C) lm_head weight, (B, T) targets -> mean CE (float32 scalar).
-    Under autocast the matmuls run in the autocast dtype, as lm_head would."""
+    Under autocast the matmuls run in the autocast dtype, as lm_head would.
+
+    Kept out of torch.compile's graph (the blocks before it still compile into one graph): traced,
+    the Python chunk loop unrolls into hundreds of small kernels and `valid.all()` breaks the graph,
+    which made a compiled CPU step 15x slower than eager (issue 16); eager, this is already a few
+    large matmuls and in-place passes, which a compiler has little to fuse in."""
     kind = x.device.type
     compute_dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
     needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)

@@ -100,7 +100,7 @@ min_lr = 6e-5  # minimum learning rate, should be ~= learning_rate/10 per Chinch
 # system
 device = 'auto'  # 'auto' (cuda > hpu > mps > cpu), 'cuda', 'cuda:1', 'hpu', 'mps', 'cpu'
 dtype = 'auto'  # 'auto', 'float32', 'bfloat16' or 'float16' (float16 only on CUDA, with a GradScaler)
-compile = False  # use torch.compile to make the model faster (worth it on GPUs; slow to start)
+compile = 'auto'  # torch.compile: True, False or 'auto' (on where it measured faster: CUDA, Gaudi eager mode)
 backend = 'auto'  # DDP backend: 'auto' follows the device (nccl / hccl / gloo)
 seed = 1337  # initial weights, data order and noise all follow from it (a non-negative int)
 # -----------------------------------------------------------------------------
@@ -403,10 +403,30 @@ if init_from == 'resume':
 checkpoint = None  # free up memory
 
 raw_model = model  # the plain module: its state_dict, KL and MFU, whatever wraps it below
+try:
+    from device import resolve_compile  # True / False / 'auto' (where it measured faster) -> bool
+    compile = resolve_compile(compile, device)
+except ValueError as e:
+    fail(e)
 if compile:
-    if master_process:
-        print("compiling the model... (takes a ~minute)")
     model = compile_model(model, device)
+    if model is not raw_model and not ddp:
+        # torch.compile is lazy: compile the training step now, on a batch of zeros, so that the
+        # cold compile time is printed and not charged to iter 0. Nothing carries over: the
+        # gradients are dropped and every step re-seeds the RNG. Under DDP the first step compiles
+        # inside DDP instead, which splits the graph at its gradient buckets.
+        t_compile = time.time()
+        dummy = torch.zeros(batch_size, block_size, dtype=torch.long, device=device)
+        with ctx:
+            _, ce = model(dummy, dummy, return_logits=False)
+        ce.backward()
+        mark_step()
+        raw_model.zero_grad(set_to_none=True)
+        del dummy, ce
+        print(f"compiled the training step in {time.time() - t_compile:.1f} s (cold compile; "
+              f"evaluation compiles at its first call)")
+    elif model is not raw_model and master_process:
+        print("compiling the model at the first step (takes a minute or more; iter 0's time includes it)")
 
 # wrap model into DDP container
 if ddp:

@@ -38,4 +38,4 @@ log_interval = 10
 
 kl_weight = 5e-6  # NoiseFormer's KL term; the KL is zero for variants without noise
 dtype = 'float32'  # the paper trained in FP32 (TF32 matmuls on NVIDIA); --dtype=auto (bf16) is faster
-compile = True
+compile = 'auto'  # on GPUs (the paper's recipe); off on CPU, where it is no faster (docs/benchmarks.md)

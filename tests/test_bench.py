@@ -14,7 +14,7 @@ from model import ATTENTION_TYPES
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_size=2", "--vocab_size=96",
-        "--warmup_iters=1", "--bench_iters=2"]
+        "--warmup_iters=1", "--bench_iters=2", "--rounds=1"]
 
 
 def bench(*args):
@@ -50,12 +50,18 @@ def test_table_has_every_variant_and_base_ratio_one(all_variants):
     stdout, _ = all_variants
     rows = table_rows(stdout, "vs base")
     assert list(rows) == list(ATTENTION_TYPES)
-    for name, (params, ms, tokens_s, mfu, mem, mem_unit, ratio) in rows.items():
+    for name, (compiled, params, ms, tokens_s, mfu, mem, mem_unit, first, ratio, vs_eager) in rows.items():
+        assert compiled == "no"  # compile='auto' on CPU
         assert params.endswith("M") and float(ms) > 0 and int(tokens_s.replace(",", "")) > 0
         assert mfu.endswith("%") and 0 < float(mfu[:-1]) < 100
         assert mem_unit in ("MiB", "GiB") and float(mem) >= 0  # Linux: peak RSS delta
-        assert re.fullmatch(r"\d+\.\d\dx", ratio)
-    assert rows['base'][-1] == "1.00x"
+        assert first.endswith("s") and float(first[:-1]) >= 0
+        assert re.fullmatch(r"\d+\.\d\dx", ratio) and vs_eager == "1.00x"
+    assert rows['base'][-2] == "1.00x"
+    assert "model (size as given): n_layer 2, n_head 2, n_embd 32, block_size 32" in stdout
+    # progress: a line per variant as it finishes, in running order
+    done = re.findall(r"^  round 1/1, (\d)/8 (\w+): \d+\.\d ms/iter", stdout, re.M)
+    assert done == [(str(i + 1), a) for i, a in enumerate(ATTENTION_TYPES)]
     assert "peak RSS" in stdout and re.search(r"measured (bfloat16|float32) matmul", stdout)
     gen = table_rows(stdout, "KV cache tok/s")
     assert list(gen) == list(ATTENTION_TYPES)
@@ -73,7 +79,8 @@ def test_json_report(all_variants):
     assert list(results) == list(ATTENTION_TYPES)
     assert results["base"]["ratio_to_base"] == 1.0
     for r in results.values():
-        assert r["ms_per_iter"] >= r["ms_per_iter_min"] > 0
+        assert r["ms_per_iter"] >= r["ms_per_iter_min"] > 0 and r["first_step_s"] > 0
+        assert r["compile"] is False and r["fused_loss"] is True and r["ratio_to_eager"] == 1.0
         assert r["tokens_per_s"] == pytest.approx(64 / (r["ms_per_iter"] / 1000))
         assert r["ratio_to_base"] == pytest.approx(r["ms_per_iter"] / results["base"]["ms_per_iter"])
         assert 0 < r["mfu"] < 1 and r["params"] > 0 and r["peak_memory_bytes"] >= 0
@@ -85,22 +92,25 @@ def test_json_report(all_variants):
     assert results["dint_lowrank"]["params"] > results["base"]["params"] > results["symmetric"]["params"]
 
 
-def test_real_data_float32_subset_without_base(tmp_path):
+def test_real_data_float32_plain_loss_subset_without_base(tmp_path):
     data = tmp_path / "tiny"
     data.mkdir()
     np.random.default_rng(0).integers(0, 50, 4096, dtype=np.uint16).tofile(data / "train.bin")
     (data / "meta.json").write_text(json.dumps({"tokenizer": "char", "vocab_size": 50}))
-    proc = bench("--attn_types=diff, linear", f"--dataset={data}", "--dtype=float32")
+    proc = bench("--attn_types=diff, linear", f"--dataset={data}", "--dtype=float32", "--fused_loss=False")
     assert proc.returncode == 0, proc.stderr
     assert str(data) in proc.stdout and "vocab_size 50" in proc.stdout and "(float32)" in proc.stdout
+    assert "step: lm_head + F.cross_entropy, eager (compile='auto')" in proc.stdout
     rows = table_rows(proc.stdout, "vs base")
-    assert list(rows) == ["diff", "linear"] and all(cells[-1] == "-" for cells in rows.values())
+    assert list(rows) == ["diff", "linear"] and all(cells[-2] == "-" for cells in rows.values())
     assert "add base to --attn_types" in proc.stdout
 
 
 @pytest.mark.parametrize("args, words", [
     (["--attn_types=base,difff"], ["'difff'", "dint_lowrank", "all"]),
     (["--bench_iters=0"], ["bench_iters", "at least 1"]),
+    (["--warmup_iters=0"], ["warmup_iters", "at least 1"]),
+    (["--compile=yes"], ["compile='yes'", "--compile=True, --compile=False or --compile=auto"]),
     pytest.param(["--device=cuda"], ["cuda", "--device=cpu"],
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")),
 ])
@@ -109,3 +119,37 @@ def test_bad_settings_fail_clearly(args, words):
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     for w in words:
         assert w in proc.stderr, proc.stderr
+
+
+def test_cpu_default_size_and_rounds():
+    """No size key given: on CPU the 4-layer 256-wide model at batch 8, block 256 (GPT-2 small takes
+    minutes per step there), three rounds by default, and the first line says which size ran."""
+    env = {**os.environ, 'OMP_NUM_THREADS': '1'}
+    proc = subprocess.run([sys.executable, "bench.py", "--attn_types=base", "--vocab_size=96", "--warmup_iters=1",
+                           "--bench_iters=1"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert ("model (the default size on cpu): n_layer 4, n_head 4, n_embd 256, block_size 256, vocab_size 96, "
+            "bias False; batch_size 8 (2,048 tokens/iter)") in proc.stdout
+    assert re.findall(r"^  round (\d)/3, 1/1 base: ", proc.stdout, re.M) == ["1", "2", "3"]
+
+
+def test_a_given_size_key_keeps_the_other_cpu_defaults():
+    env = {**os.environ, 'OMP_NUM_THREADS': '1'}
+    proc = subprocess.run([sys.executable, "bench.py", "--attn_types=base", "--vocab_size=96", "--n_layer=1",
+                           "--rounds=1", "--warmup_iters=1", "--bench_iters=1"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "model (size as given): n_layer 1, n_head 4, n_embd 256, block_size 256" in proc.stdout
+
+
+@pytest.mark.skipif(not os.environ.get('INDUCTOR_TESTS'), reason="inductor's cold compile takes 30-90 s on "
+                    "2 cores; INDUCTOR_TESTS=1 runs this test")
+def test_compile_both_times_eager_and_compiled():
+    proc = bench("--attn_types=base", "--compile=both", "--rounds=1", "--dtype=float32")
+    assert proc.returncode == 0, proc.stderr
+    assert "eager and compiled (compile='both')" in proc.stdout
+    lines = [line.split() for line in proc.stdout.splitlines() if line.startswith("base ")]
+    assert [cells[1] for cells in lines] == ["no", "yes"]
+    eager_first, compiled_first = (float(cells[8][:-1]) for cells in lines)
+    assert compiled_first > eager_first  # the cold compile is in the compiled run's first step
+    assert lines[0][-1] == "1.00x" and re.fullmatch(r"\d+\.\d\dx", lines[1][-1])
