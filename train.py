@@ -44,7 +44,7 @@ from checkpoint import (CheckpointError, capture_rng_state, load_checkpoint, loa
 from configurator import ConfigError, apply_config
 from device import (autocast_context, compile_model, ddp_backend, ddp_device_ids, device_type,
                     fused_optimizer, grad_scaler, manual_seed, mark_step, max_memory_allocated, peak_flops,
-                    resolve_device, resolve_dtype, setup)
+                    resolve_compile, resolve_device, resolve_dtype, setup)
 from lr_schedule import check_schedule, get_lr
 from model import GPT, GPTConfig
 
@@ -203,6 +203,7 @@ else:
     ddp_world_size = 1
 try:
     dtype = resolve_dtype(dtype, device)
+    compile = resolve_compile(compile, device)  # True / False / 'auto' (where it measured faster) -> bool
 except ValueError as e:
     fail(e)
 
@@ -403,11 +404,6 @@ if init_from == 'resume':
 checkpoint = None  # free up memory
 
 raw_model = model  # the plain module: its state_dict, KL and MFU, whatever wraps it below
-try:
-    from device import resolve_compile  # True / False / 'auto' (where it measured faster) -> bool
-    compile = resolve_compile(compile, device)
-except ValueError as e:
-    fail(e)
 if compile:
     model = compile_model(model, device)
     if model is not raw_model and not ddp:
