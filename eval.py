@@ -117,6 +117,12 @@ if not seed_list:
     fail("seeds is empty: give at least one probe seed, e.g. --seeds=0")
 if compare_to and not entropy:
     fail("compare_to compares attention entropy: add --entropy=True")
+if glue:
+    from evaluation import glue as glue_eval
+    try:
+        glue_tasks = glue_eval.parse_tasks(glue)
+    except glue_eval.GlueError as e:
+        fail(e)
 
 # -----------------------------------------------------------------------------
 # model(s)
@@ -296,15 +302,10 @@ if entropy:
 # GLUE: frozen backbone, cached last-token features, linear probe
 
 if glue:
-    from evaluation import glue as glue_eval
-    try:
-        tasks = glue_eval.parse_tasks(glue)
-    except ValueError as e:
-        fail(e)
     settings = dict(epochs=glue_epochs, lr=glue_lr, weight_decay=glue_weight_decay, batch_size=glue_batch_size,
                     max_examples=glue_max_examples, noise_draws=glue_noise_draws, seeds=seed_list)
     try:
-        glue_results = glue_eval.run(model, info, tiktoken_gpt2(), tasks, glue_path,
+        glue_results = glue_eval.run(model, info, tiktoken_gpt2(), glue_tasks, glue_path,
                                      glue_cache_dir or os.path.join(eval_dir, 'glue_cache'), settings,
                                      extract_batch_size=batch_size, device=device, ctx=ctx, seed=seed,
                                      dtype=dtype, log=log)
