@@ -202,7 +202,7 @@ def write_json(name, value):
     path = os.path.join(eval_dir, name)
     tmp = path + '.tmp'
     with open(tmp, 'w') as f:
-        json.dump(value, f, indent=2)
+        json.dump(value, f, indent=2, default=str)  # default: lm-eval's results hold a few non-JSON values
     os.replace(tmp, path)  # a reader never sees half a file
     log(f"wrote {path}")
 
