@@ -170,3 +170,25 @@ def test_task_names_are_checked_with_the_list_of_valid_ones():
     assert glue.parse_tasks('SST-2, mnli') == ['sst2', 'mnli']
     with pytest.raises(glue.GlueError, match="unknown task colaa; use 'all' or a comma-separated list of mrpc"):
         glue.parse_tasks('sst2,colaa')
+
+
+def test_noiseformer_features_are_seeded_and_averaged_over_draws(tmp_path):
+    model = gpt2_vocab_model('noiseformer_v2')
+    with torch.no_grad():
+        for block in model.transformer.h:
+            block.attn.noise_sigma.fill_(3.0)  # loud enough to move the features
+    g = torch.Generator().manual_seed(4)
+    seqs = [torch.randint(50257, (8,), generator=g).tolist() for _ in range(6)]
+    args = dict(tokens_per_batch=48, device='cpu', ctx=NO_AUTOCAST, seed=5, desc='test')
+    one = glue.cached_features(model, seqs, str(tmp_path / 'a.pt'), noise_draws=1, **args)
+    again = glue.cached_features(model, seqs, str(tmp_path / 'b.pt'), noise_draws=1, **args)
+    four = glue.cached_features(model, seqs, str(tmp_path / 'c.pt'), noise_draws=4, **args)
+    assert torch.equal(one, again)  # the same seed draws the same noise
+    assert not torch.allclose(one, four, atol=1e-3)
+    # the mean over 4 draws is the mean of 4 single-draw features taken in the same order from the same seed
+    torch.manual_seed(5)
+    singles = [glue.pooled_features(model, seqs, 48, 'cpu', NO_AUTOCAST, 1) for _ in range(4)]
+    assert torch.allclose(four, sum(singles) / 4, atol=1e-5)
+    model.transformer.h[0].attn.noise_at_eval = model.transformer.h[1].attn.noise_at_eval = False
+    quiet = glue.pooled_features(model, seqs, 48, 'cpu', NO_AUTOCAST, 1)
+    assert not torch.allclose(one, quiet, atol=1e-3) and torch.equal(quiet, glue.pooled_features(model, seqs, 48, 'cpu', NO_AUTOCAST, 1))
