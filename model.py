@@ -103,6 +103,17 @@ def causal_attention(q, k, v, dropout_p=0.0, scale=None, score_bias=None):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale)
 
 
+def causal_softmax_map(q, k, scale=None, score_bias=None):
+    """Analysis only (GPT.attention_maps): the (B, H, t, t) matrix softmax(q k^T * scale + bias + M) that
+    causal_attention never builds, in float32 at least. Training and generation never call this."""
+    q, k = upcast(q), upcast(k)
+    scores = (q @ k.transpose(-1, -2)) * (scale if scale is not None else 1.0 / math.sqrt(q.size(-1)))
+    if score_bias is not None:
+        scores = scores + upcast(score_bias)
+    mask = causal_mask(q.size(-2), k.size(-2), q.device)
+    return torch.softmax(scores.masked_fill(~mask, float('-inf')), dim=-1)
+
+
 def append_to_cache(cache, **tensors):
     """Concatenate new keys/values to a layer's decoding cache along time; return the full tensors."""
     if cache is None:
@@ -157,6 +168,11 @@ class AttentionBase(nn.Module):
         """What this variant learns beyond weights, for the training logs: {name: [floats]}."""
         return {}
 
+    def attention_maps(self, x):
+        """Analysis only (eval.py --entropy): {name: (B, heads, T, T) attention matrix} for the
+        layer input x (after ln_1). Each variant says which maps it has; training never calls this."""
+        raise NotImplementedError(f"{type(self).__name__} has no attention_maps")
+
     def output(self, y):
         """(B, heads, T, hs) -> residual-stream update (B, T, C)."""
         return self.resid_dropout(self.c_proj(merge_heads(y)))
@@ -177,6 +193,10 @@ class CausalSelfAttention(AttentionBase):
         k, v = append_to_cache(cache, k=k, v=v)
         return self.output(causal_attention(q, k, v, self.attn_dropout_p))
 
+    def attention_maps(self, x):
+        q, k, _ = (split_heads(t, self.n_head) for t in self.c_attn(x).split(self.n_embd, dim=2))
+        return {'attn': causal_softmax_map(q, k)}
+
 
 class SymmetricAttention(AttentionBase):
     """symmetric: K := Q, so the scores Q Q^T / sqrt(d) are symmetric and there is no key projection."""
@@ -190,6 +210,12 @@ class SymmetricAttention(AttentionBase):
         k, v = append_to_cache(cache, k=q, v=v)
         bias = self.score_bias(x.size(0), q.size(-2), k.size(-2), like=q)
         return self.output(causal_attention(q, k, v, self.attn_dropout_p, score_bias=bias))
+
+    def attention_maps(self, x):
+        q = split_heads(self.c_attn(x).split(self.n_embd, dim=2)[0], self.n_head)
+        # NoiseFormer: a fresh noise draw, on or off exactly as in forward (training / noise_at_eval)
+        bias = self.score_bias(x.size(0), q.size(-2), q.size(-2), like=q)
+        return {'attn': causal_softmax_map(q, q, score_bias=bias)}
 
 
 class NoiseFormerAttention(SymmetricAttention):
@@ -293,6 +319,19 @@ class DifferentialAttention(AttentionBase):
         y = self.head_norm(y.to(self.head_norm.weight.dtype)) * (1 - self.lambda_init)
         return self.output(y.to(o1.dtype))
 
+    def attention_maps(self, x):
+        # combine() is linear in its inputs and works along the query axis, so combining the maps
+        # A1, A2 gives the map that multiplies V: A1 - lambda A2 (diff), A1 + lambda (A3 - A2) (dint)
+        (q1, k1, scale1), (q2, k2, scale2) = self.branch_queries_keys(x)
+        a1, a2 = causal_softmax_map(q1, k1, scale1), causal_softmax_map(q2, k2, scale2)
+        return {'branch1': a1, 'branch2': a2, 'combined': self.combine(a1, a2, upcast(self.lambda_full()), None)}
+
+    def branch_queries_keys(self, x):
+        """((q1, k1, scale1), (q2, k2, scale2)) as branches() uses them; scale None = 1/sqrt(d)."""
+        q, k, _ = self.c_attn(x).split(self.n_embd, dim=2)
+        q, k = split_heads(q, self.n_head), split_heads(k, self.n_head)
+        return (q[:, 0::2], k[:, 0::2], None), (q[:, 1::2], k[:, 1::2], None)
+
     def branches(self, x, cache):
         B, T, C = x.size()
         q, k, v = self.c_attn(x).split(C, dim=2)
@@ -366,6 +405,12 @@ class LowRankDintAttention(DintAttention):
         o2 = causal_attention(q2, k2, v, self.attn_dropout_p, scale=self.branch2_scale)
         return o1, o2
 
+    def branch_queries_keys(self, x):
+        q1, k1, _ = (split_heads(t, self.n_head) for t in self.c_attn(x).split(self.n_embd, dim=2))
+        q2 = split_heads(self.q2_up(self.q2_down(x)), self.n_head)
+        k2 = split_heads(self.k2_up(self.k2_down(x)), self.n_head)
+        return (q1, k1, None), (q2, k2, self.branch2_scale)
+
 
 class LinearAttention(AttentionBase):
     """linear: O_i = phi(q_i)^T S_i / (phi(q_i)^T z_i + eps), S_i = sum_{j<=i} phi(k_j) v_j^T,
@@ -393,6 +438,13 @@ class LinearAttention(AttentionBase):
         if cache is not None:
             cache['S'], cache['z'] = S, z
         return self.output(y.to(x.dtype))
+
+    def attention_maps(self, x):
+        # the map linear attention applies implicitly: A_ij = phi(q_i).phi(k_j) / (phi(q_i).z_i + eps)
+        q, k, _ = (split_heads(t, self.n_head) for t in self.c_attn(x).split(self.n_embd, dim=2))
+        q, k = upcast(F.elu(q) + 1), upcast(F.elu(k) + 1)
+        scores = (q @ k.transpose(-1, -2)).tril()
+        return {'attn': scores / (scores.sum(-1, keepdim=True) + self.eps)}
 
 
 def chunked_linear_attention(q, k, v, chunk, eps, state=None):
@@ -613,6 +665,18 @@ class GPT(nn.Module):
             for name, layer_values in block.attn.learned_values().items():
                 values.setdefault(name, []).append(layer_values)
         return values
+
+    @torch.no_grad()
+    def attention_maps(self, idx):
+        """Analysis only (eval.py --entropy), never used in training: yields (layer index, {name:
+        (B, heads, T, T) attention matrix}) layer by layer, so one layer's maps are alive at a time.
+        The names are the variant's (attention_maps of its class): 'attn', or 'branch1', 'branch2',
+        'combined' for diff / dint / dint_lowrank. NoiseFormer maps use their own noise draw."""
+        pos = torch.arange(idx.size(1), dtype=torch.long, device=idx.device)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        for i, block in enumerate(self.transformer.h):
+            yield i, block.attn.attention_maps(block.ln_1(x))
+            x = block(x)
 
     def crop_block_size(self, block_size):
         # model surgery to decrease the block size if necessary, e.g. to run a gpt2 checkpoint

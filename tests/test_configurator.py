@@ -187,7 +187,7 @@ def test_given_records_every_key_set_even_to_its_default(tmp_path):
     assert given == {'batch_size', 'out_dir', 'n_layer'}
 
 
-@pytest.mark.parametrize('script', ['train.py', 'sample.py', 'bench.py', 'compare.py'])
+@pytest.mark.parametrize('script', ['train.py', 'sample.py', 'bench.py', 'compare.py', 'eval.py'])
 def test_help_lists_every_key_with_default_and_meaning(script):
     import subprocess
     import sys

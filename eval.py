@@ -1,0 +1,335 @@
+"""
+Judge a checkpoint (ours, nanoGPT's, or OpenAI's GPT-2 weights) by more than the val loss train.py prints.
+
+$ python eval.py --out_dir=out-shakespeare-char --val_loss=True --entropy=True
+$ python eval.py --init_from=gpt2 --glue=all --seeds=0,1,2
+$ python eval.py --out_dir=out-owt-dint --lm_eval=hellaswag,lambada_openai,arc_easy,piqa
+$ python eval.py --out_dir=out-owt-dint_lowrank --entropy=True --compare_to=out-owt-base
+
+What it measures (any combination in one run; results go to eval_dir as JSON, tables to stdout):
+  val_loss  the mean cross-entropy over the whole data/<dataset>/val.bin, in non-overlapping
+            block_size windows, so every variant is scored on exactly the same tokens
+  entropy   per layer and head, the mean normalised Shannon entropy of the attention rows over
+            entropy_batches validation batches (1 = uniform over the visible keys, 0 = one key);
+            diff / dint / dint_lowrank: both branches and the combined (signed) map. JSON and a
+            heatmap PNG; with --compare_to=OTHER_OUT_DIR a side-by-side PNG of both checkpoints
+  glue      the NoiseFormer paper's protocol: backbone frozen, the final hidden state (after ln_f) at
+            the last token of each example feeds a new linear layer + softmax trained with
+            cross-entropy (100 epochs, lr 1e-5). Each example's feature is computed once and cached
+            on disk, so the epochs are a linear probe over cached features. Markdown table + JSON
+  lm_eval   tasks of EleutherAI's lm-evaluation-harness through an adapter for our models
+
+GLUE details: a sentence pair is joined as `first + "\\n" + second` (GPT-2 has no separator token),
+encoded with GPT-2's BPE, and the start is cut if it exceeds block_size so the last token is kept.
+NoiseFormer models extract features with the noise as the model's noise_at_eval says (on by default,
+one draw per example, seeded); --glue_noise_draws=k averages the feature over k draws,
+--noise_at_eval=False turns the noise off. Char-level checkpoints cannot do GLUE or lm_eval: both
+need the GPT-2 vocabulary. See docs/eval.md.
+"""
+
+import contextlib
+import json
+import os
+import sys
+import time
+
+import torch
+
+from batches import TokenBatches, load_meta
+from checkpoint import CheckpointError, load_checkpoint
+from configurator import ConfigError, apply_config
+from device import autocast_context, manual_seed, resolve_device, resolve_dtype, setup
+from model import ATTENTION_TYPES, GPT, GPTConfig
+
+# -----------------------------------------------------------------------------
+init_from = 'resume'  # 'resume' (the checkpoint in out_dir) or a GPT-2 model name (gpt2, gpt2-medium, ...)
+out_dir = 'out'  # the checkpoint's directory (init_from='resume')
+eval_dir = ''  # where results are written (default: out_dir, or eval-<init_from> for GPT-2 weights)
+dataset = ''  # data/<dataset> with val.bin for val_loss and entropy (default: the checkpoint's dataset)
+device = 'auto'  # 'auto' (cuda > hpu > mps > cpu), 'cpu', 'cuda', 'cuda:1', 'hpu', 'mps'
+dtype = 'auto'  # 'auto', 'float32', 'bfloat16' or 'float16' (autocast for the model's forward passes)
+seed = 1337  # seeds the entropy batches and NoiseFormer's noise draws
+batch_size = 8  # sequences per forward pass (val loss, entropy, GLUE features, lm-eval)
+noise_at_eval = None  # NoiseFormer only: None keeps the checkpoint's setting (noise on), False turns it off
+# exact validation loss
+val_loss = False  # mean cross-entropy over the whole val.bin in non-overlapping block_size windows
+# attention entropy
+entropy = False  # normalised attention entropy per layer and head: JSON + heatmap PNG in eval_dir
+entropy_batches = 10  # validation batches (of batch_size sequences) the entropy is averaged over
+entropy_block_size = 0  # sequence length for the entropy (0: the model's block_size)
+compare_to = ''  # another out_dir: its entropy is computed on the same batches, side by side in one PNG
+# GLUE (NoiseFormer paper protocol: frozen backbone, last-token pooling, linear probe)
+glue = ''  # comma-separated tasks (cola, sst2, mrpc, qqp, mnli, qnli, rte) or 'all'
+glue_path = 'nyu-mll/glue'  # the datasets repo (or a local folder with the same layout)
+glue_epochs = 100  # probe epochs over the cached features (paper: 100)
+glue_lr = 1e-5  # probe learning rate, AdamW (paper: 1e-5)
+glue_weight_decay = 0.0  # probe AdamW weight decay
+glue_batch_size = 0  # probe batch size; 0: the paper's rule, 32 below 50k training examples, else 256
+glue_max_examples = 0  # use only the first N examples of each split (0: all), for quick looks
+glue_noise_draws = 1  # NoiseFormer: average each example's feature over this many noise draws
+glue_cache_dir = ''  # where features are cached (default: eval_dir/glue_cache)
+seeds = '0'  # comma-separated probe seeds; several give mean and standard deviation
+# lm-evaluation-harness
+lm_eval = ''  # comma-separated lm-eval task names, e.g. hellaswag,lambada_openai,arc_easy,piqa
+lm_eval_limit = 0  # examples per task (0: all)
+lm_eval_num_fewshot = None  # few-shot examples per prompt (None: each task's default)
+lm_eval_include_path = ''  # a folder of extra task YAMLs (your own tasks)
+max_gen_toks = 256  # generate_until tasks: the most tokens generated per request
+# -----------------------------------------------------------------------------
+config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str, type(None)))]
+
+
+def fail(message):
+    """A setting or input that cannot work: say what and how to fix it, exit 2 (no traceback)."""
+    print(f"eval.py: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def log(message):
+    print(message, file=sys.stderr, flush=True)
+
+
+try:
+    globals().update(apply_config(sys.argv[1:], {k: globals()[k] for k in config_keys}, script=__file__))
+except ConfigError as e:
+    fail(e)
+if isinstance(noise_at_eval, str) and noise_at_eval.lower() in ('true', 'false'):
+    noise_at_eval = noise_at_eval.lower() == 'true'
+if noise_at_eval not in (None, True, False):
+    fail(f"noise_at_eval={noise_at_eval!r} must be True or False")
+if not (val_loss or entropy or glue or lm_eval):
+    fail("nothing to evaluate: pass one or more of --val_loss=True, --entropy=True, --glue=all (or a list "
+         "of tasks), --lm_eval=TASK[,TASK]")
+if init_from != 'resume' and not init_from.startswith('gpt2'):
+    fail(f"init_from={init_from!r} must be 'resume' (a checkpoint in out_dir) or a GPT-2 model name "
+         f"(gpt2, gpt2-medium, gpt2-large, gpt2-xl)")
+for key in ('batch_size', 'entropy_batches', 'glue_epochs', 'glue_noise_draws', 'max_gen_toks'):
+    if globals()[key] < 1:
+        fail(f"{key}={globals()[key]} must be at least 1")
+for key in ('entropy_block_size', 'glue_batch_size', 'glue_max_examples', 'lm_eval_limit'):
+    if globals()[key] < 0:
+        fail(f"{key}={globals()[key]} must not be negative (0 means the default)")
+try:
+    seed_list = [int(s) for s in str(seeds).split(',') if s.strip()]
+except ValueError:
+    fail(f"seeds={seeds!r} must be comma-separated integers, e.g. --seeds=0,1,2")
+if not seed_list:
+    fail("seeds is empty: give at least one probe seed, e.g. --seeds=0")
+if compare_to and not entropy:
+    fail("compare_to compares attention entropy: add --entropy=True")
+if glue:
+    from evaluation import glue as glue_eval
+    try:
+        glue_tasks = glue_eval.parse_tasks(glue)
+    except glue_eval.GlueError as e:
+        fail(e)
+
+# -----------------------------------------------------------------------------
+# model(s)
+
+try:
+    device = resolve_device(device)
+    dtype = resolve_dtype(dtype, device)
+except ValueError as e:
+    fail(e)
+setup(device)
+ctx = autocast_context(device, dtype)
+
+
+def load_model(source, from_dir):
+    """-> (model in eval mode on device, info dict). source: 'resume' (from_dir/ckpt.pt) or a gpt2 name."""
+    if source != 'resume':
+        if noise_at_eval is not None:
+            fail("noise_at_eval applies to NoiseFormer checkpoints only; GPT-2's weights are base attention")
+        try:
+            with contextlib.redirect_stdout(sys.stderr):  # from_pretrained prints progress
+                model = GPT.from_pretrained(source, dict(dropout=0.0))
+        except ImportError:
+            fail(f"init_from={source!r} needs the transformers package: pip install transformers")
+        except (OSError, ValueError) as e:
+            fail(f"cannot load the {source!r} weights: {e}")
+        info = dict(name=source, attn_type='base', checkpoint=source, dataset=dataset or None, identity=source)
+    else:
+        try:
+            ckpt = load_checkpoint(from_dir, map_location='cpu')
+        except FileNotFoundError as e:
+            fail(f"{e}\n(eval.py loads out_dir/ckpt.pt; for OpenAI's weights use --init_from=gpt2)")
+        except CheckpointError as e:
+            fail(e)
+        model_args = dict(ckpt['model_args'])
+        attn_type = model_args.get('attn_type', 'base')  # nanoGPT checkpoints have no attn_type
+        if noise_at_eval is not None:
+            if 'noise_at_eval' not in getattr(ATTENTION_TYPES.get(attn_type), 'config_fields', ()):
+                fail(f"noise_at_eval applies to NoiseFormer models only; {from_dir} is attn_type="
+                     f"{attn_type!r}: drop --noise_at_eval")
+            model_args['noise_at_eval'] = noise_at_eval
+        try:
+            model = GPT(GPTConfig(**model_args))
+            model.load_state_dict(ckpt['model'])
+        except (TypeError, ValueError, RuntimeError) as e:
+            fail(f"the checkpoint in {from_dir} does not build a model: {e}")
+        path = os.path.join(from_dir, 'ckpt.pt') if os.path.isdir(from_dir) else from_dir
+        stat = os.stat(path)
+        info = dict(name=os.path.basename(os.path.normpath(from_dir)), attn_type=attn_type, checkpoint=path,
+                    iter=int(ckpt['iter_num']), dataset=dataset or ckpt.get('config', {}).get('dataset'),
+                    # the feature cache key: this file, as it is now
+                    identity=f"{os.path.abspath(path)}:{stat.st_size}:{stat.st_mtime_ns}")
+    model.eval()
+    model.to(device)
+    info['params'] = model.get_num_params()
+    info['noise_on'] = bool(getattr(model.config, 'noise_at_eval', False) and
+                            'noise_at_eval' in ATTENTION_TYPES[info['attn_type']].config_fields)
+    data_dir = os.path.join('data', info['dataset']) if info['dataset'] else None
+    try:
+        meta = load_meta(data_dir) if data_dir and os.path.isdir(data_dir) else None
+    except ValueError as e:
+        fail(e)
+    info['data_dir'] = data_dir
+    info['char_level'] = model.config.vocab_size < 50257 or (meta is not None and meta.get('tokenizer') == 'char')
+    return model, info
+
+
+model, info = load_model(init_from, out_dir)
+if not eval_dir:
+    eval_dir = out_dir if init_from == 'resume' else f"eval-{init_from}"
+os.makedirs(eval_dir, exist_ok=True)
+log(f"{info['attn_type']} model, {info['checkpoint']}, {info['params'] / 1e6:.2f}M parameters; "
+    f"device {device} ({dtype}); results in {eval_dir}")
+results = dict(model={k: v for k, v in info.items() if k != 'identity'})
+
+
+def write_json(name, value):
+    path = os.path.join(eval_dir, name)
+    tmp = path + '.tmp'
+    with open(tmp, 'w') as f:
+        json.dump(value, f, indent=2, default=str)  # default: lm-eval's results hold a few non-JSON values
+    os.replace(tmp, path)  # a reader never sees half a file
+    log(f"wrote {path}")
+
+
+def val_bin(which):
+    if not which['data_dir']:
+        fail("val_loss and entropy read data/<dataset>/val.bin: pass --dataset=<name> (GPT-2 weights and "
+             "checkpoints without a dataset in their config need it)")
+    return os.path.join(which['data_dir'], 'val.bin')
+
+
+def needs_gpt2_vocabulary(what):
+    if info['char_level']:
+        fail(f"{what} needs the GPT-2 vocabulary, but this model has {model.config.vocab_size} token ids "
+             f"(a char-level model, data {info['data_dir']}): evaluate a model trained on GPT-2 tokens "
+             f"(e.g. openwebtext) or --init_from=gpt2")
+
+
+def tiktoken_gpt2():
+    import tiktoken
+    try:
+        return tiktoken.get_encoding("gpt2")
+    except Exception as e:  # tiktoken downloads its files once; offline that is a network error
+        fail(f"cannot load tiktoken's gpt2 encoding ({type(e).__name__}: {e}); it is downloaded on first "
+             f"use: connect once, or point TIKTOKEN_CACHE_DIR at a directory that holds its files")
+
+
+# every check that can fail quickly runs before any long computation
+if glue:
+    needs_gpt2_vocabulary("GLUE")
+if lm_eval:
+    needs_gpt2_vocabulary("lm_eval")
+if val_loss or entropy:
+    val_path = val_bin(info)
+    if not os.path.isfile(val_path):
+        fail(f"{val_path} not found: run that dataset's prepare.py first, or pass --dataset=<name>")
+
+# -----------------------------------------------------------------------------
+# exact validation loss
+
+if val_loss:
+    from evaluation import exact_val_loss
+    t0 = time.time()
+    manual_seed(seed)  # NoiseFormer's noise draws
+    try:
+        r = exact_val_loss(model, val_path, model.config.block_size, batch_size, device, ctx)
+    except ValueError as e:
+        fail(e)
+    r.update(file=val_path, block_size=model.config.block_size, noise_on=info['noise_on'])
+    print(f"val loss {r['loss']:.4f} (perplexity {r['perplexity']:.2f}) over all {r['tokens']:,} target tokens "
+          f"of {val_path} ({r['windows']} windows of {model.config.block_size}, {time.time() - t0:.1f}s)")
+    results['val_loss'] = r
+    write_json('val_loss.json', r)
+
+# -----------------------------------------------------------------------------
+# attention entropy
+
+if entropy:
+    from evaluation.entropy import attention_entropy, entropy_summary, plot_entropy
+
+    def entropy_of(which_model, which_info):
+        T = entropy_block_size or which_model.config.block_size
+        if T > which_model.config.block_size:
+            fail(f"entropy_block_size={T} is larger than the model's block_size {which_model.config.block_size}")
+        try:
+            data = TokenBatches(which_info['data_dir'], 'val', T, batch_size, device=device, seed=seed,
+                                vocab_size=which_model.config.vocab_size)
+        except (FileNotFoundError, ValueError) as e:
+            fail(e)
+        manual_seed(seed)  # NoiseFormer's noise draws
+        batches = (data.get_batch()[0] for _ in range(entropy_batches))
+        ent = attention_entropy(which_model, batches, ctx)
+        return dict(entropy=ent, layer_mean=entropy_summary(ent), block_size=T, batches=entropy_batches,
+                    batch_size=batch_size, seed=seed, attn_type=which_info['attn_type'],
+                    checkpoint=which_info['checkpoint'], noise_on=which_info['noise_on'])
+
+    mine = entropy_of(model, info)
+    for name, means in mine['layer_mean'].items():
+        print(f"attention entropy ({name}), mean over heads per layer: " + ' '.join(f"{m:.3f}" for m in means))
+    results['entropy'] = mine
+    write_json('entropy.json', mine)
+    plot_entropy([(info['name'], mine['entropy'])], os.path.join(eval_dir, 'entropy.png'))
+    log(f"wrote {os.path.join(eval_dir, 'entropy.png')}")
+    if compare_to:
+        other_model, other_info = load_model('resume', compare_to)
+        val_bin(other_info)
+        theirs = entropy_of(other_model, other_info)
+        del other_model
+        for name, means in theirs['layer_mean'].items():
+            print(f"compare_to {other_info['name']} ({name}): " + ' '.join(f"{m:.3f}" for m in means))
+        write_json(f"entropy_{other_info['name']}.json", theirs)
+        png = os.path.join(eval_dir, f"entropy_vs_{other_info['name']}.png")
+        plot_entropy([(info['name'], mine['entropy']), (other_info['name'], theirs['entropy'])], png)
+        log(f"wrote {png}")
+
+# -----------------------------------------------------------------------------
+# GLUE: frozen backbone, cached last-token features, linear probe
+
+if glue:
+    settings = dict(epochs=glue_epochs, lr=glue_lr, weight_decay=glue_weight_decay, batch_size=glue_batch_size,
+                    max_examples=glue_max_examples, noise_draws=glue_noise_draws, seeds=seed_list)
+    try:
+        glue_results = glue_eval.run(model, info, tiktoken_gpt2(), glue_tasks, glue_path,
+                                     glue_cache_dir or os.path.join(eval_dir, 'glue_cache'), settings,
+                                     extract_batch_size=batch_size, device=device, ctx=ctx, seed=seed,
+                                     dtype=dtype, log=log)
+    except glue_eval.GlueError as e:
+        fail(e)
+    table = glue_eval.markdown_table(info['name'], glue_results, settings)
+    print(table)
+    results['glue'] = glue_results
+    write_json('glue.json', dict(model=results['model'], settings=settings, results=glue_results))
+    with open(os.path.join(eval_dir, 'glue.md'), 'w') as f:
+        f.write(table + '\n')
+
+# -----------------------------------------------------------------------------
+# lm-evaluation-harness
+
+if lm_eval:
+    from evaluation.lm_eval_adapter import run_lm_eval
+    try:
+        table, lm_results = run_lm_eval(model, tiktoken_gpt2(), [t.strip() for t in lm_eval.split(',') if t.strip()],
+                                        batch_size=batch_size, device=device, ctx=ctx, limit=lm_eval_limit or None,
+                                        num_fewshot=lm_eval_num_fewshot, include_path=lm_eval_include_path or None,
+                                        max_gen_toks=max_gen_toks, seed=seed)
+    except ValueError as e:
+        fail(e)
+    print(table)
+    results['lm_eval'] = lm_results
+    write_json('lm_eval.json', dict(model=results['model'], results=lm_results))

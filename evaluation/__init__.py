@@ -1,0 +1,49 @@
+"""
+The pieces of eval.py that tests import: exact validation loss and the final hidden states (here),
+attention entropy (entropy.py), the GLUE frozen-backbone probe (glue.py) and the
+lm-evaluation-harness adapter (lm_eval_adapter.py). Heavy libraries (datasets, lm_eval, matplotlib)
+are imported inside the functions that need them, so `eval.py --help` and a val-loss run stay quick.
+"""
+import math
+
+import numpy as np
+import torch
+
+
+@torch.no_grad()
+def final_hidden_states(model, idx):
+    """(B, T) token ids -> (B, T, C): the output of the model's final LayerNorm (ln_f), i.e. what
+    lm_head reads. Taken with a forward hook, so it is exactly GPT.forward's computation for every
+    attn_type (GPT.forward itself only applies lm_head to the last position)."""
+    captured = []
+    handle = model.transformer.ln_f.register_forward_hook(lambda module, args, out: captured.append(out))
+    try:
+        model(idx)
+    finally:
+        handle.remove()
+    return captured[0]
+
+
+@torch.no_grad()
+def exact_val_loss(model, path, block_size, batch_size, device, ctx):
+    """Mean cross-entropy over every target token of a flat uint16 token file: windows of block_size
+    tokens that do not overlap (the last one shorter), so token t >= 1 is predicted exactly once, from
+    the tokens since its window's start. Variants evaluated on the same file see the same tokens.
+    Returns dict(loss, tokens, windows)."""
+    data = np.memmap(path, dtype=np.uint16, mode='r')
+    n_targets = len(data) - 1
+    if n_targets < 1:
+        raise ValueError(f"{path} has {len(data)} tokens: at least 2 are needed for one prediction")
+    starts = list(range(0, n_targets, block_size))
+    total, count = 0.0, 0
+    for i in range(0, len(starts), batch_size):
+        group = starts[i:i + batch_size]
+        # windows of equal length go in one batch; only the last window can be shorter
+        for length in sorted({min(block_size, n_targets - s) for s in group}, reverse=True):
+            rows = [s for s in group if min(block_size, n_targets - s) == length]
+            w = torch.from_numpy(np.stack([data[s:s + length + 1].astype(np.int64) for s in rows])).to(device)
+            with ctx:
+                _, loss = model(w[:, :-1], targets=w[:, 1:])
+            total += float(loss) * w[:, 1:].numel()  # loss is the mean over this batch's targets
+            count += w[:, 1:].numel()
+    return dict(loss=total / count, tokens=count, windows=len(starts), perplexity=math.exp(total / count))

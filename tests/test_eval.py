@@ -1,0 +1,224 @@
+"""eval.py: exact validation loss, attention entropy (and the analysis-only attention maps of model.py),
+and the script run as a user runs it on tiny checkpoints made here. GLUE: test_eval_glue.py;
+lm-evaluation-harness: test_eval_lm.py.
+"""
+import dataclasses
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from checkpoint import save_checkpoint
+from evaluation import exact_val_loss
+from evaluation.entropy import attention_entropy, normalised_row_entropy
+from model import ATTENTION_TYPES, GPT, GPTConfig, split_heads
+
+ROOT = Path(__file__).resolve().parents[1]
+NO_AUTOCAST = torch.autocast('cpu', enabled=False)
+
+
+def tiny_model(attn_type='base', vocab_size=40, n_layer=2, block_size=16, n_head=2, n_embd=16, seed=0, **kw):
+    if attn_type == 'dint_lowrank':
+        kw.setdefault('lowrank_rank', 4)
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(block_size=block_size, vocab_size=vocab_size, n_layer=n_layer, n_head=n_head,
+                         n_embd=n_embd, attn_type=attn_type, **kw)).eval()
+
+
+def write_tokens(path, tokens):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    np.asarray(tokens, dtype=np.uint16).tofile(path)
+    return path
+
+
+# ----------------------------------------------------------------------------- exact val loss
+
+@pytest.mark.parametrize('n_tokens', [3 * 16 + 1, 3 * 16 + 1 + 5])  # whole windows; plus a short last one
+def test_exact_val_loss_predicts_every_token_once_from_its_window(tmp_path, n_tokens):
+    model = tiny_model()
+    tokens = torch.randint(40, (n_tokens,), generator=torch.Generator().manual_seed(1)).tolist()
+    path = write_tokens(tmp_path / 'val.bin', tokens)
+    # independently: token t is predicted from the tokens since the start of its window (windows of
+    # 16 targets starting at 0, 16, 32, ...), one forward pass per token, last-position logits
+    nll = []
+    with torch.no_grad():
+        for t in range(1, n_tokens):
+            start = (t - 1) // 16 * 16
+            logits, _ = model(torch.tensor([tokens[start:t]]))
+            nll.append(-F.log_softmax(logits[0, -1].double(), dim=-1)[tokens[t]].item())
+    for bs in (1, 2, 8):
+        r = exact_val_loss(model, path, 16, bs, 'cpu', NO_AUTOCAST)
+        assert r['tokens'] == n_tokens - 1
+        assert r['windows'] == math.ceil((n_tokens - 1) / 16)
+        assert r['loss'] == pytest.approx(sum(nll) / len(nll), abs=1e-5)
+
+
+# ----------------------------------------------------------------------------- entropy
+
+def test_normalised_row_entropy_uniform_is_one_one_hot_is_zero_and_signed_uses_magnitudes():
+    T = 6
+    uniform = torch.ones(T, T).tril() / torch.arange(1, T + 1).view(-1, 1)
+    assert torch.allclose(normalised_row_entropy(uniform), torch.ones(T - 1, dtype=torch.float64))
+    one_hot = torch.eye(T)
+    assert torch.allclose(normalised_row_entropy(one_hot), torch.zeros(T - 1, dtype=torch.float64))
+    # a signed row with equal magnitudes on its 2 visible keys: |p| uniform -> 1
+    signed = torch.tensor([[1.0, 0.0], [0.7, -0.7]])
+    assert normalised_row_entropy(signed).item() == pytest.approx(1.0)
+    # half the mass on one of 3 keys, a quarter on each other: H = 1.5 log 2, max log 3
+    row = torch.tensor([[1.0, 0, 0], [0.5, 0.5, 0], [0.5, -0.25, 0.25]])
+    assert normalised_row_entropy(row)[-1].item() == pytest.approx(1.5 * math.log(2) / math.log(3))
+
+
+def positional_model(attn_type, q_scale):
+    """One layer, two heads of 16 dims, whose input at position t is LayerNorm(wpe[t]) with token
+    embeddings zero and wpe[t] one-hot at t in each head's half; q = k = q_scale * input. q_scale = 0:
+    every score 0, uniform causal attention. Large q_scale: each head's inputs are distinct vectors of
+    equal norm, so by Cauchy-Schwarz the diagonal score wins by a wide margin: one-hot attention."""
+    T, C = 16, 32
+    model = tiny_model(attn_type, n_layer=1, block_size=T, n_head=2, n_embd=C, bias=False)
+    with torch.no_grad():
+        model.transformer.wte.weight.zero_()
+        model.transformer.wpe.weight.copy_(torch.cat([torch.eye(T), torch.eye(T)], dim=1))
+        w = model.transformer.h[0].attn.c_attn.weight
+        w[:2 * C] = 0
+        w[:C] = q_scale * torch.eye(C)  # queries (and the keys of symmetric attention)
+        if attn_type == 'base':
+            w[C:2 * C] = q_scale * torch.eye(C)  # keys
+    return model
+
+
+@pytest.mark.parametrize('attn_type', ['base', 'symmetric'])
+def test_entropy_of_a_hand_set_model_uniform_gives_one_one_hot_gives_zero(attn_type):
+    idx = torch.randint(40, (3, 16), generator=torch.Generator().manual_seed(0))
+    uniform = attention_entropy(positional_model(attn_type, 0.0), [idx], NO_AUTOCAST)
+    assert list(uniform) == ['attn'] and len(uniform['attn']) == 1 and len(uniform['attn'][0]) == 2
+    assert uniform['attn'][0] == pytest.approx([1.0, 1.0], abs=1e-6)
+    one_hot = attention_entropy(positional_model(attn_type, 200.0), [idx], NO_AUTOCAST)
+    assert one_hot['attn'][0] == pytest.approx([0.0, 0.0], abs=1e-6)
+
+
+@pytest.mark.parametrize('attn_type', ['diff', 'dint', 'dint_lowrank'])
+def test_differential_entropy_reports_both_branches_and_the_combined_map(attn_type):
+    model = tiny_model(attn_type, n_head=4, n_embd=16)
+    for block in model.transformer.h:  # zero queries: both branches uniform
+        with torch.no_grad():
+            block.attn.c_attn.weight[:16] = 0
+            block.attn.c_attn.bias[:16] = 0
+            if attn_type == 'dint_lowrank':
+                block.attn.q2_up.weight.zero_()
+    idx = torch.randint(40, (2, 16), generator=torch.Generator().manual_seed(0))
+    ent = attention_entropy(model, [idx], NO_AUTOCAST)
+    assert sorted(ent) == ['branch1', 'branch2', 'combined']
+    heads = model.transformer.h[0].attn.n_diff_heads
+    for name in ent:
+        assert len(ent[name]) == 2 and all(len(layer) == heads for layer in ent[name])
+    assert ent['branch1'][1] == pytest.approx([1.0] * heads, abs=1e-6)
+    assert ent['branch2'][1] == pytest.approx([1.0] * heads, abs=1e-6)
+    if attn_type == 'diff':  # (1 - lambda) x uniform: the magnitudes are uniform
+        assert ent['combined'][1] == pytest.approx([1.0] * heads, abs=1e-6)
+    else:  # DINT's integral term A3 leans on early keys, so the combined map is less than uniform
+        assert all(0.5 < h < 1 - 1e-3 for h in ent['combined'][1])
+
+
+def test_attention_maps_times_values_give_each_variants_attention_output():
+    """The analysis maps are the matrices the fast paths multiply V by (float64, noise off)."""
+    x = torch.randn(2, 9, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    for attn_type in ATTENTION_TYPES:
+        extra = dict(noise_at_eval=False) if attn_type.startswith('noiseformer') else {}
+        model = tiny_model(attn_type, n_head=4, n_embd=16, **extra).double()
+        attn = model.transformer.h[1].attn
+        maps = attn.attention_maps(x)
+        for a in maps.values():
+            assert a.shape[-2:] == (9, 9) and torch.all(a.triu(1) == 0)  # causal
+        if 'combined' in maps:
+            o1, o2 = attn.branches(x, None)
+            lam = attn.lambda_full()
+            v = attn.c_attn(x).split(16, dim=2)[2]
+            v = split_heads(v, attn.n_diff_heads if attn.heads_per_diff_head == 2 else attn.n_head)
+            assert torch.allclose(maps['branch1'] @ v, o1, atol=1e-10)
+            assert torch.allclose(maps['branch2'] @ v, o2, atol=1e-10)
+            assert torch.allclose(maps['combined'] @ v, attn.combine(o1, o2, lam, None), atol=1e-10)
+        else:
+            v = split_heads(attn.c_attn(x).split(16, dim=2)[-1], 4)
+            assert torch.allclose(attn.c_proj(_merge(maps['attn'] @ v)), attn(x), atol=1e-10), attn_type
+
+
+def _merge(t):
+    B, H, T, d = t.shape
+    return t.transpose(1, 2).reshape(B, T, H * d)
+
+
+# ----------------------------------------------------------------------------- eval.py as a user runs it
+
+def make_checkpoint(out_dir, attn_type, vocab_size, dataset, seed=0):
+    """A tiny untrained model saved as train.py saves it."""
+    model = tiny_model(attn_type, vocab_size=vocab_size, n_layer=2, block_size=32, n_head=2, n_embd=16, seed=seed)
+    config = model.config
+    save_checkpoint({'model': model.state_dict(), 'optimizer': {}, 'model_args': dataclasses.asdict(config),
+                     'iter_num': 7, 'best_val_loss': 2.5, 'config': {'dataset': str(dataset)}}, str(out_dir))
+    return out_dir, model
+
+
+def launch(*args, cwd=ROOT):
+    env = {**os.environ, 'OMP_NUM_THREADS': '1'}
+    return subprocess.run([sys.executable, str(ROOT / 'eval.py'), *map(str, args)], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=240)
+
+
+@pytest.fixture(scope='module')
+def char_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp('eval')
+    data = root / 'data-char'
+    chars = sorted(set('abcdefghij \n'))
+    data.mkdir()
+    (data / 'meta.json').write_text(json.dumps({'vocab_size': len(chars), 'tokenizer': 'char', 'chars': chars}))
+    tokens = torch.randint(len(chars), (300,), generator=torch.Generator().manual_seed(5)).tolist()
+    write_tokens(data / 'val.bin', tokens)
+    base_dir, base = make_checkpoint(root / 'out-base', 'base', len(chars), data)
+    diff_dir, _ = make_checkpoint(root / 'out-diff', 'diff', len(chars), data, seed=1)
+    return dict(root=root, data=data, base_dir=base_dir, base=base, diff_dir=diff_dir)
+
+
+def test_eval_script_val_loss_and_entropy_with_a_side_by_side(char_run):
+    r = launch(f"--out_dir={char_run['diff_dir']}", '--val_loss=True', '--entropy=True', '--device=cpu',
+               '--dtype=float32', '--entropy_batches=2', '--batch_size=3', f"--compare_to={char_run['base_dir']}")
+    assert r.returncode == 0, r.stderr
+    out = char_run['diff_dir']
+    val = json.loads((out / 'val_loss.json').read_text())
+    diff_model = GPT(GPTConfig(**{**dataclasses.asdict(char_run['base'].config), 'attn_type': 'diff'}))
+    diff_model.load_state_dict(torch.load(out / 'ckpt.pt', weights_only=True)['model'])
+    expected = exact_val_loss(diff_model.eval(), char_run['data'] / 'val.bin', 32, 5, 'cpu', NO_AUTOCAST)
+    assert val['tokens'] == 299 and val['loss'] == pytest.approx(expected['loss'], abs=1e-6)
+    assert f"val loss {expected['loss']:.4f}" in r.stdout
+    ent = json.loads((out / 'entropy.json').read_text())
+    assert sorted(ent['entropy']) == ['branch1', 'branch2', 'combined']
+    assert all(0 < h <= 1 for layer in ent['entropy']['combined'] for h in layer)
+    theirs = json.loads((out / 'entropy_out-base.json').read_text())
+    assert list(theirs['entropy']) == ['attn'] and theirs['attn_type'] == 'base'
+    for png in ('entropy.png', 'entropy_vs_out-base.png'):
+        assert (out / png).read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
+
+
+def test_eval_script_refuses_glue_and_lm_eval_for_a_char_level_model(char_run):
+    for arg in ('--glue=all', '--lm_eval=hellaswag'):
+        r = launch(f"--out_dir={char_run['base_dir']}", arg, '--device=cpu')
+        assert r.returncode == 2
+        assert 'Traceback' not in r.stderr
+        assert r.stderr.strip().splitlines()[-1].startswith('eval.py: error:') and 'GPT-2 vocabulary' in r.stderr
+
+
+def test_eval_script_bad_settings_fail_in_one_line(char_run):
+    cases = [([], 'nothing to evaluate'),
+             (['--val_loss=True', '--dataset=no-such-data'], 'val.bin not found'),
+             (['--val_loss=True', '--noise_at_eval=False'], 'NoiseFormer')]
+    for args, message in cases:
+        r = launch(f"--out_dir={char_run['base_dir']}", '--device=cpu', *args)
+        assert r.returncode == 2, args
+        assert message in r.stderr and 'Traceback' not in r.stderr, (args, r.stderr)
