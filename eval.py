@@ -68,7 +68,7 @@ glue_batch_size = 0  # probe batch size; 0: the paper's rule, 32 below 50k train
 glue_max_examples = 0  # use only the first N examples of each split (0: all), for quick looks
 glue_noise_draws = 1  # NoiseFormer: average each example's feature over this many noise draws
 glue_cache_dir = ''  # where features are cached (default: eval_dir/glue_cache)
-seeds = '0'  # comma-separated probe seeds; several give mean and standard deviation
+seeds = [0]  # probe seeds (--seeds=0,1,2); several give mean and standard deviation
 # lm-evaluation-harness
 lm_eval = ''  # comma-separated lm-eval task names, e.g. hellaswag,lambada_openai,arc_easy,piqa
 lm_eval_limit = 0  # examples per task (0: all)
@@ -76,7 +76,7 @@ lm_eval_num_fewshot = None  # few-shot examples per prompt (None: each task's de
 lm_eval_include_path = ''  # a folder of extra task YAMLs (your own tasks)
 max_gen_toks = 256  # generate_until tasks: the most tokens generated per request
 # -----------------------------------------------------------------------------
-config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str, type(None)))]
+config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str, list, type(None)))]
 
 
 def fail(message):
@@ -109,10 +109,9 @@ for key in ('batch_size', 'entropy_batches', 'glue_epochs', 'glue_noise_draws', 
 for key in ('entropy_block_size', 'glue_batch_size', 'glue_max_examples', 'lm_eval_limit'):
     if globals()[key] < 0:
         fail(f"{key}={globals()[key]} must not be negative (0 means the default)")
-try:
-    seed_list = [int(s) for s in str(seeds).split(',') if s.strip()]
-except ValueError:
-    fail(f"seeds={seeds!r} must be comma-separated integers, e.g. --seeds=0,1,2")
+seed_list = seeds
+if not all(type(s) is int for s in seed_list):
+    fail(f"seeds={seeds!r} must be integers, e.g. --seeds=0,1,2")
 if not seed_list:
     fail("seeds is empty: give at least one probe seed, e.g. --seeds=0")
 if compare_to and not entropy:
