@@ -19,7 +19,6 @@ it and the measured one, the val loss before and after, and the growth step's ti
 the same figures go into the checkpoint under 'grow'.
 """
 
-import math
 import os
 import resource
 import sys
@@ -91,39 +90,6 @@ def check_request(model_args):
     return old
 
 
-def collect(model, xy_batches, chosen, d_old, n):
-    """Run the statistics over the batches; {layer: GrowthStatistics} and the mean loss."""
-    stats = {l: growth.GrowthStatistics(model.config.n_head, n, d_old, model.config.bias, step_size, pinv_rtol,
-                                        need_z=method == 'closed_form' and l in chosen)
-             for l in range(model.config.n_layer)}
-
-    def on_gradient(layer, x, scores, grad):
-        if layer in stats:
-            stats[layer].add(x, scores, grad)
-
-    losses = [growth.score_gradients(model, x, y, on_gradient) for x, y in xy_batches]
-    return stats, sum(losses) / len(losses)
-
-
-def grown_state(model, stats, chosen, d_old, generator):
-    """The grown model's state_dict and the first-order predicted change of the loss."""
-    state = {k: v.clone() for k, v in model.state_dict().items()}
-    predicted = 0.0
-    for l, block in enumerate(model.transformer.h):
-        wq, wk = growth.head_factors(block.attn)
-        if l in chosen and method == 'closed_form':
-            Z = stats[l].Z / stats[l].sequences
-            new_q, new_k = growth.closed_form_factors(Z, d_old, grow_to)
-        else:
-            new_q, new_k = growth.widen_baseline(wq, wk, grow_to, method if l in chosen else 'zero',
-                                                 model.config.bias, generator)
-        if l in stats:  # <dL/dN, N' - N> with N = W_Q W_K^T / sqrt(d) the score product
-            change = new_q @ new_k.transpose(1, 2) / math.sqrt(grow_to) - wq @ wk.transpose(1, 2) / math.sqrt(d_old)
-            predicted += (stats[l].Y / stats[l].batches * change).sum().item()
-        state.update(growth.layer_state(f'transformer.h.{l}.attn.', state, new_q, new_k))
-    return state, predicted
-
-
 @torch.no_grad()
 def mean_loss(model, xy_batches):
     return sum(model(x, y)[1].item() for x, y in xy_batches) / len(xy_batches)
@@ -181,11 +147,10 @@ def main():
           f"({batches} batches of {train_xy[0][0].shape[0]} x {train_xy[0][0].shape[1]} tokens)")
     synchronize(device)
     t0 = time.perf_counter()
-    n = model.config.n_embd + (1 if model.config.bias else 0)
-    stats, loss_before = collect(model, train_xy, set(chosen), d_old, n)
+    stats, loss_before = growth.collect_statistics(model, train_xy, chosen, method, step_size, pinv_rtol)
     t_collect = time.perf_counter() - t0
     generator = torch.Generator().manual_seed(seed)
-    state, predicted = grown_state(model.cpu(), stats, set(chosen), d_old, generator)
+    state, predicted = growth.grown_state_dict(model.cpu(), grow_to, method, chosen, stats, generator)
     seconds = time.perf_counter() - t0
     memory = peak_memory_mib(device)
 

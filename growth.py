@@ -163,3 +163,39 @@ class GrowthStatistics:
         self.Y += (X[:, None].transpose(-1, -2) @ G @ X[:, None]).sum(0)
         self.sequences += Bsz
         self.batches += 1
+
+
+# ----------------------------------------------------------------------------------------------
+# A whole model
+
+def collect_statistics(model, xy_batches, chosen, method, step_size, rtol=None):
+    """GrowthStatistics of every layer over the (x, y) batches (Z only where closed_form grows the
+    layer), and the mean loss over the batches. `model` in eval mode, float32 or float64."""
+    cfg = model.config
+    n = cfg.n_embd + (1 if cfg.bias else 0)
+    d = model.transformer.h[0].attn.qk_head_size
+    stats = [GrowthStatistics(cfg.n_head, n, d, cfg.bias, step_size, rtol, need_z=method == 'closed_form' and l in chosen)
+             for l in range(cfg.n_layer)]
+    losses = [score_gradients(model, x, y, lambda layer, *t: stats[layer].add(*t)) for x, y in xy_batches]
+    return stats, sum(losses) / len(losses)
+
+
+def grown_state_dict(model, d_new, method, chosen, stats=None, generator=None):
+    """The state_dict of `model` (a CPU base GPT) grown to qk_head_size d_new: layers in `chosen` by
+    `method`, the others by 'zero' (the model has one qk_head_size). Returns it and the first-order
+    predicted change of the mean loss over the collection batches (None without stats)."""
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    predicted = 0.0 if stats is not None else None
+    for l, block in enumerate(model.transformer.h):
+        d_old = block.attn.qk_head_size
+        wq, wk = head_factors(block.attn)
+        if l in chosen and method == 'closed_form':
+            new_q, new_k = closed_form_factors(stats[l].Z / stats[l].sequences, d_old, d_new)
+        else:
+            new_q, new_k = widen_baseline(wq, wk, d_new, method if l in chosen else 'zero', model.config.bias,
+                                          generator)
+        if stats is not None:  # <dL/dN, N' - N>, N = W_Q W_K^T / sqrt(d) the product the scores see
+            change = new_q @ new_k.transpose(1, 2) / math.sqrt(d_new) - wq @ wk.transpose(1, 2) / math.sqrt(d_old)
+            predicted += (stats[l].Y / stats[l].batches * change).sum().item()
+        state.update(layer_state(f'transformer.h.{l}.attn.', state, new_q, new_k))
+    return state, predicted
