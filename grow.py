@@ -43,11 +43,15 @@ batches = 8  # training batches the statistics (and the before / after losses) a
 batch_size = 0  # sequences per batch (0: the checkpoint's batch_size)
 step_size = 1.0  # closed_form: score step per unit of d(sequence's summed token loss) / dS; 0 refits only
 pinv_rtol = 1e-5  # closed_form: singular values of X below this fraction of the largest count as zero
+collect_dtype = 'float64'  # 'float64' or 'float32': the model's dtype while X, S and dL/dS are collected
 eval_iters = 20  # validation batches for the val loss before and after growth
 seed = 1337  # seeds the collection / validation batches and the random columns
 device = 'auto'  # 'auto' (cuda > hpu > mps > cpu), 'cpu', 'cuda', ...
 # -----------------------------------------------------------------------------
 config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str))]
+
+
+COLLECT_DTYPES = {'float64': torch.float64, 'float32': torch.float32}
 
 
 def fail(message):
@@ -84,6 +88,8 @@ def check_request(model_args):
                          f"whose checkpoint is kept), e.g. --out={out_dir.rstrip('/')}-grown")
     if os.path.exists(os.path.join(out, 'ckpt.pt')):
         raise ValueError(f"{out} already holds a checkpoint; choose another --out or move it away first")
+    if collect_dtype not in COLLECT_DTYPES:
+        raise ValueError(f"collect_dtype={collect_dtype!r} must be 'float64' or 'float32'")
     if batches < 1 or eval_iters < 1 or batch_size < 0:
         raise ValueError(f"batches={batches} and eval_iters={eval_iters} must be at least 1, "
                          f"batch_size={batch_size} not negative")
@@ -147,7 +153,10 @@ def main():
           f"({batches} batches of {train_xy[0][0].shape[0]} x {train_xy[0][0].shape[1]} tokens)")
     synchronize(device)
     t0 = time.perf_counter()
-    stats, loss_before = growth.collect_statistics(model, train_xy, chosen, method, step_size, pinv_rtol)
+    # X^+ multiplies B by 1/sigma(X)^2: float32 rounding in S (~1e-7) would come back amplified
+    stats, loss_before = growth.collect_statistics(model.to(COLLECT_DTYPES[collect_dtype]), train_xy, chosen,
+                                                   method, step_size, pinv_rtol)
+    model.float()
     t_collect = time.perf_counter() - t0
     generator = torch.Generator().manual_seed(seed)
     state, predicted = growth.grown_state_dict(model.cpu(), grow_to, method, chosen, stats, generator)
