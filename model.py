@@ -34,6 +34,8 @@ class GPTConfig:
     dropout: float = 0.0
     bias: bool = True  # bias in Linears and LayerNorms, like GPT-2
     attn_type: str = 'base'  # a key of ATTENTION_TYPES (below)
+    # base / symmetric: query/key head size; None = n_embd // n_head (grow.py widens it)
+    qk_head_size: int = None
     # noiseformer_v1 / noiseformer_v2
     noise_init_std: float = 0.01  # the paper's "noise factor": mu, sigma ~ noise_init_std * N(0, 1)
     noise_per_sample: bool = False  # one eps per sequence instead of one shared by the batch
@@ -64,6 +66,9 @@ class GPTConfig:
                                  f"{' / '.join(users)}, but attn_type={self.attn_type!r}; remove "
                                  f"{f.name} or change attn_type")
         attn_cls.check_config(self)
+        if self.qk_head_size is not None and (type(self.qk_head_size) is not int or self.qk_head_size < 1):
+            raise ValueError(f"GPTConfig.qk_head_size={self.qk_head_size!r} must be a positive int, or None "
+                             f"for n_embd // n_head")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -146,6 +151,7 @@ class AttentionBase(nn.Module):
     """
     config_fields = ()
     c_attn_projections = 3  # q, k, v
+    qk_projections = 0  # how many of them are queries / keys of qk_head_size per head (base 2, symmetric 1)
 
     @classmethod
     def check_config(cls, config):
@@ -156,11 +162,16 @@ class AttentionBase(nn.Module):
         self.n_head = config.n_head
         self.n_embd = config.n_embd
         self.head_size = config.n_embd // config.n_head
+        # queries and keys may be wider than values (qk_head_size); the scores' scale follows them
+        self.qk_head_size = config.qk_head_size or self.head_size
+        self.qk_width = config.n_head * self.qk_head_size
         self.dropout = config.dropout
         # c_attn before c_proj, as nanoGPT registers them: optimizers store their state by parameter
         # position, so only this order lets nanoGPT resume a base checkpoint of ours (optimizer
         # included), and the same seed gives nanoGPT's initial weights.
-        self.c_attn = nn.Linear(config.n_embd, self.c_attn_projections * config.n_embd, bias=config.bias)
+        c_attn_width = (self.qk_projections * self.qk_width
+                        + (self.c_attn_projections - self.qk_projections) * config.n_embd)
+        self.c_attn = nn.Linear(config.n_embd, c_attn_width, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
 
@@ -186,33 +197,45 @@ class AttentionBase(nn.Module):
 # The attention variants
 
 class CausalSelfAttention(AttentionBase):
-    """base: standard causal attention, nanoGPT's parameter names, shapes and order."""
+    """base: standard causal attention, nanoGPT's parameter names, shapes and order. With
+    qk_head_size set, c_attn gives n_head * qk_head_size wide q and k and an n_embd wide v; SDPA's
+    default scale 1/sqrt(q.size(-1)) is then 1/sqrt(qk_head_size)."""
+    config_fields = ('qk_head_size',)
+    qk_projections = 2
+
+    def queries_keys_values(self, x):
+        """(B, T, C) -> q, k (B, H, T, qk_head_size) and v (B, H, T, head_size)."""
+        qkv = self.c_attn(x).split((self.qk_width, self.qk_width, self.n_embd), dim=2)
+        return (split_heads(t, self.n_head) for t in qkv)
 
     def forward(self, x, cache=None):
-        q, k, v = (split_heads(t, self.n_head) for t in self.c_attn(x).split(self.n_embd, dim=2))
+        q, k, v = self.queries_keys_values(x)
         k, v = append_to_cache(cache, k=k, v=v)
         return self.output(causal_attention(q, k, v, self.attn_dropout_p))
 
     def attention_maps(self, x):
-        q, k, _ = (split_heads(t, self.n_head) for t in self.c_attn(x).split(self.n_embd, dim=2))
+        q, k, _ = self.queries_keys_values(x)
         return {'attn': causal_softmax_map(q, k)}
 
 
 class SymmetricAttention(AttentionBase):
-    """symmetric: K := Q, so the scores Q Q^T / sqrt(d) are symmetric and there is no key projection."""
+    """symmetric: K := Q, so the scores Q Q^T / sqrt(d) are symmetric and there is no key projection.
+    qk_head_size widens q (d = qk_head_size) as in base; NoiseFormer does not take it."""
+    config_fields = ('qk_head_size',)
     c_attn_projections = 2  # q, v
+    qk_projections = 1
 
     def score_bias(self, batch_size, t_q, t_k, like):
         return None  # NoiseFormer adds its noise here
 
     def forward(self, x, cache=None):
-        q, v = (split_heads(t, self.n_head) for t in self.c_attn(x).split(self.n_embd, dim=2))
+        q, v = (split_heads(t, self.n_head) for t in self.c_attn(x).split((self.qk_width, self.n_embd), dim=2))
         k, v = append_to_cache(cache, k=q, v=v)
         bias = self.score_bias(x.size(0), q.size(-2), k.size(-2), like=q)
         return self.output(causal_attention(q, k, v, self.attn_dropout_p, score_bias=bias))
 
     def attention_maps(self, x):
-        q = split_heads(self.c_attn(x).split(self.n_embd, dim=2)[0], self.n_head)
+        q = split_heads(self.c_attn(x).split((self.qk_width, self.n_embd), dim=2)[0], self.n_head)
         # NoiseFormer: a fresh noise draw, on or off exactly as in forward (training / noise_at_eval)
         bias = self.score_bias(x.size(0), q.size(-2), q.size(-2), like=q)
         return {'attn': causal_softmax_map(q, q, score_bias=bias)}

@@ -75,6 +75,7 @@ n_embd = 768  # model width
 dropout = 0.0  # for pretraining 0 is good, for finetuning try 0.1+
 bias = False  # do we use bias inside LayerNorm and Linear layers?
 attn_type = 'base'  # base | symmetric | noiseformer_v1 | noiseformer_v2 | diff | dint | dint_lowrank | linear
+qk_head_size = None  # base / symmetric: query/key head size (None: n_embd // n_head); grow.py widens it
 noise_init_std = 0.01  # noiseformer: mu, sigma ~ noise_init_std * N(0, 1)
 noise_per_sample = False  # noiseformer: one noise draw per sequence instead of per batch
 noise_param = 'sigma'  # noiseformer: learn 'sigma' or 'logvar'
@@ -104,7 +105,7 @@ compile = 'auto'  # torch.compile: True, False or 'auto' (on where it measured f
 backend = 'auto'  # DDP backend: 'auto' follows the device (nccl / hccl / gloo)
 seed = 1337  # initial weights, data order and noise all follow from it (a non-negative int)
 # -----------------------------------------------------------------------------
-config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str))]
+config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str, type(None)))]
 
 
 def fail(message):
@@ -318,6 +319,8 @@ model_args = dict(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=bloc
                   noise_per_sample=noise_per_sample, noise_param=noise_param, noise_at_eval=noise_at_eval,
                   lowrank_rank=lowrank_rank, lowrank_score_divisor=lowrank_score_divisor,
                   linear_chunk_size=linear_chunk_size)
+if qk_head_size is not None:  # saved only when set, so default checkpoints keep their old model_args
+    model_args['qk_head_size'] = qk_head_size
 manual_seed(seed)  # the same initial weights in every run and on every rank
 iter_num = 0
 best_val_loss = 1e9
@@ -393,10 +396,14 @@ scaler = grad_scaler(device, dtype)
 optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type(device))
 optimizer = fused_optimizer(optimizer, device)
 if init_from == 'resume':
-    try:  # by parameter name: nanoGPT's checkpoints order their optimizer state differently
-        load_optimizer_state(optimizer, model, checkpoint)
-    except CheckpointError as e:
-        fail(e)
+    if checkpoint['optimizer'] is None:  # grow.py's checkpoints: moments of other weights would not fit
+        if master_process:
+            print("the checkpoint has no optimizer state (grow.py changed its weights): AdamW starts fresh")
+    else:
+        try:  # by parameter name: nanoGPT's checkpoints order their optimizer state differently
+            load_optimizer_state(optimizer, model, checkpoint)
+        except CheckpointError as e:
+            fail(e)
     if 'rng' in checkpoint:  # written by this train.py (a nanoGPT checkpoint has model and optimizer only)
         scaler.load_state_dict(checkpoint['scaler'])
         restore_rng_state(checkpoint['rng'], device_type(device))
