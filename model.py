@@ -151,7 +151,10 @@ def causal_attention_learned_noise(q, k, v, mu, sigma, eps, dropout_p=0.0, mater
     if materialise or dropout_p > 0 or not needs_noise_grad:
         return causal_attention(q, k, v, dropout_p, score_bias=mu + sigma * eps)
     with torch.no_grad():
-        mask = torch.addcmul(mu, sigma, eps).to(q.dtype)
+        # mu is left out: a constant added to a whole row does not change its softmax. sigma is cast
+        # to eps's dtype (bf16 under autocast: a 0.2% scale error at most, the mask entries are
+        # rounded to bf16 anyway) so that building the mask is one pass, not a float32 detour.
+        mask = eps.to(q.dtype) * sigma.to(q.dtype)
         mask.masked_fill_(~causal_mask(q.size(-2), k.size(-2), q.device), float('-inf'))
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     return NoiseScoreGradient.apply(o, mu, sigma, q.detach(), k.detach(), v.detach(), mask, eps)
