@@ -139,11 +139,12 @@ def causal_attention_learned_noise(q, k, v, mu, sigma, eps, dropout_p=0.0, mater
 
     As a float mask that requires grad (materialise=True, the reference), the noise forces SDPA onto
     the math path, which keeps the (B, H, T, T) scores, the mask and their gradients (at block 1024
-    on CPU: 3.4x base's step; issue 17). But the loss needs only two numbers per noise head from
-    them, dL/dmu = sum(dS) and dL/dsigma = sum(dS * eps). So the fused kernel runs with the noise as
-    a constant mask and gives dq, dk, dv itself, and NoiseScoreGradient gets dmu, dsigma from the
-    saved eps in row chunks. With attention dropout on, the dropped entries of the fused kernel's
-    softmax are unknown to the chunks: that case keeps the reference path.
+    on CPU: 3.4x base's step; issue 17). But from them the loss needs one number per noise head,
+    dL/dsigma = sum(dS * eps) (dL/dmu = sum(dS) = 0). So the fused kernel runs with the noise as a
+    constant mask and gives dq, dk, dv itself, and NoiseScoreGradient gets dsigma from the saved eps
+    in row chunks. With attention dropout on, the dropped entries of the fused kernel's softmax are
+    unknown to the chunks: that case keeps the reference path. Without gradients (evaluation,
+    generation) the reference path is the fused kernel too.
     """
     n = mu.numel()
     mu, sigma = mu.view(1, n, 1, 1), sigma.view(1, n, 1, 1)
@@ -160,6 +161,9 @@ def causal_attention_learned_noise(q, k, v, mu, sigma, eps, dropout_p=0.0, mater
     return NoiseScoreGradient.apply(o, mu, sigma, q.detach(), k.detach(), v.detach(), mask, eps)
 
 
+NOISE_GRADIENT_ROWS = 128  # queries per chunk of NoiseScoreGradient: a few (B, H, 128, T) fp32 tensors
+
+
 class NoiseScoreGradient(torch.autograd.Function):
     """Identity on the attention output o in the forward; in the backward, adds the gradients of mu
     and sigma that the constant noise mask of causal_attention_learned_noise hides from autograd.
@@ -167,12 +171,10 @@ class NoiseScoreGradient(torch.autograd.Function):
     With P = softmax(S) the attention weights and dO the output's gradient, the scores' gradient is
     dS_ij = P_ij (dO_i . v_j - D_i), D_i = dO_i . o_i (the softmax backward). So with W = P * eps,
     dL/dsigma = sum(dS * eps) = sum_i dO_i . (W v)_i - D_i sum_j W_ij: one T x T product (W) and a
-    matmul, no dO v^T. W is built for `rows` queries at a time, over only the keys those queries
-    may see, in float32 at least: no (B, H, T, T) tensor is kept. dL/dmu is exactly 0 (softmax is
-    unchanged by a constant added to a whole row; mu moves through the KL term only).
+    matmul, no dO v^T. W is built for NOISE_GRADIENT_ROWS queries at a time, over only the keys
+    those queries may see, in float32 at least: no (B, H, T, T) tensor is kept. dL/dmu is exactly
+    0 (softmax is unchanged by a constant added to a whole row; mu moves through the KL term only).
     """
-    rows = 128  # queries per chunk: a few (B, H, rows, T) float32 tensors live at once
-
     @staticmethod
     def forward(ctx, o, mu, sigma, q, k, v, mask, eps):
         ctx.save_for_backward(o, q, k, v, mask, eps)  # the fused kernel keeps all but eps anyway
@@ -183,21 +185,21 @@ class NoiseScoreGradient(torch.autograd.Function):
     def backward(ctx, grad_o):
         o, q, k, v, mask, eps = ctx.saved_tensors
         t_q, t_k = q.size(-2), k.size(-2)
-        grad_o = upcast(grad_o)
-        q_scaled = q * (1.0 / math.sqrt(q.size(-1)))
-        D = (grad_o * upcast(o)).sum(-1)  # (B, H, t_q)
-        d_sigma = torch.zeros(q.size(1), dtype=grad_o.dtype, device=q.device)  # per attention head
-        for r0 in range(0, t_q, NoiseScoreGradient.rows):
-            r1 = min(r0 + NoiseScoreGradient.rows, t_q)
+        d_o = upcast(grad_o)
+        q_scaled = q * (1.0 / math.sqrt(q.size(-1)))  # SDPA's default scale
+        D = (d_o * upcast(o)).sum(-1)  # (B, H, t_q)
+        d_sigma = torch.zeros(q.size(1), dtype=d_o.dtype, device=q.device)  # per attention head
+        for r0 in range(0, t_q, NOISE_GRADIENT_ROWS):
+            r1 = min(r0 + NOISE_GRADIENT_ROWS, t_q)
             seen = t_k - t_q + r1  # keys beyond this are masked for every query of the chunk
             scores = upcast(q_scaled[..., r0:r1, :] @ k[..., :seen, :].transpose(-1, -2))
             w = torch.softmax(scores.add_(mask[..., r0:r1, :seen]), dim=-1).mul_(eps[..., r0:r1, :seen])
             w_v = w @ upcast(v[..., :seen, :])
-            d_sigma += (grad_o[..., r0:r1, :] * w_v).sum(dim=(0, 2, 3))
+            d_sigma += (d_o[..., r0:r1, :] * w_v).sum(dim=(0, 2, 3))
             d_sigma -= (D[..., r0:r1] * w.sum(-1)).sum(dim=(0, 2))
         n = ctx.noise_heads  # noiseformer_v1: one (mu, sigma) for all heads
         d_sigma = d_sigma.view(n, -1).sum(1).view(1, n, 1, 1)
-        return grad_o.to(o.dtype), torch.zeros_like(d_sigma), d_sigma, None, None, None, None, None
+        return grad_o, torch.zeros_like(d_sigma), d_sigma, None, None, None, None, None
 
 
 def append_to_cache(cache, **tensors):

@@ -770,9 +770,9 @@ NOISE_SHAPES = [(2, 4, 4, 1, 37, 37), (3, 4, 1, 3, 20, 20), (2, 4, 4, 2, 300, 30
 def test_learned_noise_equals_materialised_float64(shape):
     """The fused kernel + NoiseScoreGradient give the materialised reference's output and gradients
     of q, k, v, mu and sigma, for the same eps."""
-    from model import NoiseScoreGradient, causal_attention_learned_noise
+    from model import NOISE_GRADIENT_ROWS, causal_attention_learned_noise
     B, H, n, Be, t_q, t_k = shape
-    assert t_q <= NoiseScoreGradient.rows or t_q % NoiseScoreGradient.rows   # a partial last chunk
+    assert t_q <= NOISE_GRADIENT_ROWS or t_q % NOISE_GRADIENT_ROWS   # a partial last chunk
     g = torch.Generator().manual_seed(9)
     q = torch.randn(B, H, t_q, 8, generator=g, dtype=F64, requires_grad=True)
     k, v = (torch.randn(B, H, t_k, 8, generator=g, dtype=F64, requires_grad=True) for _ in range(2))
