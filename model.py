@@ -119,6 +119,94 @@ def causal_softmax_map(q, k, scale=None, score_bias=None):
     return torch.softmax(scores.masked_fill(~mask, float('-inf')), dim=-1)
 
 
+def causal_attention_wide_values(q, k, v, dropout_p=0.0):
+    """causal_attention for values n times wider than the queries and keys (DIFF / DINT: 2d-wide
+    values on d-wide heads), with the same heads as q.
+
+    SDPA's fused kernels need one head size for q, k and v; with wider values it falls back to the
+    math path, which builds and keeps the (B, H, T, T) matrix (at block 1024 on CPU: 340 ms forward +
+    backward against 105 ms; issue 17). So each d-wide slice of the values gets its own fused call on
+    the same q and k, and the outputs are put side by side. Stacking the slices along the batch in
+    one call instead measured the same on CPU, but copies q and k, and the backward keeps the copies.
+    With attention dropout on, separate calls would drop a score for one slice and keep it for the
+    other: there the one wide call keeps one dropout mask per score.
+    """
+    d = q.size(-1)
+    if v.size(-1) == d or dropout_p > 0:
+        return causal_attention(q, k, v, dropout_p)
+    return torch.cat([causal_attention(q, k, v_slice) for v_slice in v.split(d, dim=-1)], dim=-1)
+
+
+def causal_attention_learned_noise(q, k, v, mu, sigma, eps, dropout_p=0.0, materialise=False):
+    """causal_attention with NoiseFormer's learned score noise: softmax(q k^T / sqrt(d) + mu + sigma *
+    eps + M) v, where eps is a fixed N(0, 1) draw broadcasting to (B, H, t_q, t_k) and mu, sigma hold
+    one value per noise head (1 or H).
+
+    As a float mask that requires grad (materialise=True, the reference), the noise forces SDPA onto
+    the math path, which keeps the (B, H, T, T) scores, the mask and their gradients (at block 1024
+    on CPU: 3.4x base's step; issue 17). But from them the loss needs one number per noise head,
+    dL/dsigma = sum(dS * eps) (dL/dmu = sum(dS) = 0). So the fused kernel runs with the noise as a
+    constant mask and gives dq, dk, dv itself, and NoiseScoreGradient gets dsigma from the saved eps
+    in row chunks. With attention dropout on, the dropped entries of the fused kernel's softmax are
+    unknown to the chunks: that case keeps the reference path. Without gradients (evaluation,
+    generation) the reference path is the fused kernel too.
+    """
+    n = mu.numel()
+    mu, sigma = mu.view(1, n, 1, 1), sigma.view(1, n, 1, 1)
+    needs_noise_grad = torch.is_grad_enabled() and (mu.requires_grad or sigma.requires_grad)
+    if materialise or dropout_p > 0 or not needs_noise_grad:
+        return causal_attention(q, k, v, dropout_p, score_bias=mu + sigma * eps)
+    with torch.no_grad():
+        # mu is left out: a constant added to a whole row does not change its softmax. sigma is cast
+        # to eps's dtype (bf16 under autocast: a 0.2% scale error at most, the mask entries are
+        # rounded to bf16 anyway) so that building the mask is one pass, not a float32 detour.
+        mask = eps.to(q.dtype) * sigma.to(q.dtype)
+        mask.masked_fill_(~causal_mask(q.size(-2), k.size(-2), q.device), float('-inf'))
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return NoiseScoreGradient.apply(o, mu, sigma, q.detach(), k.detach(), v.detach(), mask, eps)
+
+
+NOISE_GRADIENT_ROWS = 128  # queries per chunk of NoiseScoreGradient: a few (B, H, 128, T) fp32 tensors
+
+
+class NoiseScoreGradient(torch.autograd.Function):
+    """Identity on the attention output o in the forward; in the backward, adds the gradients of mu
+    and sigma that the constant noise mask of causal_attention_learned_noise hides from autograd.
+
+    With P = softmax(S) the attention weights and dO the output's gradient, the scores' gradient is
+    dS_ij = P_ij (dO_i . v_j - D_i), D_i = dO_i . o_i (the softmax backward). So with W = P * eps,
+    dL/dsigma = sum(dS * eps) = sum_i dO_i . (W v)_i - D_i sum_j W_ij: one T x T product (W) and a
+    matmul, no dO v^T. W is built for NOISE_GRADIENT_ROWS queries at a time, over only the keys
+    those queries may see, in float32 at least: no (B, H, T, T) tensor is kept. dL/dmu is exactly
+    0 (softmax is unchanged by a constant added to a whole row; mu moves through the KL term only).
+    """
+    @staticmethod
+    def forward(ctx, o, mu, sigma, q, k, v, mask, eps):
+        ctx.save_for_backward(o, q, k, v, mask, eps)  # the fused kernel keeps all but eps anyway
+        ctx.noise_heads = mu.numel()
+        return o.view_as(o)
+
+    @staticmethod
+    def backward(ctx, grad_o):
+        o, q, k, v, mask, eps = ctx.saved_tensors
+        t_q, t_k = q.size(-2), k.size(-2)
+        d_o = upcast(grad_o)
+        q_scaled = q * (1.0 / math.sqrt(q.size(-1)))  # SDPA's default scale
+        D = (d_o * upcast(o)).sum(-1)  # (B, H, t_q)
+        d_sigma = torch.zeros(q.size(1), dtype=d_o.dtype, device=q.device)  # per attention head
+        for r0 in range(0, t_q, NOISE_GRADIENT_ROWS):
+            r1 = min(r0 + NOISE_GRADIENT_ROWS, t_q)
+            seen = t_k - t_q + r1  # keys beyond this are masked for every query of the chunk
+            scores = upcast(q_scaled[..., r0:r1, :] @ k[..., :seen, :].transpose(-1, -2))
+            w = torch.softmax(scores.add_(mask[..., r0:r1, :seen]), dim=-1).mul_(eps[..., r0:r1, :seen])
+            w_v = w @ upcast(v[..., :seen, :])
+            d_sigma += (d_o[..., r0:r1, :] * w_v).sum(dim=(0, 2, 3))
+            d_sigma -= (D[..., r0:r1] * w.sum(-1)).sum(dim=(0, 2))
+        n = ctx.noise_heads  # noiseformer_v1: one (mu, sigma) for all heads
+        d_sigma = d_sigma.view(n, -1).sum(1).view(1, n, 1, 1)
+        return grad_o, torch.zeros_like(d_sigma), d_sigma, None, None, None, None, None
+
+
 def append_to_cache(cache, **tensors):
     """Concatenate new keys/values to a layer's decoding cache along time; return the full tensors."""
     if cache is None:
@@ -228,11 +316,13 @@ class SymmetricAttention(AttentionBase):
     def score_bias(self, batch_size, t_q, t_k, like):
         return None  # NoiseFormer adds its noise here
 
+    def attend(self, q, k, v, batch_size):
+        return causal_attention(q, k, v, self.attn_dropout_p)
+
     def forward(self, x, cache=None):
         q, v = (split_heads(t, self.n_head) for t in self.c_attn(x).split((self.qk_width, self.n_embd), dim=2))
         k, v = append_to_cache(cache, k=q, v=v)
-        bias = self.score_bias(x.size(0), q.size(-2), k.size(-2), like=q)
-        return self.output(causal_attention(q, k, v, self.attn_dropout_p, score_bias=bias))
+        return self.output(self.attend(q, k, v, x.size(0)))
 
     def attention_maps(self, x):
         q = split_heads(self.c_attn(x).split((self.qk_width, self.n_embd), dim=2)[0], self.n_head)
@@ -251,6 +341,9 @@ class NoiseFormerAttention(SymmetricAttention):
     """
     config_fields = ('noise_init_std', 'noise_per_sample', 'noise_param', 'noise_at_eval')
     noise_heads = None  # 1: one (mu, sigma) per layer (v1); n_head: one per head (v2)
+    # True: the reference path, the noise as a differentiable (B, H, T, T) mask (slow; see
+    # causal_attention_learned_noise). Tests compare the default path with it.
+    materialise_noise = False
 
     @classmethod
     def check_config(cls, config):
@@ -285,13 +378,26 @@ class NoiseFormerAttention(SymmetricAttention):
         """sum over this layer's distributions of KL(N(mu, sigma^2) || N(0, 1))."""
         return 0.5 * (self.noise_mu.square() + self.log_variance().exp() - self.log_variance() - 1).sum()
 
-    def score_bias(self, batch_size, t_q, t_k, like):
+    def draw_noise(self, batch_size, t_q, t_k, like):
+        """eps ~ N(0, 1) of shape (1 or B, noise heads, t_q, t_k), or None when the noise is off."""
         if not (self.training or self.noise_at_eval):
             return None  # exactly symmetric attention
+        shape = (batch_size if self.noise_per_sample else 1, self.noise_mu.numel(), t_q, t_k)
+        return torch.randn(shape, device=like.device, dtype=like.dtype)
+
+    def score_bias(self, batch_size, t_q, t_k, like):
+        eps = self.draw_noise(batch_size, t_q, t_k, like)
+        if eps is None:
+            return None
         n = self.noise_mu.numel()
-        eps = torch.randn((batch_size if self.noise_per_sample else 1, n, t_q, t_k), device=like.device,
-                          dtype=like.dtype)
         return self.noise_mu.view(1, n, 1, 1) + self.sigma().view(1, n, 1, 1) * eps
+
+    def attend(self, q, k, v, batch_size):
+        eps = self.draw_noise(batch_size, q.size(-2), k.size(-2), like=q)
+        if eps is None:
+            return causal_attention(q, k, v, self.attn_dropout_p)
+        return causal_attention_learned_noise(q, k, v, self.noise_mu, self.sigma(), eps, self.attn_dropout_p,
+                                              materialise=self.materialise_noise)
 
 
 class NoiseFormerV1Attention(NoiseFormerAttention):
@@ -361,8 +467,8 @@ class DifferentialAttention(AttentionBase):
         q, k = split_heads(q, self.n_head), split_heads(k, self.n_head)  # heads 2h, 2h+1 -> branch 1, 2
         v = split_heads(v, self.n_diff_heads)  # (B, H', T, 2d)
         k, v = append_to_cache(cache, k=k, v=v)
-        # both branches of differential head h read the same values: one SDPA call for all of them
-        o = causal_attention(q, k, v.repeat_interleave(2, dim=1), self.attn_dropout_p)
+        # both branches of differential head h read the same values: one attention over all 2H' heads
+        o = causal_attention_wide_values(q, k, v.repeat_interleave(2, dim=1), self.attn_dropout_p)
         return o[:, 0::2], o[:, 1::2]
 
 
