@@ -153,12 +153,12 @@ def test_what_cannot_train_is_refused():
 
 # ---------------------------------------------------------------------------- train.py
 
-def resume_from_previous_checkpoint(full_dir, part_dir, data, max_iters):
+def resume_from_previous_checkpoint(full_dir, part_dir, data, max_iters, nproc=1):
     """Resume a copy of full_dir's ckpt.prev.pt to max_iters: it must redo full_dir's last iterations
     exactly. Returns (the resumed run's output, the iteration it started from)."""
     part_dir.mkdir()
     shutil.copyfile(full_dir / 'ckpt.prev.pt', part_dir / 'ckpt.pt')
-    resumed = run_train(part_dir, data, '--init_from=resume', f'--max_iters={max_iters}')  # the config file says 20
+    resumed = run_train(part_dir, data, '--init_from=resume', f'--max_iters={max_iters}', nproc=nproc)  # config: 20
     return resumed, load_checkpoint(full_dir / 'ckpt.prev.pt')['iter_num']
 
 
@@ -172,11 +172,13 @@ def assert_same_run(full, full_dir, resumed, part_dir, resumed_from, n):
 
 
 def test_trainable_new_from_a_nanogpt_checkpoint_moves_only_the_new_tensors_and_resumes_exactly(tmp_path):
+    """Under DDP (2 ranks, gloo): frozen parameters get no gradient hooks and no AdamW state."""
     data = make_dataset(tmp_path)
     base_sd = nanogpt_base_checkpoint(tmp_path / 'nano')
     at_init, new = converted(tmp_path / 'nano', 'dint_lowrank', lowrank_rank=4)  # train.py's seed: same init
     full = run_train(tmp_path / 'full', data, f'--init_from={tmp_path / "nano"}', '--attn_type=dint_lowrank',
-                     '--lowrank_rank=4', '--trainable=new', '--max_iters=10', '--eval_interval=5')
+                     '--lowrank_rank=4', '--trainable=new', '--max_iters=10', '--eval_interval=5', nproc=2)
+    assert '2 process(es)' in full.stdout
     assert sorted(iter_losses(full.stdout)) == list(range(10))  # a new run: iteration 0 onwards
     total = sum(p.numel() for p in at_init.parameters())
     assert f"trainable parameters: {sum(at_init.get_parameter(n).numel() for n in new):,} of {total:,}" in full.stdout
@@ -187,7 +189,7 @@ def test_trainable_new_from_a_nanogpt_checkpoint_moves_only_the_new_tensors_and_
         assert not torch.equal(ckpt['model'][name], at_init.state_dict()[name]), name
     assert sorted(sum(ckpt['optimizer_param_names'], [])) == sorted(new)  # AdamW holds only these
 
-    resumed, since = resume_from_previous_checkpoint(tmp_path / 'full', tmp_path / 'part', data, 10)
+    resumed, since = resume_from_previous_checkpoint(tmp_path / 'full', tmp_path / 'part', data, 10, nproc=2)
     assert since == 5
     assert_same_run(full, tmp_path / 'full', resumed, tmp_path / 'part', since, 10)
     # what trains decides what the optimizer holds: a resume cannot change it
