@@ -21,7 +21,7 @@ import os
 import torch
 
 from checkpoint import CKPT_NAME, checkpoint_path, load_checkpoint, save_checkpoint
-from model import GPT, GPTConfig
+from model import ATTENTION_TYPES, GPT, GPTConfig
 
 TRAINABLE = ('all', 'new', 'lora')
 LORA_KEYS = ('lora_rank', 'lora_alpha', 'lora_dropout', 'lora_targets')
@@ -79,14 +79,23 @@ def model_from_checkpoint(ckpt, model_args):
     if any(PEFT_WRAPPER + '.' in k for k in ckpt['model']):
         raise ValueError("this checkpoint holds LoRA adapters: merge them first (python3 train.py "
                          "--out_dir=<its out_dir> --merge_lora=True) and start from <out_dir>/merged")
+    if source != target and source != 'base':
+        raise ValueError(f"the checkpoint's attn_type is {source!r}: only a 'base' checkpoint converts to another "
+                         f"attn_type (or start a {source!r} run from it with --attn_type={source})")
+    if source != target and ATTENTION_TYPES[target].c_attn_projections != 3:  # base's c_attn computes q, k, v
+        raise ValueError(f"attn_type={target!r} has no key projection (its scores are Q Q^T): base's query, key "
+                         f"and value weights do not fit it. Convert to one of {', '.join(extends_base())}, or "
+                         f"train {target!r} from scratch")
     model = GPT(GPTConfig(**model_args))
     if source == target:
         model.load_state_dict(ckpt['model'])
         return model, []
-    if source != 'base':
-        raise ValueError(f"the checkpoint's attn_type is {source!r}: only a 'base' checkpoint converts to another "
-                         f"attn_type (or start a {source!r} run from it with --attn_type={source})")
     return model, model.load_base_weights(ckpt['model'])
+
+
+def extends_base():
+    """The attn_types whose parameters extend base's (what a base checkpoint converts to)."""
+    return [name for name, cls in ATTENTION_TYPES.items() if name != 'base' and cls.c_attn_projections == 3]
 
 
 def is_checkpoint(init_from):

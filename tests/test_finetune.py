@@ -66,8 +66,10 @@ def test_conversion_keeps_every_base_tensor_and_lists_only_the_new_ones(tmp_path
 
 def test_a_variant_that_does_not_fit_base_says_so(tmp_path):
     nanogpt_base_checkpoint(tmp_path / 'nano')
-    with pytest.raises(ValueError, match=r"c_attn.*does not fit attn_type='symmetric'"):
-        converted(tmp_path / 'nano', 'symmetric')
+    for attn_type in ('symmetric', 'noiseformer_v1', 'noiseformer_v2'):
+        with pytest.raises(ValueError, match=rf"attn_type='{attn_type}' has no key projection .* Convert to one of "
+                                             r"diff, dint, dint_lowrank, linear, or train"):
+            converted(tmp_path / 'nano', attn_type)
 
 
 def test_a_checkpoint_of_another_variant_only_converts_from_base(tmp_path):
@@ -149,6 +151,9 @@ def test_what_cannot_train_is_refused():
         check_finetune_settings('some', 'gpt2', set(), **LORA)
     with pytest.raises(ValueError, match="has no LoRA adapters to merge"):
         merged_checkpoint({'config': {'trainable': 'new'}, 'model': {}})
+    lora_ckpt = {'model': apply_trainable(tiny_model(), 'lora', **LORA).state_dict(), 'model_args': TINY_SHAPE}
+    with pytest.raises(ValueError, match=r"holds LoRA adapters: merge them first .*--merge_lora=True"):
+        model_from_checkpoint(lora_ckpt, {**TINY_SHAPE, 'attn_type': 'base'})
 
 
 # ---------------------------------------------------------------------------- train.py
