@@ -39,14 +39,14 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from batches import TokenBatches, load_meta
-from checkpoint import (CheckpointError, capture_rng_state, load_checkpoint, load_optimizer_state,
+from checkpoint import (CheckpointError, capture_rng_state, checkpoint_path, load_checkpoint, load_optimizer_state,
                         optimizer_param_names, restore_rng_state, save_checkpoint)
 from configurator import ConfigError, apply_config
-from finetune import (LORA_KEYS, apply_trainable, check_finetune_settings, is_checkpoint, model_from_checkpoint,
-                      start_model_args, trainable_summary, write_merged_checkpoint)
 from device import (autocast_context, compile_model, ddp_backend, ddp_device_ids, device_type,
                     fused_optimizer, grad_scaler, manual_seed, mark_step, max_memory_allocated, peak_flops,
                     resolve_compile, resolve_device, resolve_dtype, setup)
+from finetune import (LORA_KEYS, apply_trainable, check_finetune_settings, is_checkpoint, model_from_checkpoint,
+                      start_model_args, trainable_summary, write_merged_checkpoint)
 from lr_schedule import check_schedule, get_lr
 from model import GPT, GPTConfig
 
@@ -190,6 +190,11 @@ def check_settings():
                          f"gpt2-medium, gpt2-large, gpt2-xl), a checkpoint file or out_dir to start from, "
                          f"or a local directory saved by transformers")
     check_finetune_settings(trainable, init_from, given, lora_rank, lora_alpha, lora_dropout, lora_targets)
+    if is_checkpoint(init_from) and os.path.isdir(out_dir) and \
+            os.path.samefile(os.path.dirname(checkpoint_path(init_from)) or '.', out_dir):
+        # the new run's first save would replace the checkpoint it starts from
+        raise ValueError(f"init_from={init_from!r} is in out_dir={out_dir!r}: a new run writes its own checkpoints "
+                         f"there; choose another --out_dir (or --init_from=resume to continue that run)")
 
 
 try:

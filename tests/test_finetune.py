@@ -230,8 +230,13 @@ def test_lora_run_resumes_exactly_and_merges_into_a_plain_checkpoint(tmp_path):
 @pytest.mark.parametrize('args, message', [
     (['--trainable=new'], "trainable='new' freezes trained weights, but init_from='scratch' has none"),
     (['--init_from=gpt2', '--lora_rank=4'], "lora_rank only apply with trainable='lora'"),
+    (['--init_from=OUT', '--attn_type=linear'], "is in out_dir="),
 ])
 def test_bad_finetune_settings_fail_in_one_line(tmp_path, args, message):
-    proc = run_train(tmp_path / 'out', tmp_path / 'no-data', *args, expect_rc=2)
+    out = tmp_path / 'out'
+    out.mkdir()
+    (out / 'ckpt.pt').write_bytes(b'a checkpoint')
+    proc = run_train(out, tmp_path / 'no-data', *[a.replace('OUT', str(out)) for a in args], expect_rc=2)
     assert proc.stderr.startswith("train.py: error: ") and message in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
+    assert (out / 'ckpt.pt').read_bytes() == b'a checkpoint'  # nothing already written is lost
