@@ -39,12 +39,14 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from batches import TokenBatches, load_meta
-from checkpoint import (CheckpointError, capture_rng_state, load_checkpoint, load_optimizer_state,
+from checkpoint import (CheckpointError, capture_rng_state, checkpoint_path, load_checkpoint, load_optimizer_state,
                         optimizer_param_names, restore_rng_state, save_checkpoint)
 from configurator import ConfigError, apply_config
 from device import (autocast_context, compile_model, ddp_backend, ddp_device_ids, device_type,
                     fused_optimizer, grad_scaler, manual_seed, mark_step, max_memory_allocated, peak_flops,
                     resolve_compile, resolve_device, resolve_dtype, setup)
+from finetune import (LORA_KEYS, apply_trainable, check_finetune_settings, is_checkpoint, model_from_checkpoint,
+                      start_model_args, trainable_summary, write_merged_checkpoint)
 from lr_schedule import check_schedule, get_lr
 from model import GPT, GPTConfig
 
@@ -57,8 +59,15 @@ log_interval = 1  # print the training loss every this many iterations
 eval_iters = 200  # batches per split in each evaluation (the same batches every time)
 eval_only = False  # if True, script exits right after the first eval
 always_save_checkpoint = True  # if True, always save a checkpoint after each eval
-init_from = 'scratch'  # 'scratch' or 'resume' (from out_dir/ckpt.pt) or 'gpt2*'
+init_from = 'scratch'  # 'scratch', 'resume' (from out_dir/ckpt.pt), 'gpt2*', or a trained model's checkpoint (file or out_dir, ours or nanoGPT's) to start a new run from
 overwrite = False  # scratch run into an out_dir holding a checkpoint: False keeps that one aside, True deletes it
+# starting from a trained model (init_from=a checkpoint or gpt2*): see finetune.py and docs/finetune.md
+trainable = 'all'  # 'all', 'new' (only what attn_type adds to base's weights) or 'lora' (adapters + what attn_type adds)
+lora_rank = 8  # trainable='lora': rank r of each adapter
+lora_alpha = 16.0  # trainable='lora': the adapter's update B A is scaled by lora_alpha / lora_rank
+lora_dropout = 0.0  # trainable='lora': dropout on the adapters' input
+lora_targets = 'c_attn,c_proj,c_fc'  # trainable='lora': the Linear layers to adapt, comma-separated
+merge_lora = False  # export step: merge out_dir's LoRA adapters into out_dir/merged/ckpt.pt (a plain checkpoint) and exit
 # wandb logging
 wandb_log = False  # log to wandb (offline, into out_dir/wandb, when not logged in)
 wandb_project = 'owt'  # wandb project name
@@ -124,7 +133,9 @@ globals().update(config)  # config is also useful for logging and checkpoints
 
 # Resuming continues the checkpoint's run: every setting it was trained with (batch size, data,
 # schedule, ...) comes from the checkpoint unless given again; the machine-level ones stay this run's.
-NOT_RESUMED = ('init_from', 'out_dir', 'eval_only', 'device', 'dtype', 'compile', 'backend')
+NOT_RESUMED = ('init_from', 'out_dir', 'eval_only', 'device', 'dtype', 'compile', 'backend', 'merge_lora')
+# what trains decides what the optimizer holds: a resumed run keeps the checkpoint's
+FIXED_ON_RESUME = ('trainable',) + LORA_KEYS
 # model settings that change how the model runs, not what its weights mean: a resumed run may change
 # them; the other model settings must match the checkpoint's (checked once the model is built)
 RUNTIME_MODEL_ARGS = ('dropout', 'noise_at_eval', 'linear_chunk_size')
@@ -141,6 +152,12 @@ if init_from == 'resume':
     saved_config = {k: v for k, v in checkpoint['config'].items() if k in config and k not in NOT_RESUMED}
     resume_changes = [f"  {k}: checkpoint {saved_config[k]!r}, this run {config[k]!r}" for k in sorted(given)
                       if k in saved_config and saved_config[k] != config[k] and k not in ARCHITECTURE_KEYS]
+    fixed = [f"  {k}: checkpoint {saved_config[k]!r}, this run {config[k]!r}" for k in FIXED_ON_RESUME
+             if k in given and k in saved_config and saved_config[k] != config[k]]
+    if fixed:
+        fail("init_from='resume' continues the checkpoint's run, whose optimizer holds what it trained; these "
+             "settings cannot change:\n" + "\n".join(fixed) + f"\nStart a new run from it instead: "
+             f"--init_from={out_dir} --out_dir=<a new directory>")
     config.update({k: v for k, v in saved_config.items() if k not in given})
     globals().update(config)
 
@@ -168,9 +185,17 @@ def check_settings():
         raise ValueError("out_dir='' is empty: name a directory for the checkpoints, e.g. --out_dir=out")
     if nonfinite not in ('stop', 'skip'):
         raise ValueError(f"nonfinite={nonfinite!r} must be 'stop' or 'skip'")
-    if init_from not in ('scratch', 'resume') and not init_from.startswith('gpt2') and not os.path.isdir(init_from):
+    if init_from not in ('scratch', 'resume') and not init_from.startswith('gpt2') and not os.path.isdir(init_from) \
+            and not is_checkpoint(init_from):
         raise ValueError(f"init_from={init_from!r} must be 'scratch', 'resume', a GPT-2 model name (gpt2, "
-                         f"gpt2-medium, gpt2-large, gpt2-xl) or a local directory saved by transformers")
+                         f"gpt2-medium, gpt2-large, gpt2-xl), a checkpoint file or out_dir to start from, "
+                         f"or a local directory saved by transformers")
+    check_finetune_settings(trainable, init_from, given, lora_rank, lora_alpha, lora_dropout, lora_targets)
+    if is_checkpoint(init_from) and os.path.isdir(out_dir) and \
+            os.path.samefile(os.path.dirname(checkpoint_path(init_from)) or '.', out_dir):
+        # the new run's first save would replace the checkpoint it starts from
+        raise ValueError(f"init_from={init_from!r} is in out_dir={out_dir!r}: a new run writes its own checkpoints "
+                         f"there; choose another --out_dir (or --init_from=resume to continue that run)")
 
 
 try:
@@ -178,6 +203,15 @@ try:
     device = resolve_device(device)
 except ValueError as e:
     fail(e)
+
+if merge_lora:  # an export step, not a training run
+    try:
+        merged_path = write_merged_checkpoint(out_dir)
+    except (FileNotFoundError, CheckpointError, ValueError) as e:
+        fail(e)
+    print(f"merged the LoRA adapters of {out_dir} into {merged_path}: sample, evaluate or fine-tune it further "
+          f"with --out_dir={os.path.dirname(merged_path)} (sample.py, eval.py) or --init_from={os.path.dirname(merged_path)}")
+    sys.exit(0)
 
 # various inits, derived attributes, I/O setup
 ddp = int(os.environ.get('RANK', -1)) != -1  # is this a ddp run?
@@ -351,10 +385,21 @@ try:
         model_args = {**saved, **{k: model_args[k] for k in RUNTIME_MODEL_ARGS}}
         block_size = model_args['block_size']
         model = GPT(GPTConfig(**model_args))
+        apply_trainable(model, trainable, lora_rank, lora_alpha, lora_dropout, lora_targets)  # the same LoRA names
         model.load_state_dict(checkpoint['model'])
         iter_num = checkpoint['iter_num']
         best_val_loss = checkpoint['best_val_loss']
         train_time = checkpoint.get('train_time', 0.0)
+    elif is_checkpoint(init_from):  # a new run from a trained model, converted to attn_type (finetune.py)
+        if master_process:
+            print(f"Initializing from the checkpoint {init_from} as attn_type={attn_type!r} (a new run: fresh "
+                  f"optimizer and LR schedule, iter 0)")
+        start = load_checkpoint(init_from, map_location='cpu')
+        model_args = start_model_args(start['model_args'], model_args, given)
+        if 'block_size' not in given:
+            block_size = model_args['block_size']
+        model, _ = model_from_checkpoint(start, model_args)  # prints the parameters that are new
+        del start
     else:  # a GPT-2 name or a local transformers directory
         if master_process:
             print(f"Initializing from OpenAI GPT-2 weights: {init_from}")
@@ -367,16 +412,19 @@ try:
                  f"({str(e).strip().splitlines()[0][:200]}): connect to the network once (they are cached), "
                  f"or pass --init_from=/path/to/a/folder/saved/by/transformers/save_pretrained")
         model_args = dataclasses.asdict(model.config)
+    # crop down the model block size if desired, using model surgery
+    if block_size < model.config.block_size:
+        model.crop_block_size(block_size)
+        model_args['block_size'] = block_size  # so that the checkpoint will have the right value
+    elif block_size > model.config.block_size:
+        fail(f"block_size={block_size} is longer than {init_from}'s context of {model.config.block_size}")
+    if init_from != 'resume':  # (resume did this before loading the LoRA weights)
+        apply_trainable(model, trainable, lora_rank, lora_alpha, lora_dropout, lora_targets)
 except (ValueError, FileNotFoundError, CheckpointError) as e:
     fail(e)
-# crop down the model block size if desired, using model surgery
-if block_size < model.config.block_size:
-    model.crop_block_size(block_size)
-    model_args['block_size'] = block_size  # so that the checkpoint will have the right value
-elif block_size > model.config.block_size:
-    fail(f"block_size={block_size} is longer than {init_from}'s context of {model.config.block_size}")
 if master_process:
-    print(f"number of parameters: {model.get_num_params() / 1e6:.2f}M ({model.config.attn_type})")
+    print(f"number of parameters: {model.get_num_params() / 1e6:.2f}M ({model.config.attn_type}); "
+          f"{trainable_summary(model)}")
 model.to(device)
 
 # data loaders
@@ -688,7 +736,10 @@ if master_process and not eval_only:
     if stopping or (saved_iter != iter_num and (always_save_checkpoint or not os.path.exists(ckpt_path))):
         save(stop_signal or "stop signal" if stopping else "end of training")
     print(f"checkpoint: {ckpt_path} (best val loss {best_val_loss:.4f})")
-    print(f"sample from it with: python3 sample.py --out_dir={out_dir}")
+    if trainable == 'lora':  # sample.py / eval.py read plain checkpoints: merge the adapters first
+        print(f"merge its LoRA adapters (for sample.py, eval.py) with: python3 train.py --out_dir={out_dir} --merge_lora=True")
+    else:
+        print(f"sample from it with: python3 sample.py --out_dir={out_dir}")
 if wandb_log and master_process:
     wandb.finish()
 if ddp:
