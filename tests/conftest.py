@@ -13,6 +13,13 @@ ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared"
 sys.path.insert(0, str(ROOT))
 
+if "PYTEST_XDIST_WORKER" in os.environ:
+    # one OpenMP thread per test worker (and the train.py processes it starts): with `-n 2` on two
+    # cores, two workers each spinning two threads would slow each other several-fold
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+    torch.set_num_threads(1)  # in case a plugin imported torch before this file
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")

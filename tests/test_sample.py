@@ -1,4 +1,6 @@
-"""sample.py run as a user runs it (a subprocess in the repo root) on tiny checkpoints made here.
+"""sample.py run as a user runs it (in the repo root, with its command-line arguments) on tiny
+checkpoints made here: two commands as subprocesses, the others in this process (runpy), which spares
+each of them torch's start-up.
 
 Every output format is parsed back and counted: 3 completions per prompt, and the completions of
 markdown, LaTeX and plain text are exactly the ones the JSON lines give for the same seed (LaTeX after
@@ -7,11 +9,14 @@ the batched greedy completions equal unbatched greedy generation; NoiseFormer no
 (its own draw per completion) and off on request; bf16 weights give valid samples for every attn_type;
 a crafted meta.pkl never runs; bad inputs exit non-zero with a message that names the problem.
 """
+import contextlib
 import dataclasses
+import io
 import json
 import os
 import pickle
 import re
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -121,6 +126,26 @@ def launch(*args):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
+def run_in_process(args):
+    """`python3 sample.py ARGS` in the repo root, run in this process: its exit status, stdout, stderr."""
+    out, err = io.StringIO(), io.StringIO()
+    saved_argv, saved_cwd, saved_threads = sys.argv, os.getcwd(), torch.get_num_threads()
+    sys.argv = ['sample.py', *args]
+    os.chdir(ROOT)  # sample.py reads data/<dataset> relative to where it runs
+    torch.set_num_threads(1)
+    rc = 0
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            runpy.run_path(str(ROOT / 'sample.py'), run_name='__main__')
+    except SystemExit as e:  # fail() exits 2; an uncaught exception fails the test with its traceback
+        rc = e.code if isinstance(e.code, int) else 1
+    finally:
+        sys.argv = saved_argv
+        os.chdir(saved_cwd)
+        torch.set_num_threads(saved_threads)
+    return subprocess.CompletedProcess(['sample.py', *args], rc, out.getvalue(), err.getvalue())
+
+
 @pytest.fixture(scope="module")
 def runs(ckpts):
     """Every sample.py command of this file, run at once (each is a second or two of start-up)."""
@@ -157,8 +182,9 @@ def runs(ckpts):
     }
     if not os.environ.get("TIKTOKEN_CACHE_DIR"):  # tests never download: conftest points it at ../shared
         del commands['gpt2_eot'], commands['appendix_file']
-    procs = {name: launch(*args) for name, args in commands.items()}
-    results = {}
+    # as a user runs it: the reference output (stdout holds only the samples) and the crafted meta.pkl
+    procs = {name: launch(*commands.pop(name)) for name in ('jsonl', 'evil_pkl')}
+    results = {name: run_in_process(args) for name, args in commands.items()}
     for name, p in procs.items():
         stdout, stderr = p.communicate(timeout=300)
         results[name] = subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr)
