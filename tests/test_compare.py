@@ -13,6 +13,9 @@ import pytest
 
 from test_train import ROOT, TINY, make_dataset, subprocess_env
 
+# one xdist worker runs this whole file, so its module-scoped fixtures are built once (-n 2 --dist loadgroup)
+pytestmark = pytest.mark.xdist_group('test_compare')
+
 ITERS = 24
 
 

@@ -28,6 +28,9 @@ sys.path.insert(0, str(ROOT / "data"))
 import prepare_common  # noqa: E402
 from prepare_common import PrepareError  # noqa: E402
 
+# one xdist worker runs this whole file, so its module-scoped fixtures are built once (-n 2 --dist loadgroup)
+pytestmark = pytest.mark.xdist_group('test_data')
+
 
 
 def gpt2_bpe_unavailable():

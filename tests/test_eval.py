@@ -20,6 +20,9 @@ from evaluation import exact_val_loss
 from evaluation.entropy import attention_entropy, normalised_row_entropy
 from model import ATTENTION_TYPES, GPT, GPTConfig, split_heads
 
+# one xdist worker runs this whole file, so its module-scoped fixtures are built once (-n 2 --dist loadgroup)
+pytestmark = pytest.mark.xdist_group('test_eval')
+
 ROOT = Path(__file__).resolve().parents[1]
 NO_AUTOCAST = torch.autocast('cpu', enabled=False)
 

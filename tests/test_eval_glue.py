@@ -19,6 +19,9 @@ from checkpoint import save_checkpoint
 from evaluation import final_hidden_states, glue
 from model import GPT, GPTConfig
 
+# one xdist worker runs this whole file, so its module-scoped fixtures are built once (-n 2 --dist loadgroup)
+pytestmark = pytest.mark.xdist_group('test_eval_glue')
+
 ROOT = Path(__file__).resolve().parents[1]
 NO_AUTOCAST = torch.autocast('cpu', enabled=False)
 WORDS = 'the a cat dog sat ran on under red blue house tree quickly slowly'.split()

@@ -20,6 +20,9 @@ import torch
 from checkpoint import save_checkpoint
 from model import GPT
 
+# one xdist worker runs this whole file, so its module-scoped fixtures are built once (-n 2 --dist loadgroup)
+pytestmark = pytest.mark.xdist_group('test_eval_lm')
+
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_TIKTOKEN = ROOT.parent / 'shared' / 'tiktoken'
 NO_AUTOCAST = torch.autocast('cpu', enabled=False)

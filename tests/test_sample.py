@@ -27,6 +27,9 @@ import torch
 from checkpoint import load_checkpoint, save_checkpoint
 from model import ATTENTION_TYPES, GPT, GPTConfig
 
+# one xdist worker runs this whole file, so its module-scoped fixtures are built once (-n 2 --dist loadgroup)
+pytestmark = pytest.mark.xdist_group('test_sample')
+
 ROOT = Path(__file__).resolve().parents[1]
 APPENDIX_PROMPTS = "prompts/appendix.txt"  # shipped with the repo, named in the README
 # a character vocabulary with every LaTeX / Markdown special character in it
