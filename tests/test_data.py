@@ -7,7 +7,6 @@ import random
 import re
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -25,41 +24,17 @@ FINEWEB = ROOT / "data" / "fineweb_edu" / "prepare.py"
 SHAKESPEARE = ROOT / "data" / "shakespeare_char" / "prepare.py"
 SHAKESPEARE_TXT = ROOT.parent / "shared" / "data" / "tinyshakespeare" / "input.txt"
 sys.path.insert(0, str(ROOT / "data"))
+import gpt2_bpe  # noqa: E402
 import prepare_common  # noqa: E402
 from prepare_common import PrepareError  # noqa: E402
 
 # one xdist worker runs this whole file, so its module-scoped fixtures are built once (-n 2 --dist loadgroup)
 pytestmark = pytest.mark.xdist_group('test_data')
 
-
-
-def gpt2_bpe_unavailable():
-    """None when tiktoken loads GPT-2's BPE ('gpt2' for these tests, 'r50k_base' for prepare.py) from
-    TIKTOKEN_CACHE_DIR (conftest points it at a copy of ../shared/tiktoken when there is one),
-    tiktoken's default cache, or a download; else why not."""
-    outcome = []
-
-    def load():
-        try:
-            for name in ("gpt2", "r50k_base"):
-                tiktoken.get_encoding(name)
-            outcome.append(None)
-        except Exception as e:  # requests' connection errors and friends
-            outcome.append(f"{type(e).__name__}: {e}"[:300])
-
-    # tiktoken downloads with no timeout: a network that drops packets would hang the whole suite
-    worker = threading.Thread(target=load, daemon=True)
-    worker.start()
-    worker.join(timeout=60)
-    return outcome[0] if outcome else "the download did not finish in 60 s"
-
-
-_why_no_bpe = gpt2_bpe_unavailable()
+_why_no_bpe = gpt2_bpe.unavailable()
 if _why_no_bpe:
-    pytest.skip(f"the GPT-2 BPE files are neither cached nor downloadable ({_why_no_bpe}). To run these tests "
-                f"offline, set TIKTOKEN_CACHE_DIR to a folder holding them: a copy of the project's "
-                f"../shared/tiktoken, or of a tiktoken cache from a machine with network "
-                f"($TMPDIR/data-gym-cache)", allow_module_level=True)
+    pytest.skip(gpt2_bpe.skip_message(_why_no_bpe), allow_module_level=True)
+
 ENC = tiktoken.get_encoding("gpt2")
 EOT = ENC.eot_token
 

@@ -15,6 +15,7 @@ import pytest
 import tiktoken
 import torch
 
+import gpt2_bpe
 from checkpoint import save_checkpoint
 from evaluation import final_hidden_states, glue
 from model import GPT, GPTConfig
@@ -81,6 +82,7 @@ def run_probe(model, path, cache_dir, seeds=(0,)):
 
 
 def test_probe_learns_a_last_token_label_and_stays_at_chance_on_shuffled_labels(glue_dirs, tmp_path):
+    gpt2_bpe.require()  # tiktoken's GPT-2 files: skipped only when neither cached nor downloadable
     model = gpt2_vocab_model()
     learned = run_probe(model, glue_dirs['learnable'], tmp_path / 'c1', seeds=(0, 1))
     acc = learned['sst2']['splits']['validation']['accuracy']
@@ -101,6 +103,7 @@ def test_metrics_agree_with_scikit_learn():
 
 
 def test_pairs_are_joined_by_a_newline_and_long_texts_keep_their_end():
+    gpt2_bpe.require()  # tiktoken's GPT-2 files: skipped only when neither cached nor downloadable
     enc = tiktoken.get_encoding('gpt2')
     rows = [dict(sentence1='Hello there.', sentence2='General Kenobi!')]
     assert glue.encode_examples(enc, rows, ('sentence1', 'sentence2'), 100) == [enc.encode('Hello there.\nGeneral Kenobi!')]
@@ -148,6 +151,7 @@ def test_an_interrupted_extraction_reuses_the_chunks_it_wrote(tmp_path, monkeypa
 
 
 def test_eval_script_writes_the_glue_table_json_and_feature_cache(glue_dirs, tmp_path):
+    gpt2_bpe.require()  # tiktoken's GPT-2 files: skipped only when neither cached nor downloadable
     model = gpt2_vocab_model()
     out = tmp_path / 'out-gpt2-vocab'
     save_checkpoint({'model': model.state_dict(), 'optimizer': {}, 'model_args': dataclasses.asdict(model.config),
