@@ -67,19 +67,23 @@ def plot_entropy(results, path):
     for _, entropy in results:
         names += [n for n in entropy if n not in names]
     fig, axes = plt.subplots(len(results), len(names), squeeze=False,
-                             figsize=(3.2 * len(names) + 1, 2.8 * len(results) + 0.6))
+                             figsize=(3.2 * len(names) + 1, 2.8 * len(results) + 0.6), layout='constrained')
     image = None
     for r, (label, entropy) in enumerate(results):
         for c, name in enumerate(names):
             ax = axes[r][c]
             if name not in entropy:
-                ax.axis('off')
-                ax.set_title(f"{label}\n(no {name} map)", fontsize=8)
+                ax.axis('off')  # e.g. base has no branch maps: say so in the empty cell
+                ax.text(0.5, 0.5, f"{label}\nhas no {name} map", ha='center', va='center', fontsize=8,
+                        transform=ax.transAxes)
                 continue
             image = ax.imshow(torch.tensor(entropy[name]).numpy(), vmin=0, vmax=1, cmap='viridis',
                               aspect='auto', interpolation='nearest')
             mean = sum(map(sum, entropy[name])) / sum(map(len, entropy[name]))
             ax.set_title(f"{label}\n{name} (mean {mean:.3f})", fontsize=8)
+            n_layers, n_heads = len(entropy[name]), len(entropy[name][0])
+            ax.set_xticks(range(n_heads))  # whole heads and layers, not fractional ticks
+            ax.set_yticks(range(n_layers))
             ax.set_xlabel('head', fontsize=8)
             ax.set_ylabel('layer', fontsize=8)
     if image is not None:
