@@ -61,6 +61,16 @@ def apply_config(argv, defaults, script=None, given=None):
     return config
 
 
+def optional_bool(key, value):
+    """A setting whose default None means "keep what the checkpoint says" (noise_at_eval): None,
+    True or False, also as typed on a command line in any case ('false'). Else ConfigError."""
+    if isinstance(value, str) and value.lower() in ('true', 'false'):
+        value = value.lower() == 'true'
+    if value not in (None, True, False) or type(value) not in (bool, type(None)):
+        raise ConfigError(f"{key}={value!r} must be True or False")
+    return value
+
+
 def script_defaults(script):
     """A script's settings without running it: its top-level assignments up to `config_keys = ...`,
     evaluated like a config file (they are literals)."""

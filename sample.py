@@ -55,7 +55,7 @@ import torch
 
 from batches import load_meta, read_meta_pkl
 from checkpoint import CheckpointError, load_checkpoint
-from configurator import ConfigError, apply_config
+from configurator import ConfigError, apply_config, optional_bool
 from device import autocast_context, manual_seed, resolve_device, resolve_dtype, setup, torch_dtype
 from model import ATTENTION_TYPES, GPT, GPTConfig
 
@@ -94,10 +94,10 @@ try:
     globals().update(apply_config(sys.argv[1:], {k: globals()[k] for k in config_keys}, script=__file__))
 except ConfigError as e:
     fail(e)
-if isinstance(noise_at_eval, str) and noise_at_eval.lower() in ('true', 'false'):
-    noise_at_eval = noise_at_eval.lower() == 'true'
-if noise_at_eval not in (None, True, False):
-    fail(f"noise_at_eval={noise_at_eval!r} must be True or False")
+try:
+    noise_at_eval = optional_bool('noise_at_eval', noise_at_eval)
+except ConfigError as e:
+    fail(e)
 if format not in FORMATS:
     fail(f"format={format!r} is not one of {', '.join(FORMATS)}")
 for key in ('num_samples', 'max_new_tokens'):

@@ -589,6 +589,18 @@ if master_process and decay_lr and max_iters < warmup_iters:
           f"rate only reaches {get_lr(max_iters, learning_rate, warmup_iters, lr_decay_iters, min_lr):.3g} "
           f"of learning_rate={learning_rate:g}")
 
+
+
+def stop_diverged(message):
+    """A non-finite loss or gradient ends the run with exit status 3 (the checkpoint on disk is the last
+    good one: nothing is saved on the way out)."""
+    if master_process:
+        print(message, file=sys.stderr)
+    if ddp:
+        dist.destroy_process_group()
+    sys.exit(3)
+
+
 # training loop
 t0 = time.time()
 local_iter_num = 0  # number of iterations in the lifetime of this process
@@ -676,22 +688,14 @@ while True:
                   f"(loss {loss_sum.item() / gradient_accumulation_steps}, grad norm {grad_norm.item()})",
                   file=sys.stderr)
         if nonfinite == 'stop':
-            if master_process:
-                print(f"stopping at iter {iter_num}: non-finite loss or gradient (nonfinite='stop'). "
-                      f"Resume from the last checkpoint with a lower learning_rate, or set "
-                      f"--nonfinite=skip to skip such steps.", file=sys.stderr)
-            if ddp:
-                dist.destroy_process_group()
-            sys.exit(3)
+            stop_diverged(f"stopping at iter {iter_num}: non-finite loss or gradient (nonfinite='stop'). "
+                          f"Resume from the last checkpoint with a lower learning_rate, or set "
+                          f"--nonfinite=skip to skip such steps.")
         skipped_in_a_row += 1
         if skipped_in_a_row >= max_skipped_steps:
-            if master_process:
-                print(f"stopping at iter {iter_num}: {skipped_in_a_row} steps in a row had a non-finite loss or "
-                      f"gradient (max_skipped_steps={max_skipped_steps}): the run has diverged. Resume from the "
-                      f"last checkpoint with a lower learning_rate.", file=sys.stderr)
-            if ddp:
-                dist.destroy_process_group()
-            sys.exit(3)
+            stop_diverged(f"stopping at iter {iter_num}: {skipped_in_a_row} steps in a row had a non-finite loss "
+                          f"or gradient (max_skipped_steps={max_skipped_steps}): the run has diverged. Resume "
+                          f"from the last checkpoint with a lower learning_rate.")
         if master_process:
             print(f"iter {iter_num}: skipping the update (non-finite loss or gradient, nonfinite='skip')")
         scaler.update()

@@ -216,3 +216,12 @@ def test_list_keys_take_python_lists_or_comma_separated_values(tmp_path):
     assert apply_config([write(tmp_path, "seeds = (3, 4)\n")], defaults)['seeds'] == [3, 4]
     with pytest.raises(ConfigError, match="seeds must be a list"):
         apply_config([write(tmp_path, "seeds = 5\n", name='bad.py')], defaults)
+
+
+def test_optional_bool_keeps_none_and_reads_true_false_in_any_case():
+    from configurator import optional_bool
+    assert optional_bool('noise_at_eval', None) is None
+    assert optional_bool('noise_at_eval', 'FALSE') is False and optional_bool('noise_at_eval', True) is True
+    for bad in ('maybe', 1, 0.0):  # 1 == True, but a number is not an on/off answer
+        with pytest.raises(ConfigError, match=r"noise_at_eval=.* must be True or False"):
+            optional_bool('noise_at_eval', bad)
