@@ -23,11 +23,13 @@ load on a shared machine hits all variants alike. compile='both' times every var
 compiled, one after the other; '1st step' is the first warm-up step in seconds, which for a
 compiled model is the cold compile (forward and backward graphs) plus one step.
 
-Peak memory: CUDA / Gaudi: max_memory_allocated (tensors only). CPU (Linux): the peak resident set
-size of the process while the variant ran minus its resident size just before the model was built;
-the kernel's peak counter is reset through /proc/self/clear_refs and glibc's free memory handed back
-(malloc_trim) before each variant. It counts every page the process touched (allocator slack, the
-oneDNN scratch space), so it is an upper bound on the tensors' memory. Elsewhere: n/a.
+Peak memory: tensors only, so that CPU and GPU figures compare. CUDA / Gaudi: max_memory_allocated.
+CPU: the parameters' and optimizer state's bytes plus the most bytes that one more training step's
+tensors held at once, read from torch.profiler's allocation trace (device.cpu_tensor_peak). Where
+that trace is missing, on Linux: the peak resident set size while the variant ran minus the size
+just before the model was built (reset through /proc/self/clear_refs, glibc's free memory handed
+back first), an upper bound that also counts allocator slack and oneDNN scratch space, and moves
+with them (issue 17: 1.24x to 1.36x base for the same variant in different runs). Elsewhere: n/a.
 """
 
 import contextlib
@@ -44,8 +46,8 @@ import time
 import torch
 
 from configurator import ConfigError, apply_config
-from device import (autocast_context, compile_model, device_name, device_type, fused_optimizer,
-                    grad_scaler, manual_seed, mark_step, max_memory_allocated, peak_flops,
+from device import (autocast_context, compile_model, cpu_tensor_peak, device_name, device_type,
+                    fused_optimizer, grad_scaler, manual_seed, mark_step, max_memory_allocated, peak_flops,
                     resolve_compile, resolve_device, resolve_dtype, setup, spec_sheet_tflops,
                     synchronize)
 from model import ATTENTION_TYPES, GPT, GPTConfig
@@ -189,6 +191,8 @@ def cpu_peak_rss_supported():
 
 if kind in ('cuda', 'hpu'):
     memory_method = f'{kind} max_memory_allocated'
+elif kind == 'cpu' and cpu_tensor_peak(lambda: torch.ones(1)) is not None:
+    memory_method = 'tensors: parameters + optimizer state + one step (torch.profiler allocation trace)'
 elif kind == 'cpu' and cpu_peak_rss_supported():
     memory_method = 'peak RSS delta (Linux /proc/self/status VmHWM)'
 else:
@@ -203,7 +207,7 @@ def memory_start():
         torch.cuda.reset_peak_memory_stats(device)
     elif kind == 'hpu' and hasattr(torch.hpu, 'reset_peak_memory_stats'):
         torch.hpu.reset_peak_memory_stats()
-    elif memory_method is not None:  # cpu
+    elif memory_method is not None and memory_method.startswith('peak RSS'):
         if LIBC is not None and hasattr(LIBC, 'malloc_trim'):
             LIBC.malloc_trim(0)
         with open('/proc/self/clear_refs', 'w') as f:
@@ -212,11 +216,14 @@ def memory_start():
     return 0
 
 
-def memory_peak(baseline):
+def memory_peak(baseline, step, model, optimizer):
     if memory_method is None:
         return None
     if kind in ('cuda', 'hpu'):
         return max_memory_allocated(device)
+    if memory_method.startswith('tensors'):
+        state = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+        return cpu_tensor_peak(step, list(model.parameters()) + list(model.buffers()) + state)
     return proc_status_kib('VmHWM') * 1024 - baseline
 
 
@@ -268,7 +275,7 @@ def train_steps(attn_type, compiled):
     for _ in range(warmup_iters - 1):
         step()
     times = [step() for _ in range(bench_iters)]
-    peak_mem = memory_peak(baseline)
+    peak_mem = memory_peak(baseline, step, raw_model, optimizer)
     if profile:
         from torch.profiler import ProfilerActivity
         from torch.profiler import profile as torch_profile

@@ -234,6 +234,44 @@ def max_memory_allocated(device):
     return None
 
 
+def cpu_tensor_peak(fn, live_tensors=()):
+    """Run fn() on CPU and return the most bytes its tensors held at once, plus the bytes of
+    live_tensors (the model's parameters and optimizer state, already allocated): what
+    torch.cuda.max_memory_allocated counts on a GPU, which CPU torch has no counter for. Read from
+    torch.profiler's allocation trace (profile_memory=True: every allocation and free with the
+    running total), so allocator slack and library scratch space are not in it, unlike the RSS.
+    None where this torch's profiler does not expose the trace."""
+    try:
+        from torch._C._profiler import _EventType
+        from torch.profiler import ProfilerActivity, profile
+    except ImportError:
+        return None
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+
+    def walk(nodes):
+        for node in nodes:
+            yield node
+            yield from walk(node.children)
+    try:
+        events = sorted((n for n in walk(prof.profiler.kineto_results.experimental_event_tree())
+                         if n.tag == _EventType.Allocation and n.extra_fields.device.type == 'cpu'),
+                        key=lambda n: n.start_time_ns)
+    except AttributeError:
+        return None
+    # the running total also counts tensors allocated under an earlier profiler and still alive:
+    # measure from the total just before fn's first allocation
+    start = events[0].extra_fields.total_allocated - events[0].extra_fields.alloc_size if events else 0
+    peak = max((n.extra_fields.total_allocated for n in events), default=start) - start
+    seen = set()  # parameters can share storage (GPT's tied embedding and lm_head)
+    live = 0
+    for t in live_tensors:
+        if t.untyped_storage().data_ptr() not in seen:
+            seen.add(t.untyped_storage().data_ptr())
+            live += t.untyped_storage().nbytes()
+    return live + max(peak, 0)
+
+
 # Dense peak FLOP/s (no sparsity) in TFLOP/s for (bf16/fp16, float32). float32 on NVIDIA Ampere and
 # later is TF32 on tensor cores (setup() enables it). Checked in order: a name matches its first
 # entry, so more specific names come first ('A100' before 'A10', 'H100 PCIe' before 'H100').

@@ -91,6 +91,28 @@ def causal_mask(t_q, t_k, device):
     return torch.ones(t_q, t_k, dtype=torch.bool, device=device).tril(diagonal=t_k - t_q)
 
 
+def causal_randn(shape, device=None, dtype=None):
+    """N(0, 1) draws of shape (..., T, T) for scores under a causal mask, at half torch.randn's cost.
+
+    Only the lower triangle (key j <= query i) is ever seen, and drawing the numbers was a quarter
+    of NoiseFormer's step at T = 1024 (issue 17). So only the first h = ceil(T / 2) columns are
+    drawn; the bottom-right (T - h) x (T - h) block is the top-left one transposed (its strict lower
+    triangle is the top-left's strict upper triangle, hidden there) with a diagonal of its own.
+    Every visible entry is a different N(0, 1) draw; the hidden top-right block is 0.
+    """
+    T = shape[-1]
+    h, m = (T + 1) // 2, T // 2
+    # one draw for both parts: two random calls could be reordered by torch.compile's tracing
+    draws = torch.randn(*shape[:-2], T * h + m, device=device, dtype=dtype)
+    left, diagonal = draws[..., :T * h].unflatten(-1, (T, h)), draws[..., T * h:]
+    eps = torch.empty(shape, device=device, dtype=dtype)
+    eps[..., :h].copy_(left)
+    eps[..., :h, h:].zero_()
+    eps[..., h:, h:].copy_(left[..., :m, :m].transpose(-1, -2))
+    eps[..., h:, h:].diagonal(dim1=-2, dim2=-1).copy_(diagonal)
+    return eps
+
+
 def causal_attention(q, k, v, dropout_p=0.0, scale=None, score_bias=None):
     """softmax(q k^T * scale + score_bias + M) v with one SDPA call (a fused kernel where possible).
 
@@ -335,7 +357,7 @@ class NoiseFormerAttention(SymmetricAttention):
     """Symmetric scores plus learned Gaussian noise: S = Q Q^T / sqrt(d) + mu + sigma * eps.
 
     eps ~ N(0, 1) is drawn fresh at every forward pass (reparameterisation trick) with
-    torch.randn(shape, dtype=x.dtype), shape (1 or B, noise_heads, T, T), one draw per layer.
+    causal_randn(shape, dtype=x.dtype), shape (1 or B, noise_heads, T, T), one draw per layer.
     Softmax is shift-invariant along a row, so mu never changes the output (dCE/dmu = 0 up to
     rounding; only the KL term moves it): sigma is what matters.
     """
@@ -383,7 +405,8 @@ class NoiseFormerAttention(SymmetricAttention):
         if not (self.training or self.noise_at_eval):
             return None  # exactly symmetric attention
         shape = (batch_size if self.noise_per_sample else 1, self.noise_mu.numel(), t_q, t_k)
-        return torch.randn(shape, device=like.device, dtype=like.dtype)
+        draw = causal_randn if t_q == t_k else torch.randn  # t_q < t_k: decoding, a few rows
+        return draw(shape, device=like.device, dtype=like.dtype)
 
     def score_bias(self, batch_size, t_q, t_k, like):
         eps = self.draw_noise(batch_size, t_q, t_k, like)

@@ -57,7 +57,7 @@ def test_table_has_every_variant_and_base_ratio_one(all_variants):
         assert compiled == "no"  # compile='auto' on CPU
         assert params.endswith("M") and float(ms) > 0 and int(tokens_s.replace(",", "")) > 0
         assert mfu.endswith("%") and 0 < float(mfu[:-1]) < 100
-        assert mem_unit in ("MiB", "GiB") and float(mem) >= 0  # Linux: peak RSS delta
+        assert mem_unit in ("MiB", "GiB") and float(mem) > 0
         assert first.endswith("s") and float(first[:-1]) >= 0
         assert re.fullmatch(r"\d+\.\d\dx", ratio) and vs_eager == "1.00x"
     assert rows['base'][-2] == "1.00x"
@@ -65,7 +65,7 @@ def test_table_has_every_variant_and_base_ratio_one(all_variants):
     # progress: a line per variant as it finishes, in running order
     done = re.findall(r"^  round 1/1, (\d)/8 (\w+): \d+\.\d ms/iter", stdout, re.M)
     assert done == [(str(i + 1), a) for i, a in enumerate(ATTENTION_TYPES)]
-    assert "peak RSS" in stdout and re.search(r"measured (bfloat16|float32) matmul", stdout)
+    assert "peak memory: tensors: parameters + optimizer state + one step" in stdout and re.search(r"measured (bfloat16|float32) matmul", stdout)
     gen = table_rows(stdout, "KV cache tok/s")
     assert list(gen) == list(ATTENTION_TYPES)
     assert all(float(c) > 0 and float(n) > 0 and s.endswith("x") for c, n, s in gen.values())
@@ -86,7 +86,9 @@ def test_json_report(all_variants):
         assert r["compile"] is False and r["fused_loss"] is True and r["ratio_to_eager"] == 1.0
         assert r["tokens_per_s"] == pytest.approx(64 / (r["ms_per_iter"] / 1000))
         assert r["ratio_to_base"] == pytest.approx(r["ms_per_iter"] / results["base"]["ms_per_iter"])
-        assert 0 < r["mfu"] < 1 and r["params"] > 0 and r["peak_memory_bytes"] >= 0
+        assert 0 < r["mfu"] < 1 and r["params"] > 0
+        # at least the float32 weights and AdamW's two moments of every non-embedding parameter
+        assert r["peak_memory_bytes"] >= 3 * 4 * r["params"]
         assert r["gen_tokens_per_s_cache"] > 0 and r["gen_tokens_per_s_no_cache"] > 0
         assert r["gen_cache_speedup"] == pytest.approx(r["gen_tokens_per_s_cache"] / r["gen_tokens_per_s_no_cache"])
         # the table shows the same numbers

@@ -74,6 +74,26 @@ def test_cpu_peak_flops_is_a_measured_matmul_rate():
     assert 1e8 < peak < 1e14  # FLOP/s (not GFLOP/s, not seconds) for any CPU from tiny to huge
 
 
+def test_cpu_tensor_peak_counts_the_most_bytes_held_at_once():
+    """The CPU stand-in for max_memory_allocated: with 4 and 8 MB held, then 8 and 4 MB, then 12 MB
+    alone, the peak is 12 MB (not the 28 MB ever allocated, not the 12 MB at the end by chance: the
+    last tensor is made smaller to tell them apart), plus the live tensors given, a shared
+    storage counted once. A second call is not confused by tensors the first one left alive."""
+    kept = []
+
+    def fn():
+        a = torch.empty(1_000_000, dtype=torch.float32)   # 4 MB
+        b = torch.empty(1_000_000, dtype=torch.float64)   # + 8 MB = 12 MB
+        del a
+        c = torch.empty(500_000, dtype=torch.float64)     # 8 + 4 = 12 MB
+        del b, c
+        kept.append(torch.empty(2_000_000, dtype=torch.int32))  # 8 MB, outlives fn
+
+    live = torch.empty(1000, dtype=torch.float32)
+    assert device.cpu_tensor_peak(fn, [live, live[:10]]) == 12_000_000 + 4000
+    assert device.cpu_tensor_peak(fn) == 12_000_000
+
+
 @pytest.mark.parametrize("name, dtype, tflops", [
     ("NVIDIA H100 80GB HBM3", "bfloat16", 989), ("NVIDIA H100 PCIe", "bfloat16", 756),
     ("NVIDIA H100 PCIe", "float32", 378), ("NVIDIA A100-SXM4-80GB", "float16", 312),

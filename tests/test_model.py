@@ -12,7 +12,7 @@ import re
 import pytest
 import torch
 
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, causal_randn
 from naive_attention import NAIVE, diff_lambda, lambda_init_for, noise_mu_sigma
 
 F64 = torch.float64
@@ -153,7 +153,7 @@ NOISE_CASES = [(v, p, s) for v in NOISE for p in ("sigma", "logvar") for s in (F
 
 @pytest.mark.parametrize("attn_type,noise_param,per_sample", NOISE_CASES)
 def test_noiseformer_equals_naive_with_replayed_noise(attn_type, noise_param, per_sample):
-    """Contract: eps = torch.randn(shape, dtype=x.dtype), shape (1 or B, 1 or H, T, T), one draw
+    """Contract: eps = causal_randn(shape, dtype=x.dtype), shape (1 or B, 1 or H, T, T), one draw
     per layer per forward; re-seeding and drawing the same shape replays it."""
     model = make_model(attn_type, noise_param=noise_param, noise_per_sample=per_sample).train()
     H = model.config.n_head
@@ -168,11 +168,33 @@ def test_noiseformer_equals_naive_with_replayed_noise(attn_type, noise_param, pe
                 with torch.no_grad():
                     y = attn(x)
                 torch.manual_seed(1234)
-                eps = torch.randn(noise_shape(attn_type, B, H, T, per_sample), dtype=F64)
+                eps = causal_randn(noise_shape(attn_type, B, H, T, per_sample), dtype=F64)
                 ref = NAIVE[attn_type](attn, x, eps=eps)
                 assert rel_err(y, ref) < 1e-10, (T, B, rel_err(y, ref))
                 if T > 1:   # the noise really is in there
                     assert rel_err(NAIVE[attn_type](attn, x, eps=None), ref) > 1e-3
+
+
+@pytest.mark.parametrize("T", [1, 2, 7, 64, 101])
+def test_causal_randn_visible_entries_are_distinct_standard_normal_draws(T):
+    """causal_randn draws half the numbers of torch.randn and places some of them twice: every
+    entry the causal mask lets through must still be its own draw (no value seen twice in a head),
+    N(0, 1) distributed; the hidden upper triangle is exactly 0 above the diagonal's block."""
+    torch.manual_seed(0)
+    eps = causal_randn((3, 5, T, T), dtype=F64)
+    visible = torch.ones(T, T, dtype=torch.bool).tril()
+    seen = eps[..., visible]  # (3, 5, T (T + 1) / 2)
+    for head in seen.reshape(-1, seen.size(-1)):
+        assert head.unique().numel() == head.numel()
+    h = (T + 1) // 2
+    assert torch.all(eps[..., :h, h:] == 0)
+    if T >= 64:  # a KS test of all visible entries against N(0, 1)
+        x = seen.flatten().sort().values
+        cdf = 0.5 * (1 + torch.erf(x / math.sqrt(2)))
+        n = x.numel()
+        ks = torch.maximum(torch.arange(1, n + 1, dtype=F64) / n - cdf, cdf - torch.arange(n, dtype=F64) / n).max()
+        assert ks < 1.63 / math.sqrt(n)  # the 1% critical value
+        assert abs(x.mean()) < 5 / math.sqrt(n) and abs(x.std() - 1) < 5 / math.sqrt(n)
 
 
 @pytest.mark.parametrize("attn_type", NOISE)
@@ -200,7 +222,7 @@ def test_noise_switch_train_eval_noise_at_eval(attn_type):
                 y = attn(x)
             noisy = training or noise_at_eval
             torch.manual_seed(7)
-            eps = torch.randn(noise_shape(attn_type, 2, 4, 10, False), dtype=F64) if noisy else None
+            eps = causal_randn(noise_shape(attn_type, 2, 4, 10, False), dtype=F64) if noisy else None
             assert rel_err(y, NAIVE[attn_type](attn, x, eps=eps)) < 1e-10, (noise_at_eval, training)
 
 
@@ -818,7 +840,7 @@ def test_noiseformer_training_step_equals_materialised_float64(attn_type, noise_
     torch.manual_seed(12)
     y = attn(x)
     torch.manual_seed(12)
-    eps = torch.randn(noise_shape(attn_type, 3, 4, 40, per_sample), dtype=F64)
+    eps = causal_randn(noise_shape(attn_type, 3, 4, 40, per_sample), dtype=F64)
     assert rel_err(y, NAIVE[attn_type](attn, x, eps=eps)) < 1e-10
 
 
@@ -831,7 +853,7 @@ def test_input_gradient_equals_naive_float64(attn_type):
     eps = None
     if attn_type in NOISE:
         torch.manual_seed(13)
-        eps = torch.randn(noise_shape(attn_type, 2, 4, 50, False), dtype=F64)
+        eps = causal_randn(noise_shape(attn_type, 2, 4, 50, False), dtype=F64)
     x = torch.randn(2, 50, 32, dtype=F64, requires_grad=True)
     grad_out = torch.randn(2, 50, 32, dtype=F64)
     torch.manual_seed(13)
