@@ -63,6 +63,7 @@ n_embd = 768  # model width (cpu / mps: 256 unless given)
 vocab_size = 50304  # with --dataset, the dataset's own vocabulary size when it has one
 bias = False  # biases in Linear and LayerNorm layers
 dropout = 0.0  # dropout probability
+qk_head_size = None  # base / symmetric: query/key head size (None: n_embd // n_head; see grow.py)
 dataset = ''  # '' = synthetic random tokens, else real batches from data/<dataset>/train.bin
 # the training step (as in train.py)
 learning_rate = 6e-4  # AdamW learning rate
@@ -88,7 +89,7 @@ compile = 'auto'  # torch.compile: True, False, 'auto' (where it measured faster
 seed = 1337  # the same initial weights and batches for every variant
 json_out = ''  # write the results here as JSON too
 # -----------------------------------------------------------------------------
-config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str))]
+config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str, type(None)))]
 SIZE_KEYS = ('batch_size', 'block_size', 'n_layer', 'n_head', 'n_embd')
 # GPT-2 small takes minutes per step on a CPU: there, the model of docs/benchmarks.md
 SMALL_DEVICE_SIZE = dict(batch_size=8, block_size=256, n_layer=4, n_head=4, n_embd=256)
@@ -125,7 +126,7 @@ try:
     compile_modes = [False, True] if compile == 'both' else [resolve_compile(compile, device)]
     for a in variants:  # every variant's shape checks before anything runs
         GPTConfig(block_size=block_size, vocab_size=vocab_size, n_layer=n_layer, n_head=n_head,
-                  n_embd=n_embd, bias=bias, dropout=dropout, attn_type=a)
+                  n_embd=n_embd, bias=bias, dropout=dropout, attn_type=a, qk_head_size=qk_head_size)
 except ValueError as e:
     fail(f"{e}{' (or, in bench.py, --compile=both)' if str(e).startswith('compile=') else ''}")
 config = {k: globals()[k] for k in config_keys}
@@ -234,7 +235,8 @@ def memory_peak(baseline, step, model, optimizer):
 def build(attn_type):
     manual_seed(seed)
     model = GPT(GPTConfig(block_size=block_size, vocab_size=vocab_size, n_layer=n_layer, n_head=n_head,
-                          n_embd=n_embd, bias=bias, dropout=dropout, attn_type=attn_type))
+                          n_embd=n_embd, bias=bias, dropout=dropout, attn_type=attn_type,
+                          qk_head_size=qk_head_size))
     model.to(device)
     return model
 

@@ -904,14 +904,16 @@ class GPT(nn.Module):
         dtype in use. Left out (nanoGPT's two-argument call), it is device.peak_flops for bfloat16
         on the device holding the model, where nanoGPT assumed an A100's bfloat16 peak. FLOPs per
         token follow PaLM appendix B (6N + 12 L H Q T), the same formula for every variant, so
-        MFUs compare throughput."""
+        MFUs compare throughput; with wider query/key heads (qk_head_size) the scores' half of the
+        attention term uses their size: 6 L H (Q_qk + Q) T."""
         if peak_flops is None:
             from device import peak_flops as device_peak_flops  # the accelerator table lives there
             peak_flops = device_peak_flops(str(self.lm_head.weight.device), 'bfloat16')
         N = self.get_num_params()
         cfg = self.config
         L, H, Q, T = cfg.n_layer, cfg.n_head, cfg.n_embd // cfg.n_head, cfg.block_size
-        flops_per_token = 6 * N + 12 * L * H * Q * T
+        Q_qk = cfg.qk_head_size or Q
+        flops_per_token = 6 * N + 6 * L * H * (Q_qk + Q) * T
         flops_per_iter = flops_per_token * T * fwdbwd_per_iter
         return flops_per_iter / dt / peak_flops
 

@@ -111,8 +111,23 @@ def test_real_data_float32_plain_loss_subset_without_base(tmp_path):
     assert "add base to --attn_types" in proc.stdout
 
 
+def test_wider_query_key_heads(tmp_path):
+    """--qk_head_size (what grow.py widens) builds base and symmetric with 24-wide q/k heads on 16-wide
+    value heads: the parameter counts are those models' own."""
+    from model import GPT, GPTConfig
+    proc = bench("--attn_types=base,symmetric", "--qk_head_size=24", f"--json_out={tmp_path / 'b.json'}")
+    assert proc.returncode == 0, proc.stderr
+    results = {r["attn_type"]: r for r in json.loads((tmp_path / "b.json").read_text())["results"]}
+    for attn_type, r in results.items():
+        config = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=96, bias=False,
+                           attn_type=attn_type, qk_head_size=24)
+        assert r["params"] == GPT(config).get_num_params()
+    assert results["base"]["params"] - results["symmetric"]["params"] == 2 * 32 * 2 * 24  # per layer: W_K
+
+
 @pytest.mark.parametrize("args, words", [
     (["--attn_types=base,difff"], ["'difff'", "dint_lowrank", "all"]),
+    (["--attn_types=base,diff", "--qk_head_size=24"], ["qk_head_size=24", "attn_type='diff'"]),
     (["--bench_iters=0"], ["bench_iters", "at least 1"]),
     (["--warmup_iters=0"], ["warmup_iters", "at least 1"]),
     (["--compile=yes"], ["compile='yes'", "--compile=True, --compile=False or --compile=auto"]),

@@ -311,6 +311,11 @@ def test_estimate_mfu_palm_flops_and_nanogpt_call():
     assert model.estimate_mfu(60, 0.5, 1e15) == pytest.approx(per_token * 1024 * 60 / 0.5 / 1e15, rel=1e-12)
     tiny = make_model("base", dtype=torch.float32, randomize=False)
     assert tiny.estimate_mfu(4, 0.1) == tiny.estimate_mfu(4, 0.1, device.peak_flops("cpu", "bfloat16"))
+    # query/key heads of 256: the scores cost 6 L H 256 T, the values' product 6 L H 64 T
+    wide = build_on_meta(GPTConfig(n_layer=12, n_head=12, n_embd=768, block_size=1024, vocab_size=50304,
+                                   bias=True, qk_head_size=256))
+    per_token = 6 * wide.get_num_params() + 6 * 12 * 12 * (256 + 64) * 1024
+    assert wide.estimate_mfu(60, 0.5, 1e15) == pytest.approx(per_token * 1024 * 60 / 0.5 / 1e15, rel=1e-12)
 
 
 def build_on_meta(config):
