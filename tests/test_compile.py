@@ -102,14 +102,18 @@ GAUDI_ARGS = ('--device=hpu', '--max_iters=3', '--eval_interval=100', '--eval_it
 def test_train_auto_compiles_in_gaudi_eager_mode_and_prints_the_compile_time(tmp_path, fake_habana):
     """train.py's compile step on (fake) Gaudi in eager mode, whose 'hpu_backend' runs dynamo's
     graph as traced: compile='auto' compiles, prints the compile time, and the float32 losses equal
-    the uncompiled run's exactly."""
+    the uncompiled run's exactly. Eager mode has no mark_step, no FusedAdamW (CUDA-only here) and
+    never touches torch.cuda."""
     env, log = fake_habana
     env['PT_HPU_LAZY_MODE'] = '0'
     data = make_dataset(tmp_path)
     plain = run_train(tmp_path / 'plain', data, '--compile=False', *GAUDI_ARGS, env=env)
     assert 'hpu_backend' not in events(log)
     auto = run_train(tmp_path / 'auto', data, '--compile=auto', *GAUDI_ARGS, env=env)
-    assert 'hpu_backend' in events(log)
+    ev = events(log)
+    assert 'hpu_backend' in ev and 'mark_step' not in ev and 'FusedAdamW' not in ev
+    assert not [e for e in ev if e.startswith('cuda.')], ev
+    assert 'device hpu (float32)' in auto.stdout  # the test config asks for float32
     assert re.search(r"^compiled the training step in \d+\.\d s", auto.stdout, re.M), auto.stdout
     assert len(iter_losses(plain)) == 3 and iter_losses(auto) == iter_losses(plain)
 

@@ -269,14 +269,5 @@ def test_hpu_lazy_ddp_run(tmp_path, fake_habana):
     assert (tmp_path / 'out' / 'ckpt.pt').exists()
 
 
-@pytest.mark.skipif(HAS_HABANA, reason="a real habana_frameworks is installed")
-def test_hpu_eager_mode_compiles_with_hpu_backend(tmp_path, fake_habana):
-    env, log = fake_habana
-    env['PT_HPU_LAZY_MODE'] = '0'
-    data = make_dataset(tmp_path)
-    proc = run_train(tmp_path / 'out', data, '--device=hpu', '--compile=True', '--max_iters=1',
-                     '--eval_iters=1', env=env)
-    assert 'device hpu (float32)' in proc.stdout  # the test config asks for float32
-    ev = events(log)
-    assert 'hpu_backend' in ev and 'mark_step' not in ev and 'FusedAdamW' not in ev
-    assert not [e for e in ev if e.startswith('cuda.')], ev
+# Gaudi eager mode (hpu_backend, no mark_step, no FusedAdamW, no torch.cuda): test_compile.py's
+# test_train_auto_compiles_in_gaudi_eager_mode_and_prints_the_compile_time, one run for both files.
