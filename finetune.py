@@ -181,8 +181,9 @@ def merge_lora(model):
 
 def merged_checkpoint(ckpt):
     """checkpoint dict of a trainable='lora' run -> a plain checkpoint dict: adapters merged, plain
-    names, in the checkpoint's own dtype. It has no optimizer state (an empty one, so loaders that
-    expect the key work): continue training from it with init_from=<its dir>, not 'resume'."""
+    names, in the checkpoint's own dtype. Its optimizer is None, as grow.py's: Adam's moments of the
+    adapters do not fit the merged weights. init_from=<its dir> starts a new run from it; 'resume'
+    continues its iteration count and LR schedule with a fresh AdamW."""
     config = ckpt['config']
     if config.get('trainable') != 'lora':
         raise ValueError(f"this checkpoint is of a trainable={config.get('trainable', 'all')!r} run: it has no "
@@ -194,7 +195,7 @@ def merged_checkpoint(ckpt):
     merge_lora(model)
     resume_only = ('optimizer_param_names', 'rng', 'train_batches', 'scaler')  # a fresh start only
     return {**{k: v for k, v in ckpt.items() if k not in resume_only}, 'model': model.state_dict(),
-            'optimizer': {'state': {}, 'param_groups': []}, 'config': {**config, 'trainable': 'all'}}
+            'optimizer': None, 'config': {**config, 'trainable': 'all'}}
 
 
 def write_merged_checkpoint(out_dir):

@@ -444,9 +444,10 @@ scaler = grad_scaler(device, dtype)
 optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type(device))
 optimizer = fused_optimizer(optimizer, device)
 if init_from == 'resume':
-    if checkpoint['optimizer'] is None:  # grow.py's checkpoints: moments of other weights would not fit
+    if checkpoint['optimizer'] is None:  # grow.py's and --merge_lora's: moments of other weights would not fit
         if master_process:
-            print("the checkpoint has no optimizer state (grow.py changed its weights): AdamW starts fresh")
+            print("the checkpoint has no optimizer state (grow.py or --merge_lora changed its weights): "
+                  "AdamW starts fresh")
     else:
         try:  # by parameter name: nanoGPT's checkpoints order their optimizer state differently
             load_optimizer_state(optimizer, model, checkpoint)

@@ -124,6 +124,9 @@ def test_lora_starts_as_the_model_and_merges_to_the_same_logits_float64():
             'config': {'trainable': 'lora', **LORA}, 'optimizer': {}, 'iter_num': 3, 'best_val_loss': 1.0}
     merged = merged_checkpoint(ckpt)
     assert set(merged['model']) == set(base.state_dict())  # plain names: what sample.py / eval.py load
+    # no optimizer state, so init_from=resume starts AdamW fresh (the grown checkpoints' path, test_grow.py)
+    # instead of failing to match the adapters' moments to merged weights
+    assert merged['optimizer'] is None and merged['config']['trainable'] == 'all'
     plain = GPT(GPTConfig(**TINY_SHAPE)).to(F64)
     plain.load_state_dict(merged['model'])
     merged_logits = plain(idx, targets=idx)[0].detach()
