@@ -102,7 +102,7 @@ def causal_randn(shape, device=None, dtype=None):
     """
     T = shape[-1]
     h, m = (T + 1) // 2, T // 2
-    # one draw for both parts: two random calls could be reordered by torch.compile's tracing
+    # one draw for both parts: with a second, in-place draw on a view, torch.compile drew other numbers
     draws = torch.randn(*shape[:-2], T * h + m, device=device, dtype=dtype)
     left, diagonal = draws[..., :T * h].unflatten(-1, (T, h)), draws[..., T * h:]
     eps = torch.empty(shape, device=device, dtype=dtype)
