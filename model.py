@@ -94,11 +94,11 @@ def causal_mask(t_q, t_k, device):
 def causal_randn(shape, device=None, dtype=None):
     """N(0, 1) draws of shape (..., T, T) for scores under a causal mask, at half torch.randn's cost.
 
-    Only the lower triangle (key j <= query i) is ever seen, and drawing the numbers was a quarter
-    of NoiseFormer's step at T = 1024 (issue 17). So only the first h = ceil(T / 2) columns are
-    drawn; the bottom-right (T - h) x (T - h) block is the top-left one transposed (its strict lower
-    triangle is the top-left's strict upper triangle, hidden there) with a diagonal of its own.
-    Every visible entry is a different N(0, 1) draw; the hidden top-right block is 0.
+    Only the lower triangle (key j <= query i) is ever seen, and drawing the numbers was a third of
+    NoiseFormer's overhead over base at T = 1024 (issue 17). So only the first h = ceil(T / 2)
+    columns are drawn; the bottom-right (T - h) x (T - h) block is the top-left one transposed (its
+    strict lower triangle is the top-left's strict upper triangle, hidden there) with a diagonal of
+    its own. Every visible entry is a different N(0, 1) draw; the hidden top-right block is 0.
     """
     T = shape[-1]
     h, m = (T + 1) // 2, T // 2
