@@ -46,7 +46,7 @@ import time
 import torch
 
 from configurator import ConfigError, apply_config
-from device import (autocast_context, compile_model, cpu_tensor_peak, device_name, device_type,
+from denoised_gpt.device import (autocast_context, compile_model, cpu_tensor_peak, device_name, device_type,
                     fused_optimizer, grad_scaler, manual_seed, mark_step, max_memory_allocated, peak_flops,
                     resolve_compile, resolve_device, resolve_dtype, setup, spec_sheet_tflops,
                     synchronize)
@@ -137,7 +137,7 @@ ctx = autocast_context(device, dtype)
 # data: one fixed random batch (nanoGPT's real_data=False), or windows of a prepared dataset
 batches = None
 if dataset:
-    from batches import TokenBatches, load_meta
+    from denoised_gpt.batches import TokenBatches, load_meta
     data_dir = os.path.join('data', dataset)
     try:
         meta = load_meta(data_dir)

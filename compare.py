@@ -246,7 +246,7 @@ first_run = {}  # attn_type -> the run of its first seed: the one sampled
 for a, s, d in done:
     first_run.setdefault(a, d)
 texts = {a: sample_text(d) for a, d in first_run.items()} if samples else {}
-from compare_report import write_plots, write_report  # noqa: E402  (matplotlib: only when reporting)
+from denoised_gpt.compare_report import write_plots, write_report  # noqa: E402  (matplotlib: only when reporting)
 plots = write_plots(results, report_dir)
 write_report(report_dir, summary, results, failures, texts, plots, reading,
              dict(base_config=base_config, overrides=overrides, seeds=seeds, max_iters=max_iters,

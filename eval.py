@@ -35,10 +35,10 @@ import time
 
 import torch
 
-from batches import TokenBatches, load_meta
-from checkpoint import CheckpointError, load_checkpoint
+from denoised_gpt.batches import TokenBatches, load_meta
+from denoised_gpt.checkpoint import CheckpointError, load_checkpoint
 from configurator import ConfigError, apply_config, optional_bool
-from device import autocast_context, manual_seed, resolve_device, resolve_dtype, setup
+from denoised_gpt.device import autocast_context, manual_seed, resolve_device, resolve_dtype, setup
 from model import ATTENTION_TYPES, GPT, GPTConfig
 
 # -----------------------------------------------------------------------------
@@ -117,7 +117,7 @@ if not seed_list:
 if compare_to and not entropy:
     fail("compare_to compares attention entropy: add --entropy=True")
 if glue:
-    from evaluation import glue as glue_eval
+    from denoised_gpt.evaluation import glue as glue_eval
     try:
         glue_tasks = glue_eval.parse_tasks(glue)
     except glue_eval.GlueError as e:
@@ -243,7 +243,7 @@ if val_loss or entropy:
 # exact validation loss
 
 if val_loss:
-    from evaluation import exact_val_loss
+    from denoised_gpt.evaluation import exact_val_loss
     t0 = time.time()
     manual_seed(seed)  # NoiseFormer's noise draws
     try:
@@ -260,7 +260,7 @@ if val_loss:
 # attention entropy
 
 if entropy:
-    from evaluation.entropy import attention_entropy, entropy_summary, plot_entropy
+    from denoised_gpt.evaluation.entropy import attention_entropy, entropy_summary, plot_entropy
 
     def entropy_of(which_model, which_info):
         T = entropy_block_size or which_model.config.block_size
@@ -321,7 +321,7 @@ if glue:
 # lm-evaluation-harness
 
 if lm_eval:
-    from evaluation.lm_eval_adapter import run_lm_eval
+    from denoised_gpt.evaluation.lm_eval_adapter import run_lm_eval
     try:
         table, lm_results = run_lm_eval(model, tiktoken_gpt2(), [t.strip() for t in lm_eval.split(',') if t.strip()],
                                         batch_size=batch_size, device=device, ctx=ctx, limit=lm_eval_limit or None,

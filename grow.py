@@ -26,11 +26,11 @@ import time
 
 import torch
 
-import growth
-from batches import TokenBatches, load_meta
-from checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from denoised_gpt import growth
+from denoised_gpt.batches import TokenBatches, load_meta
+from denoised_gpt.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from configurator import ConfigError, apply_config
-from device import manual_seed, max_memory_allocated, resolve_device, setup, synchronize
+from denoised_gpt.device import manual_seed, max_memory_allocated, resolve_device, setup, synchronize
 from model import GPT, GPTConfig
 
 # -----------------------------------------------------------------------------

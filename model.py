@@ -907,7 +907,7 @@ class GPT(nn.Module):
         MFUs compare throughput; with wider query/key heads (qk_head_size) the scores' half of the
         attention term uses their size: 6 L H (Q_qk + Q) T."""
         if peak_flops is None:
-            from device import peak_flops as device_peak_flops  # the accelerator table lives there
+            from denoised_gpt.device import peak_flops as device_peak_flops  # the accelerator table lives there
             peak_flops = device_peak_flops(str(self.lm_head.weight.device), 'bfloat16')
         N = self.get_num_params()
         cfg = self.config

@@ -53,10 +53,10 @@ import time
 import tiktoken
 import torch
 
-from batches import load_meta, read_meta_pkl
-from checkpoint import CheckpointError, load_checkpoint
+from denoised_gpt.batches import load_meta, read_meta_pkl
+from denoised_gpt.checkpoint import CheckpointError, load_checkpoint
 from configurator import ConfigError, apply_config, optional_bool
-from device import autocast_context, manual_seed, resolve_device, resolve_dtype, setup, torch_dtype
+from denoised_gpt.device import autocast_context, manual_seed, resolve_device, resolve_dtype, setup, torch_dtype
 from model import ATTENTION_TYPES, GPT, GPTConfig
 
 # -----------------------------------------------------------------------------

@@ -38,16 +38,16 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from batches import TokenBatches, load_meta
-from checkpoint import (CheckpointError, capture_rng_state, checkpoint_path, load_checkpoint, load_optimizer_state,
+from denoised_gpt.batches import TokenBatches, load_meta
+from denoised_gpt.checkpoint import (CheckpointError, capture_rng_state, checkpoint_path, load_checkpoint, load_optimizer_state,
                         optimizer_param_names, restore_rng_state, save_checkpoint)
 from configurator import ConfigError, apply_config
-from device import (autocast_context, compile_model, ddp_backend, ddp_device_ids, device_type,
+from denoised_gpt.device import (autocast_context, compile_model, ddp_backend, ddp_device_ids, device_type,
                     fused_optimizer, grad_scaler, manual_seed, mark_step, max_memory_allocated, peak_flops,
                     resolve_compile, resolve_device, resolve_dtype, setup)
-from finetune import (LORA_KEYS, apply_trainable, check_finetune_settings, is_checkpoint, model_from_checkpoint,
+from denoised_gpt.finetune import (LORA_KEYS, apply_trainable, check_finetune_settings, is_checkpoint, model_from_checkpoint,
                       start_model_args, trainable_summary, write_merged_checkpoint)
-from lr_schedule import check_schedule, get_lr
+from denoised_gpt.lr_schedule import check_schedule, get_lr
 from model import GPT, GPTConfig
 
 # -----------------------------------------------------------------------------

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-import batches
-from batches import TokenBatches, load_meta
+from denoised_gpt import batches
+from denoised_gpt.batches import TokenBatches, load_meta
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from checkpoint import (NANOGPT_MODEL_ARGS, CheckpointError, capture_rng_state, load_checkpoint,
+from denoised_gpt.checkpoint import (NANOGPT_MODEL_ARGS, CheckpointError, capture_rng_state, load_checkpoint,
                         load_optimizer_state, optimizer_param_names, restore_rng_state, save_checkpoint)
 from model import GPT, GPTConfig
 
@@ -72,7 +72,7 @@ def test_process_killed_mid_save_leaves_checkpoint_intact(tmp_path):
     script = textwrap.dedent(f"""
         import os, signal, sys, torch
         sys.path.insert(0, {str(ROOT)!r})
-        from checkpoint import save_checkpoint
+        from denoised_gpt.checkpoint import save_checkpoint
         class KillDuringPickling:
             def __reduce__(self):
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -189,7 +189,7 @@ def test_files_saved_without_crcs_load_and_our_saves_always_have_them(tmp_path):
 SAVE_UNTIL_IT_FAILS = """
 import json, os, sys, torch
 sys.path.insert(0, {root!r})
-from checkpoint import CheckpointError, save_checkpoint
+from denoised_gpt.checkpoint import CheckpointError, save_checkpoint
 out = {out!r}
 def state(i, numel):
     return {{'model': {{'w': torch.full((numel,), float(i))}}, 'optimizer': {{}}, 'model_args': {{}},

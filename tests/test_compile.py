@@ -15,7 +15,7 @@ import torch
 from torch.nn import functional as F
 
 from configurator import apply_config
-from device import resolve_compile
+from denoised_gpt.device import resolve_compile
 from model import ATTENTION_TYPES, GPT, GPTConfig
 from test_device import HAS_HABANA, events, fake_habana  # noqa: F401  (a fixture)
 from test_train import ITER_LINE, make_dataset, run_train

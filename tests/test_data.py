@@ -16,7 +16,7 @@ import datasets
 import pytest
 import tiktoken
 
-from batches import TokenBatches, load_meta
+from denoised_gpt.batches import TokenBatches, load_meta
 
 ROOT = Path(__file__).resolve().parents[1]
 OWT = ROOT / "data" / "openwebtext" / "prepare.py"

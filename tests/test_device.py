@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import device
+from denoised_gpt import device
 from test_train import ROOT, make_dataset, run_train, subprocess_env
 
 HAS_CUDA = torch.cuda.is_available()

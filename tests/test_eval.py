@@ -15,9 +15,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from checkpoint import save_checkpoint
-from evaluation import exact_val_loss
-from evaluation.entropy import attention_entropy, normalised_row_entropy
+from denoised_gpt.checkpoint import save_checkpoint
+from denoised_gpt.evaluation import exact_val_loss
+from denoised_gpt.evaluation.entropy import attention_entropy, normalised_row_entropy
 from model import ATTENTION_TYPES, GPT, GPTConfig, split_heads
 
 # one xdist worker runs this whole file, so its module-scoped fixtures are built once (-n 2 --dist loadgroup)

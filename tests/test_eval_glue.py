@@ -16,8 +16,8 @@ import tiktoken
 import torch
 
 import gpt2_bpe
-from checkpoint import save_checkpoint
-from evaluation import final_hidden_states, glue
+from denoised_gpt.checkpoint import save_checkpoint
+from denoised_gpt.evaluation import final_hidden_states, glue
 from model import GPT, GPTConfig
 
 # one xdist worker runs this whole file, so its module-scoped fixtures are built once (-n 2 --dist loadgroup)

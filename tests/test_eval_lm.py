@@ -17,7 +17,7 @@ import pytest
 import tiktoken
 import torch
 
-from checkpoint import save_checkpoint
+from denoised_gpt.checkpoint import save_checkpoint
 from model import GPT
 
 # one xdist worker runs this whole file, so its module-scoped fixtures are built once (-n 2 --dist loadgroup)
@@ -94,7 +94,7 @@ metric_list:
 
 
 def adapter(model, batch_size=3):
-    from evaluation.lm_eval_adapter import NanoGPTLM
+    from denoised_gpt.evaluation.lm_eval_adapter import NanoGPTLM
     return NanoGPTLM(model, tiktoken.get_encoding('gpt2'), 'cpu', NO_AUTOCAST, batch_size=batch_size, max_gen_toks=16)
 
 
@@ -109,7 +109,7 @@ def per_doc_loglikelihoods(results, task):
 
 def test_adapter_matches_lm_evals_hf_model_on_a_local_multiple_choice_task(tiny_gpt2):
     import lm_eval
-    from evaluation.lm_eval_adapter import run_lm_eval
+    from denoised_gpt.evaluation.lm_eval_adapter import run_lm_eval
     table, ours = run_lm_eval(tiny_gpt2['ours'], tiktoken.get_encoding('gpt2'), ['tiny_mc'], batch_size=3,
                               device='cpu', ctx=NO_AUTOCAST, log_samples=True, task_manager=tiny_gpt2['task_manager'])
     theirs = lm_eval.simple_evaluate(model=hf_lm(tiny_gpt2['path']), tasks=['tiny_mc'],
@@ -147,7 +147,7 @@ def test_adapter_batches_do_not_change_loglikelihoods(tiny_gpt2):
 
 
 def test_unknown_task_names_get_a_suggestion(tiny_gpt2):
-    from evaluation.lm_eval_adapter import check_tasks
+    from denoised_gpt.evaluation.lm_eval_adapter import check_tasks
     check_tasks(tiny_gpt2['task_manager'], ['tiny_mc', 'hellaswag'])
     with pytest.raises(ValueError, match="unknown task 'tiny_mcc' \\(did you mean 'tiny_mc'\\?\\)"):
         check_tasks(tiny_gpt2['task_manager'], ['tiny_mcc'])

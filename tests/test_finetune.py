@@ -7,8 +7,8 @@ import shutil
 import pytest
 import torch
 
-from checkpoint import load_checkpoint, save_checkpoint
-from finetune import (apply_trainable, check_finetune_settings, merge_lora, merged_checkpoint, model_from_checkpoint, new_parameter_names,
+from denoised_gpt.checkpoint import load_checkpoint, save_checkpoint
+from denoised_gpt.finetune import (apply_trainable, check_finetune_settings, merge_lora, merged_checkpoint, model_from_checkpoint, new_parameter_names,
                       start_model_args)
 from model import GPT, GPTConfig
 from test_nanogpt_compat import BETAS, LR, WD, NanoConfig, NanoGPT, nano_checkpoint, train_steps

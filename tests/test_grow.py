@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import growth
-from checkpoint import load_checkpoint, save_checkpoint
+from denoised_gpt import growth
+from denoised_gpt.checkpoint import load_checkpoint, save_checkpoint
 from model import ATTENTION_TYPES, GPT, GPTConfig
 from test_train import ROOT, make_dataset, run_train
 

@@ -301,7 +301,7 @@ def test_gpt2_small_formula_figures():
 def test_estimate_mfu_palm_flops_and_nanogpt_call():
     """nanoGPT's GPT-2 small figure: 6N + 12 L H Q T FLOPs per token at N = 124M (non-embedding
     count), T = 1024; the two-argument call takes the device's bfloat16 peak."""
-    import device
+    from denoised_gpt import device
     config = GPTConfig(n_layer=12, n_head=12, n_embd=768, block_size=1024, vocab_size=50304, bias=True)
     model = build_on_meta(config)
     n = model.get_num_params()

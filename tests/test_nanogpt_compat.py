@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-from checkpoint import (NANOGPT_MODEL_ARGS, load_checkpoint, load_optimizer_state, optimizer_param_names,
+from denoised_gpt.checkpoint import (NANOGPT_MODEL_ARGS, load_checkpoint, load_optimizer_state, optimizer_param_names,
                         save_checkpoint)
 from model import ATTENTION_TYPES, GPT, GPTConfig
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from checkpoint import load_checkpoint, save_checkpoint
+from denoised_gpt.checkpoint import load_checkpoint, save_checkpoint
 from model import ATTENTION_TYPES, GPT, GPTConfig
 
 # one xdist worker runs this whole file, so its module-scoped fixtures are built once (-n 2 --dist loadgroup)

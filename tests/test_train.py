@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 import torch
 
-from checkpoint import load_checkpoint, save_checkpoint
+from denoised_gpt.checkpoint import load_checkpoint, save_checkpoint
 from configurator import apply_config
-from lr_schedule import check_schedule, get_lr
+from denoised_gpt.lr_schedule import check_schedule, get_lr
 from model import ATTENTION_TYPES, GPT, GPTConfig
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -22,7 +22,7 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
 from tqdm import tqdm
 
-from evaluation import final_hidden_states
+from denoised_gpt.evaluation import final_hidden_states
 from model import KVCache
 
 

@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from device import manual_seed
-from evaluation import final_hidden_states
+from denoised_gpt.device import manual_seed
+from denoised_gpt.evaluation import final_hidden_states
 
 CHUNK = 1024  # examples per cache file written during extraction: a kill loses at most this many
 FORMAT = 1  # bump when the feature computation changes, so old caches are not reused

@@ -20,7 +20,7 @@ import os
 
 import torch
 
-from checkpoint import CKPT_NAME, checkpoint_path, load_checkpoint, save_checkpoint
+from denoised_gpt.checkpoint import CKPT_NAME, checkpoint_path, load_checkpoint, save_checkpoint
 from model import ATTENTION_TYPES, GPT, GPTConfig
 
 TRAINABLE = ('all', 'new', 'lora')

@@ -1,0 +1,52 @@
+"""A checkpoint written before the code moved into the denoised_gpt package (tests/fixtures/ckpt-23a31c2,
+made by commit 23a31c2: see its README) still means the same run: it resumes to the losses that the
+uninterrupted run of that commit logged, and samples the text that commit's sample.py printed."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURE = ROOT / 'tests' / 'fixtures' / 'ckpt-23a31c2'
+EXPECTED = json.loads((FIXTURE / 'expected.json').read_text())
+CPU_FLOAT32 = ['--device=cpu', '--dtype=float32']  # the settings the fixture was made with
+
+
+def run(script, *args):
+    env = {**os.environ, 'OMP_NUM_THREADS': '1', 'WANDB_MODE': 'offline'}
+    proc = subprocess.run([sys.executable, script, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, f"{script} exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    return proc
+
+
+@pytest.fixture
+def old_run(tmp_path):
+    out = tmp_path / 'run'
+    out.mkdir()
+    shutil.copy(FIXTURE / 'ckpt.pt', out / 'ckpt.pt')
+    return out
+
+
+def test_old_checkpoint_resumes_to_the_uninterrupted_runs_losses(old_run):
+    run('train.py', '--init_from=resume', f'--out_dir={old_run}', f'--dataset={FIXTURE / "data"}',
+        '--compile=False', *CPU_FLOAT32)
+    rows = [json.loads(line) for line in (old_run / 'metrics.jsonl').read_text().splitlines()]
+    expected = EXPECTED['rows_after_resume']
+    assert [(r['iter'], 'val_loss' in r) for r in rows] == [(r['iter'], 'val_loss' in r) for r in expected]
+    for got, want in zip(rows, expected):
+        for key, value in want.items():
+            # the same arithmetic on the same kind of CPU gives the same bits; a tolerance far below
+            # what one more or one less training step changes allows for another CPU's float rounding
+            assert got[key] == pytest.approx(value, rel=1e-5, abs=1e-9), (got['iter'], key)
+
+
+def test_old_checkpoint_samples_the_same_text(old_run):
+    proc = run('sample.py', f'--out_dir={old_run}', f'--dataset={FIXTURE / "data"}', '--max_new_tokens=40',
+               '--start=abc', '--format=jsonl', *CPU_FLOAT32)
+    completions = [json.loads(line)['completion'] for line in proc.stdout.splitlines()]
+    assert completions == EXPECTED['samples']
