@@ -29,11 +29,12 @@ tensors held at once, read from torch.profiler's allocation trace (device.cpu_te
 that trace is missing, on Linux: the peak resident set size while the variant ran minus the size
 just before the model was built (reset through /proc/self/clear_refs, glibc's free memory handed
 back first), an upper bound that also counts allocator slack and oneDNN scratch space, and moves
-with them (issue 17: 1.24x to 1.36x base for the same variant in different runs). Elsewhere: n/a.
+with them (1.24x to 1.36x base for the same variant in different runs, measured on CPU). Elsewhere: n/a.
 """
 
 import contextlib
 import ctypes
+import dataclasses
 import gc
 import io
 import json
@@ -45,7 +46,7 @@ import time
 
 import torch
 
-from configurator import ConfigError, apply_config
+from denoised_gpt.cli import fail, read_config
 from denoised_gpt.device import (autocast_context, compile_model, cpu_tensor_peak, device_name, device_type,
                     fused_optimizer, grad_scaler, manual_seed, mark_step, max_memory_allocated, peak_flops,
                     resolve_compile, resolve_device, resolve_dtype, setup, spec_sheet_tflops,
@@ -95,18 +96,14 @@ SIZE_KEYS = ('batch_size', 'block_size', 'n_layer', 'n_head', 'n_embd')
 SMALL_DEVICE_SIZE = dict(batch_size=8, block_size=256, n_layer=4, n_head=4, n_embd=256)
 
 
-def fail(message):
-    """A setting that cannot work: say what and how to fix it, exit 2 (no traceback)."""
-    print(f"bench.py: error: {message}", file=sys.stderr)
-    sys.exit(2)
-
-
 given = set()  # the keys a config file or --key=value set
-try:
-    globals().update(apply_config(sys.argv[1:], {k: globals()[k] for k in config_keys}, script=__file__,
-                                  given=given))
-except ConfigError as e:
-    fail(e)
+globals().update(read_config(__file__, {k: globals()[k] for k in config_keys}, given))
+
+
+def model_config(attn_type):
+    """The GPTConfig of one variant: this script's settings that are GPTConfig fields, as they are now."""
+    return GPTConfig(attn_type=attn_type, **{f.name: globals()[f.name] for f in dataclasses.fields(GPTConfig)
+                                             if f.name in config_keys})
 
 variants = list(ATTENTION_TYPES) if attn_types == 'all' else [a.strip() for a in attn_types.split(',') if a.strip()]
 unknown = [a for a in variants if a not in ATTENTION_TYPES]
@@ -125,8 +122,7 @@ try:
     size_note = 'size as given' if given & set(SIZE_KEYS) else f'the default size on {device_type(device)}'
     compile_modes = [False, True] if compile == 'both' else [resolve_compile(compile, device)]
     for a in variants:  # every variant's shape checks before anything runs
-        GPTConfig(block_size=block_size, vocab_size=vocab_size, n_layer=n_layer, n_head=n_head,
-                  n_embd=n_embd, bias=bias, dropout=dropout, attn_type=a, qk_head_size=qk_head_size)
+        model_config(a)
 except ValueError as e:
     fail(f"{e}{' (or, in bench.py, --compile=both)' if str(e).startswith('compile=') else ''}")
 config = {k: globals()[k] for k in config_keys}
@@ -234,9 +230,7 @@ def memory_peak(baseline, step, model, optimizer):
 
 def build(attn_type):
     manual_seed(seed)
-    model = GPT(GPTConfig(block_size=block_size, vocab_size=vocab_size, n_layer=n_layer, n_head=n_head,
-                          n_embd=n_embd, bias=bias, dropout=dropout, attn_type=attn_type,
-                          qk_head_size=qk_head_size))
+    model = GPT(model_config(attn_type))
     model.to(device)
     return model
 

@@ -34,6 +34,10 @@ import torch
 from tqdm import tqdm
 
 from configurator import ConfigError, apply_config, script_defaults
+from denoised_gpt.checkpoint import full_model_args
+from denoised_gpt.cli import fail, read_config
+from denoised_gpt.evaluation import mean_std
+from denoised_gpt.run_dir import lock_out_dir
 from model import ATTENTION_TYPES, GPT, GPTConfig
 
 # -----------------------------------------------------------------------------
@@ -49,16 +53,7 @@ report_only = False  # only write the report from the runs already in out_dir
 # -----------------------------------------------------------------------------
 config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str, list))]
 
-
-def fail(message):
-    print(f"compare.py: error: {message}", file=sys.stderr)
-    sys.exit(2)
-
-
-try:
-    globals().update(apply_config(sys.argv[1:], {k: globals()[k] for k in config_keys}, script=__file__))
-except ConfigError as e:
-    fail(e)
+globals().update(read_config(__file__, {k: globals()[k] for k in config_keys}))
 unknown = [a for a in attn_types if a not in ATTENTION_TYPES]
 if unknown or not attn_types:
     fail(f"attn_types={attn_types!r}: {unknown or 'empty'}; choose from {', '.join(ATTENTION_TYPES)}")
@@ -171,7 +166,7 @@ def count_params(run_dir):
     (mmap: no tensor data is read)."""
     ckpt = torch.load(os.path.join(run_dir, 'ckpt.pt'), map_location='cpu', mmap=True, weights_only=True)
     with torch.device('meta'):
-        model = GPT(GPTConfig(**{**ckpt['model_args'], **ckpt.get('attn_args', {})}))
+        model = GPT(GPTConfig(**full_model_args(ckpt)))
     return model.get_num_params()
 
 
@@ -190,10 +185,6 @@ def run_results(attn_type, seed, run_dir):
     }
 
 
-def mean_std(values):
-    return statistics.mean(values), (statistics.stdev(values) if len(values) > 1 else None)
-
-
 def summarize(results):
     """Per attn_type: the seeds' numbers and their mean / std."""
     summary = {}
@@ -204,8 +195,7 @@ def summarize(results):
         s = {'seeds': [r['seed'] for r in rs], 'params': rs[0]['params']}
         for key in ('final_val_loss', 'best_val_loss', 'tokens_per_s', 'peak_memory_mib', 'train_time_s'):
             values = [r[key] for r in rs if r[key] is not None]
-            s[key] = {'values': values, 'mean': mean_std(values)[0] if values else None,
-                      'std': mean_std(values)[1] if values else None}
+            s[key] = mean_std(values)
         summary[attn_type] = s
     return summary
 
@@ -234,6 +224,10 @@ def sample_text(run_dir):
 
 
 # -----------------------------------------------------------------------------
+try:  # one sweep per out_dir at a time (its train.py runs each lock their own folder too)
+    sweep_lock = lock_out_dir(out_dir)
+except ValueError as e:
+    fail(e)
 failures = {} if report_only else train_all()
 done = [(a, s, d) for a, s, d in runs if finished(d)]
 if not done:

@@ -27,19 +27,14 @@ one draw per example, seeded); --glue_noise_draws=k averages the feature over k 
 need the GPT-2 vocabulary. See docs/eval.md.
 """
 
-import contextlib
 import json
 import os
-import sys
 import time
 
-import torch
-
 from denoised_gpt.batches import TokenBatches, load_meta
-from denoised_gpt.checkpoint import CheckpointError, load_checkpoint
-from configurator import ConfigError, apply_config, optional_bool
-from denoised_gpt.device import autocast_context, manual_seed, resolve_device, resolve_dtype, setup
-from model import ATTENTION_TYPES, GPT, GPTConfig
+from denoised_gpt.cli import (check_inference_source, fail, gpt2_encoding, load_model, log, noise_on,
+                              prepare_device, read_config)
+from denoised_gpt.device import autocast_context, manual_seed
 
 # -----------------------------------------------------------------------------
 init_from = 'resume'  # 'resume' (the checkpoint in out_dir) or a GPT-2 model name (gpt2, gpt2-medium, ...)
@@ -78,31 +73,11 @@ max_gen_toks = 256  # generate_until tasks: the most tokens generated per reques
 # -----------------------------------------------------------------------------
 config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str, list, type(None)))]
 
-
-def fail(message):
-    """A setting or input that cannot work: say what and how to fix it, exit 2 (no traceback)."""
-    print(f"eval.py: error: {message}", file=sys.stderr)
-    sys.exit(2)
-
-
-def log(message):
-    print(message, file=sys.stderr, flush=True)
-
-
-try:
-    globals().update(apply_config(sys.argv[1:], {k: globals()[k] for k in config_keys}, script=__file__))
-except ConfigError as e:
-    fail(e)
-try:
-    noise_at_eval = optional_bool('noise_at_eval', noise_at_eval)
-except ConfigError as e:
-    fail(e)
+globals().update(read_config(__file__, {k: globals()[k] for k in config_keys}, optional_bools=('noise_at_eval',)))
 if not (val_loss or entropy or glue or lm_eval):
     fail("nothing to evaluate: pass one or more of --val_loss=True, --entropy=True, --glue=all (or a list "
          "of tasks), --lm_eval=TASK[,TASK]")
-if init_from != 'resume' and not init_from.startswith('gpt2'):
-    fail(f"init_from={init_from!r} must be 'resume' (a checkpoint in out_dir) or a GPT-2 model name "
-         f"(gpt2, gpt2-medium, gpt2-large, gpt2-xl)")
+check_inference_source(init_from)
 for key in ('batch_size', 'entropy_batches', 'glue_epochs', 'glue_noise_draws', 'max_gen_toks'):
     if globals()[key] < 1:
         fail(f"{key}={globals()[key]} must be at least 1")
@@ -126,58 +101,26 @@ if glue:
 # -----------------------------------------------------------------------------
 # model(s)
 
-try:
-    device = resolve_device(device)
-    dtype = resolve_dtype(dtype, device)
-except ValueError as e:
-    fail(e)
-setup(device)
+device, dtype = prepare_device(device, dtype)
 ctx = autocast_context(device, dtype)
 
 
-def load_model(source, from_dir):
+def load(source, from_dir):
     """-> (model in eval mode on device, info dict). source: 'resume' (from_dir/ckpt.pt) or a gpt2 name."""
-    if source != 'resume':
-        if noise_at_eval is not None:
-            fail("noise_at_eval applies to NoiseFormer checkpoints only; GPT-2's weights are base attention")
-        try:
-            with contextlib.redirect_stdout(sys.stderr):  # from_pretrained prints progress
-                model = GPT.from_pretrained(source, dict(dropout=0.0))
-        except ImportError:
-            fail(f"init_from={source!r} needs the transformers package: pip install transformers")
-        except (OSError, ValueError) as e:
-            fail(f"cannot load the {source!r} weights: {e}")
+    model, ckpt = load_model(source, from_dir, noise_at_eval)
+    if ckpt is None:
         info = dict(name=source, attn_type='base', checkpoint=source, dataset=dataset or None, identity=source)
     else:
-        try:
-            ckpt = load_checkpoint(from_dir, map_location='cpu')
-        except FileNotFoundError as e:
-            fail(f"{e}\n(eval.py loads out_dir/ckpt.pt; for OpenAI's weights use --init_from=gpt2)")
-        except CheckpointError as e:
-            fail(e)
-        model_args = dict(ckpt['model_args'])
-        attn_type = model_args.get('attn_type', 'base')  # nanoGPT checkpoints have no attn_type
-        if noise_at_eval is not None:
-            if 'noise_at_eval' not in getattr(ATTENTION_TYPES.get(attn_type), 'config_fields', ()):
-                fail(f"noise_at_eval applies to NoiseFormer models only; {from_dir} is attn_type="
-                     f"{attn_type!r}: drop --noise_at_eval")
-            model_args['noise_at_eval'] = noise_at_eval
-        try:
-            model = GPT(GPTConfig(**model_args))
-            model.load_state_dict(ckpt['model'])
-        except (TypeError, ValueError, RuntimeError) as e:
-            fail(f"the checkpoint in {from_dir} does not build a model: {e}")
         path = os.path.join(from_dir, 'ckpt.pt') if os.path.isdir(from_dir) else from_dir
         stat = os.stat(path)
-        info = dict(name=os.path.basename(os.path.normpath(from_dir)), attn_type=attn_type, checkpoint=path,
-                    iter=int(ckpt['iter_num']), dataset=dataset or ckpt.get('config', {}).get('dataset'),
+        info = dict(name=os.path.basename(os.path.normpath(from_dir)), attn_type=model.config.attn_type,
+                    checkpoint=path, iter=int(ckpt['iter_num']),
+                    dataset=dataset or ckpt.get('config', {}).get('dataset'),
                     # the feature cache key: this file, as it is now
                     identity=f"{os.path.abspath(path)}:{stat.st_size}:{stat.st_mtime_ns}")
-    model.eval()
     model.to(device)
     info['params'] = model.get_num_params()
-    info['noise_on'] = bool(getattr(model.config, 'noise_at_eval', False) and
-                            'noise_at_eval' in ATTENTION_TYPES[info['attn_type']].config_fields)
+    info['noise_on'] = noise_on(model)
     data_dir = os.path.join('data', info['dataset']) if info['dataset'] else None
     try:
         meta = load_meta(data_dir) if data_dir and os.path.isdir(data_dir) else None
@@ -188,7 +131,7 @@ def load_model(source, from_dir):
     return model, info
 
 
-model, info = load_model(init_from, out_dir)
+model, info = load(init_from, out_dir)
 if not eval_dir:
     eval_dir = out_dir if init_from == 'resume' else f"eval-{init_from}"
 os.makedirs(eval_dir, exist_ok=True)
@@ -218,15 +161,6 @@ def needs_gpt2_vocabulary(what):
         fail(f"{what} needs the GPT-2 vocabulary, but this model has {model.config.vocab_size} token ids "
              f"(a char-level model, data {info['data_dir']}): evaluate a model trained on GPT-2 tokens "
              f"(e.g. openwebtext) or --init_from=gpt2")
-
-
-def tiktoken_gpt2():
-    import tiktoken
-    try:
-        return tiktoken.get_encoding("gpt2")
-    except Exception as e:  # tiktoken downloads its files once; offline that is a network error
-        fail(f"cannot load tiktoken's gpt2 encoding ({type(e).__name__}: {e}); it is downloaded on first "
-             f"use: connect once, or point TIKTOKEN_CACHE_DIR at a directory that holds its files")
 
 
 # every check that can fail quickly runs before any long computation
@@ -286,7 +220,7 @@ if entropy:
     plot_entropy([(info['name'], mine['entropy'])], os.path.join(eval_dir, 'entropy.png'))
     log(f"wrote {os.path.join(eval_dir, 'entropy.png')}")
     if compare_to:
-        other_model, other_info = load_model('resume', compare_to)
+        other_model, other_info = load('resume', compare_to)
         val_bin(other_info)
         theirs = entropy_of(other_model, other_info)
         del other_model
@@ -304,7 +238,7 @@ if glue:
     settings = dict(epochs=glue_epochs, lr=glue_lr, weight_decay=glue_weight_decay, batch_size=glue_batch_size,
                     max_examples=glue_max_examples, noise_draws=glue_noise_draws, seeds=seed_list)
     try:
-        glue_results = glue_eval.run(model, info, tiktoken_gpt2(), glue_tasks, glue_path,
+        glue_results = glue_eval.run(model, info, gpt2_encoding(), glue_tasks, glue_path,
                                      glue_cache_dir or os.path.join(eval_dir, 'glue_cache'), settings,
                                      extract_batch_size=batch_size, device=device, ctx=ctx, seed=seed,
                                      dtype=dtype, log=log)
@@ -323,7 +257,7 @@ if glue:
 if lm_eval:
     from denoised_gpt.evaluation.lm_eval_adapter import run_lm_eval
     try:
-        table, lm_results = run_lm_eval(model, tiktoken_gpt2(), [t.strip() for t in lm_eval.split(',') if t.strip()],
+        table, lm_results = run_lm_eval(model, gpt2_encoding(), [t.strip() for t in lm_eval.split(',') if t.strip()],
                                         batch_size=batch_size, device=device, ctx=ctx, limit=lm_eval_limit or None,
                                         num_fewshot=lm_eval_num_fewshot, include_path=lm_eval_include_path or None,
                                         max_gen_toks=max_gen_toks, seed=seed)

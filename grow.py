@@ -4,7 +4,7 @@ Widen the query/key heads of a trained `base` checkpoint to qk_head_size = grow_
 $ python3 grow.py --out_dir=out-narrow --grow_to=32 --method=closed_form --batches=8 --out=out-grown
 $ python3 train.py --init_from=resume --out_dir=out-grown --max_iters=3000
 
-Methods (the math is in growth.py and docs/grow.md):
+Methods (the math is in denoised_gpt/growth.py and docs/grow.md):
   closed_form  per layer and head, the least-squares product Z = X^+ B (X^+)^T with
                B = sqrt(d) S - step_size * dL/dS (a descent step on the scores), averaged over the
                sequences of `batches` training batches, then its best rank-grow_to factors (SVD)
@@ -20,8 +20,6 @@ the same figures go into the checkpoint under 'grow'.
 """
 
 import os
-import resource
-import sys
 import time
 
 import torch
@@ -29,8 +27,9 @@ import torch
 from denoised_gpt import growth
 from denoised_gpt.batches import TokenBatches, load_meta
 from denoised_gpt.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from configurator import ConfigError, apply_config
-from denoised_gpt.device import manual_seed, max_memory_allocated, resolve_device, setup, synchronize
+from denoised_gpt.cli import fail, read_config
+from denoised_gpt.device import manual_seed, resolve_device, setup, synchronize
+from denoised_gpt.run_dir import peak_memory_mib
 from model import GPT, GPTConfig
 
 # -----------------------------------------------------------------------------
@@ -52,12 +51,6 @@ config_keys = [k for k, v in globals().items() if not k.startswith('_') and isin
 
 
 COLLECT_DTYPES = {'float64': torch.float64, 'float32': torch.float32}
-
-
-def fail(message):
-    """Input that cannot work: one line saying what and how to fix it, exit 2 (no traceback)."""
-    print(f"grow.py: error: {message}", file=sys.stderr)
-    sys.exit(2)
 
 
 def parse_layers(text, n_layer):
@@ -106,20 +99,9 @@ def draw(data, count, key):
     return [data.get_batch(generator=g) for _ in range(count)]
 
 
-def peak_memory_mib(device):
-    peak = max_memory_allocated(device)
-    if peak is None:  # CPU: the process's peak resident size (an upper bound; includes torch itself)
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return peak / 2 ** 20
-
-
 def main():
     global device
-    try:
-        config = apply_config(sys.argv[1:], {k: globals()[k] for k in config_keys}, script=__file__)
-    except ConfigError as e:
-        fail(e)
-    globals().update(config)
+    globals().update(read_config(__file__, {k: globals()[k] for k in config_keys}))
     try:
         ckpt = load_checkpoint(out_dir, map_location='cpu')
     except (FileNotFoundError, CheckpointError) as e:

@@ -1,9 +1,12 @@
 """
 A GPT language model whose attention is chosen by `GPTConfig.attn_type`, in one file.
 
-Read top to bottom: the config (and its validation), the helpers every attention variant shares,
-one small class per variant and the registry that maps `attn_type` to it, then MLP, Block and GPT,
-which are nanoGPT's. Equations and design decisions: ../shared/spec/attention.md (and docs/).
+Read top to bottom: the config (and its validation); what every attention variant shares
+(AttentionBase) and the decoding cache; one small class per variant and the registry that maps
+`attn_type` to it; MLP, Block and GPT, which are nanoGPT's; and last the kernels: the helpers and
+autograd functions those classes call (head splitting, the causal SDPA calls, NoiseFormer's noise
+and its gradient, chunked linear attention, the fused lm_head + cross-entropy loss). Equations and
+design decisions: docs/attention.md.
 
 References:
 1) nanoGPT: https://github.com/karpathy/nanoGPT/blob/master/model.py
@@ -72,176 +75,7 @@ class GPTConfig:
 
 
 # ----------------------------------------------------------------------------------------------
-# Helpers shared by the attention variants
-
-def split_heads(t, n_head):
-    """(B, T, n_head * hs) -> (B, n_head, T, hs)"""
-    B, T, C = t.size()
-    return t.view(B, T, n_head, C // n_head).transpose(1, 2)
-
-
-def merge_heads(t):
-    """(B, n_head, T, hs) -> (B, T, n_head * hs)"""
-    B, nh, T, hs = t.size()
-    return t.transpose(1, 2).contiguous().view(B, T, nh * hs)
-
-
-def causal_mask(t_q, t_k, device):
-    """Boolean (t_q, t_k) mask, True where query i (at absolute position t_k - t_q + i) may look."""
-    return torch.ones(t_q, t_k, dtype=torch.bool, device=device).tril(diagonal=t_k - t_q)
-
-
-def causal_randn(shape, device=None, dtype=None):
-    """N(0, 1) draws of shape (..., T, T) for scores under a causal mask, at half torch.randn's cost.
-
-    Only the lower triangle (key j <= query i) is ever seen, and drawing the numbers was a third of
-    NoiseFormer's overhead over base at T = 1024 (issue 17). So only the first h = ceil(T / 2)
-    columns are drawn; the bottom-right (T - h) x (T - h) block is the top-left one transposed (its
-    strict lower triangle is the top-left's strict upper triangle, hidden there) with a diagonal of
-    its own. Every visible entry is a different N(0, 1) draw; the hidden top-right block is 0.
-    """
-    T = shape[-1]
-    h, m = (T + 1) // 2, T // 2
-    # one draw for both parts: with a second, in-place draw on a view, torch.compile drew other numbers
-    draws = torch.randn(*shape[:-2], T * h + m, device=device, dtype=dtype)
-    left, diagonal = draws[..., :T * h].unflatten(-1, (T, h)), draws[..., T * h:]
-    eps = torch.empty(shape, device=device, dtype=dtype)
-    eps[..., :h].copy_(left)
-    eps[..., :h, h:].zero_()
-    eps[..., h:, h:].copy_(left[..., :m, :m].transpose(-1, -2))
-    eps[..., h:, h:].diagonal(dim1=-2, dim2=-1).copy_(diagonal)
-    return eps
-
-
-def causal_attention(q, k, v, dropout_p=0.0, scale=None, score_bias=None):
-    """softmax(q k^T * scale + score_bias + M) v with one SDPA call (a fused kernel where possible).
-
-    The queries are the last t_q positions of the t_k keys, so the same call serves training
-    (t_q == t_k) and cached decoding (t_q < t_k). `score_bias` is an additive float tensor that
-    broadcasts to (B, H, t_q, t_k): NoiseFormer's noise.
-    """
-    t_q, t_k = q.size(-2), k.size(-2)
-    if score_bias is None:
-        if t_q == t_k:
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale)
-        mask = None if t_q == 1 else causal_mask(t_q, t_k, q.device)
-    else:
-        mask = score_bias.to(q.dtype).masked_fill(~causal_mask(t_q, t_k, q.device), float('-inf'))
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale)
-
-
-def causal_softmax_map(q, k, scale=None, score_bias=None):
-    """Analysis only (GPT.attention_maps): the (B, H, t, t) matrix softmax(q k^T * scale + bias + M) that
-    causal_attention never builds, in float32 at least. Training and generation never call this."""
-    q, k = upcast(q), upcast(k)
-    scores = (q @ k.transpose(-1, -2)) * (scale if scale is not None else 1.0 / math.sqrt(q.size(-1)))
-    if score_bias is not None:
-        scores = scores + upcast(score_bias)
-    mask = causal_mask(q.size(-2), k.size(-2), q.device)
-    return torch.softmax(scores.masked_fill(~mask, float('-inf')), dim=-1)
-
-
-def causal_attention_wide_values(q, k, v, dropout_p=0.0):
-    """causal_attention for values n times wider than the queries and keys (DIFF / DINT: 2d-wide
-    values on d-wide heads), with the same heads as q.
-
-    SDPA's fused kernels need one head size for q, k and v; with wider values it falls back to the
-    math path, which builds and keeps the (B, H, T, T) matrix (at block 1024 on CPU: 340 ms forward +
-    backward against 105 ms; issue 17). So each d-wide slice of the values gets its own fused call on
-    the same q and k, and the outputs are put side by side. Stacking the slices along the batch in
-    one call instead measured the same on CPU, but copies q and k, and the backward keeps the copies.
-    With attention dropout on, separate calls would drop a score for one slice and keep it for the
-    other: there the one wide call keeps one dropout mask per score.
-    """
-    d = q.size(-1)
-    if v.size(-1) == d or dropout_p > 0:
-        return causal_attention(q, k, v, dropout_p)
-    return torch.cat([causal_attention(q, k, v_slice) for v_slice in v.split(d, dim=-1)], dim=-1)
-
-
-def causal_attention_learned_noise(q, k, v, mu, sigma, eps, dropout_p=0.0, materialise=False):
-    """causal_attention with NoiseFormer's learned score noise: softmax(q k^T / sqrt(d) + mu + sigma *
-    eps + M) v, where eps is a fixed N(0, 1) draw broadcasting to (B, H, t_q, t_k) and mu, sigma hold
-    one value per noise head (1 or H).
-
-    As a float mask that requires grad (materialise=True, the reference), the noise forces SDPA onto
-    the math path, which keeps the (B, H, T, T) scores, the mask and their gradients (at block 1024
-    on CPU: 3.4x base's step; issue 17). But from them the loss needs one number per noise head,
-    dL/dsigma = sum(dS * eps) (dL/dmu = sum(dS) = 0). So the fused kernel runs with the noise as a
-    constant mask and gives dq, dk, dv itself, and NoiseScoreGradient gets dsigma from the saved eps
-    in row chunks. With attention dropout on, the dropped entries of the fused kernel's softmax are
-    unknown to the chunks: that case keeps the reference path. Without gradients (evaluation,
-    generation) the reference path is the fused kernel too.
-    """
-    n = mu.numel()
-    mu, sigma = mu.view(1, n, 1, 1), sigma.view(1, n, 1, 1)
-    needs_noise_grad = torch.is_grad_enabled() and (mu.requires_grad or sigma.requires_grad)
-    if materialise or dropout_p > 0 or not needs_noise_grad:
-        return causal_attention(q, k, v, dropout_p, score_bias=mu + sigma * eps)
-    with torch.no_grad():
-        # mu is left out: a constant added to a whole row does not change its softmax. sigma is cast
-        # to eps's dtype (bf16 under autocast: a 0.2% scale error at most, the mask entries are
-        # rounded to bf16 anyway) so that building the mask is one pass, not a float32 detour.
-        mask = eps.to(q.dtype) * sigma.to(q.dtype)
-        mask.masked_fill_(~causal_mask(q.size(-2), k.size(-2), q.device), float('-inf'))
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    return NoiseScoreGradient.apply(o, mu, sigma, q.detach(), k.detach(), v.detach(), mask, eps)
-
-
-NOISE_GRADIENT_ROWS = 128  # queries per chunk of NoiseScoreGradient: a few (B, H, 128, T) fp32 tensors
-
-
-class NoiseScoreGradient(torch.autograd.Function):
-    """Identity on the attention output o in the forward; in the backward, adds the gradients of mu
-    and sigma that the constant noise mask of causal_attention_learned_noise hides from autograd.
-
-    With P = softmax(S) the attention weights and dO the output's gradient, the scores' gradient is
-    dS_ij = P_ij (dO_i . v_j - D_i), D_i = dO_i . o_i (the softmax backward). So with W = P * eps,
-    dL/dsigma = sum(dS * eps) = sum_i dO_i . (W v)_i - D_i sum_j W_ij: one T x T product (W) and a
-    matmul, no dO v^T. W is built for NOISE_GRADIENT_ROWS queries at a time, over only the keys
-    those queries may see, in float32 at least: no (B, H, T, T) tensor is kept. dL/dmu is exactly
-    0 (softmax is unchanged by a constant added to a whole row; mu moves through the KL term only).
-    """
-    @staticmethod
-    def forward(ctx, o, mu, sigma, q, k, v, mask, eps):
-        ctx.save_for_backward(o, q, k, v, mask, eps)  # the fused kernel keeps all but eps anyway
-        ctx.noise_heads = mu.numel()
-        return o.view_as(o)
-
-    @staticmethod
-    def backward(ctx, grad_o):
-        o, q, k, v, mask, eps = ctx.saved_tensors
-        t_q, t_k = q.size(-2), k.size(-2)
-        d_o = upcast(grad_o)
-        q_scaled = q * (1.0 / math.sqrt(q.size(-1)))  # SDPA's default scale
-        D = (d_o * upcast(o)).sum(-1)  # (B, H, t_q)
-        d_sigma = torch.zeros(q.size(1), dtype=d_o.dtype, device=q.device)  # per attention head
-        for r0 in range(0, t_q, NOISE_GRADIENT_ROWS):
-            r1 = min(r0 + NOISE_GRADIENT_ROWS, t_q)
-            seen = t_k - t_q + r1  # keys beyond this are masked for every query of the chunk
-            scores = upcast(q_scaled[..., r0:r1, :] @ k[..., :seen, :].transpose(-1, -2))
-            w = torch.softmax(scores.add_(mask[..., r0:r1, :seen]), dim=-1).mul_(eps[..., r0:r1, :seen])
-            w_v = w @ upcast(v[..., :seen, :])
-            d_sigma += (d_o[..., r0:r1, :] * w_v).sum(dim=(0, 2, 3))
-            d_sigma -= (D[..., r0:r1] * w.sum(-1)).sum(dim=(0, 2))
-        n = ctx.noise_heads  # noiseformer_v1: one (mu, sigma) for all heads
-        d_sigma = d_sigma.view(n, -1).sum(1).view(1, n, 1, 1)
-        return grad_o, torch.zeros_like(d_sigma), d_sigma, None, None, None, None, None
-
-
-def append_to_cache(cache, **tensors):
-    """Concatenate new keys/values to a layer's decoding cache along time; return the full tensors."""
-    if cache is None:
-        return tuple(tensors.values())
-    for name, t in tensors.items():
-        cache[name] = t if name not in cache else torch.cat([cache[name], t], dim=-2)
-    return tuple(cache[name] for name in tensors)
-
-
-def upcast(t):
-    """Half-precision tensors to float32; float32/float64 unchanged (so float64 tests stay exact)."""
-    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
-
+# Attention: what every variant shares, and the decoding cache
 
 class KVCache:
     """Decoding state for GPT.generate: one dict per layer, filled by that layer's attention."""
@@ -433,7 +267,7 @@ class NoiseFormerV2Attention(NoiseFormerAttention):
     noise_heads = None  # = n_head
 
 
-class DifferentialAttention(AttentionBase):
+class TwoBranchAttention(AttentionBase):
     """What diff, dint and dint_lowrank share: two softmax branches A1, A2 over the same values,
     the re-parameterised lambda, a per-head RMSNorm and the (1 - lambda_init) output scale.
 
@@ -495,7 +329,7 @@ class DifferentialAttention(AttentionBase):
         return o[:, 0::2], o[:, 1::2]
 
 
-class DiffAttention(DifferentialAttention):
+class DiffAttention(TwoBranchAttention):
     """diff: O = (A1 - lambda A2) V; n_head ordinary heads pair up into n_head / 2 differential heads."""
 
     @classmethod
@@ -599,31 +433,6 @@ class LinearAttention(AttentionBase):
         return {'attn': scores / (scores.sum(-1, keepdim=True) + self.eps)}
 
 
-def chunked_linear_attention(q, k, v, chunk, eps, state=None):
-    """Causal linear attention on feature-mapped q, k (B, H, T, d) and v (B, H, T, e), in chunks:
-    prefix sums of per-chunk k^T v give every earlier chunk's contribution, a masked (chunk x chunk)
-    product gives the chunk's own. `state` = (S, z) from earlier tokens (decoding). Returns
-    (y, S, z) with S, z the state after the last token."""
-    B, H, T, d = q.shape
-    pad = (-T) % chunk
-    if pad:  # zero k, v rows contribute nothing (phi is applied before padding)
-        q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
-    n = (T + pad) // chunk
-    q, k, v = (t.view(B, H, n, chunk, t.size(-1)) for t in (q, k, v))
-    kv = k.transpose(-1, -2) @ v  # (B, H, n, d, e): each chunk's sum of k_j v_j^T
-    kz = k.sum(dim=-2)  # (B, H, n, d)
-    S_before = torch.cumsum(kv, dim=2) - kv  # exclusive prefix sums: everything before the chunk
-    z_before = torch.cumsum(kz, dim=2) - kz
-    if state is not None:
-        S_before = S_before + state[0].unsqueeze(2)
-        z_before = z_before + state[1].unsqueeze(2)
-    scores = (q @ k.transpose(-1, -2)).tril()  # (B, H, n, c, c), within-chunk causal
-    num = q @ S_before + scores @ v
-    den = (q @ z_before.unsqueeze(-1)).squeeze(-1) + scores.sum(-1)
-    y = (num / (den + eps).unsqueeze(-1)).view(B, H, n * chunk, -1)[:, :, :T]
-    return y, S_before[:, :, -1] + kv[:, :, -1], z_before[:, :, -1] + kz[:, :, -1]
-
-
 # attn_type -> class. The only place a variant is chosen; GPTConfig validates against it.
 ATTENTION_TYPES = {
     'base': CausalSelfAttention,
@@ -635,68 +444,6 @@ ATTENTION_TYPES = {
     'dint_lowrank': LowRankDintAttention,
     'linear': LinearAttention,
 }
-
-
-# ----------------------------------------------------------------------------------------------
-# The loss: lm_head + cross-entropy, fused and chunked
-
-class LMHeadCrossEntropy(torch.autograd.Function):
-    """Mean cross-entropy of x @ weight^T against targets (-1 ignored), the same numbers as
-    F.cross_entropy(lm_head(x)) (log-softmax in float32 on the matmul-dtype logits), but the float32
-    log-probabilities exist for `chunk` rows at a time only, and d loss / d logits = softmax - onehot
-    is written over the logits in the same pass: no (N, V) float32 tensors, no separate backward
-    pass over them. At vocab 50304 that was most of a small model's step on CPU."""
-
-    @staticmethod
-    def forward(ctx, x, weight, targets, compute_dtype, chunk, needs_grad):
-        xc, wc = x.to(compute_dtype), weight.to(compute_dtype)
-        logits = xc @ wc.t()  # (N, V) in the matmul dtype; becomes the gradient below
-        valid = targets != -1
-        n_valid = valid.sum().clamp_min(1)
-        safe = targets.clamp_min(0)
-        total = torch.zeros((), dtype=upcast(logits[:1, :1]).dtype, device=x.device)  # float32 at least
-        for s in range(0, logits.size(0), chunk):
-            g, t, v = logits[s:s + chunk], safe[s:s + chunk], valid[s:s + chunk]
-            rows = torch.arange(t.size(0), device=x.device)
-            logp = torch.log_softmax(upcast(g), dim=-1)
-            logp_t = logp[rows, t]
-            total -= (logp_t * v).sum()
-            if needs_grad:
-                torch.exp(logp, out=g)  # softmax
-                g[rows, t] = (logp_t.exp() - 1).to(g.dtype)  # minus the one-hot, in float32
-        if needs_grad:
-            if not bool(valid.all()):
-                logits[~valid] = 0
-            ctx.save_for_backward(logits, xc, wc, n_valid)
-            ctx.dtypes = (x.dtype, weight.dtype)
-        return total / n_valid
-
-    @staticmethod
-    def backward(ctx, grad_loss):
-        grad, xc, wc, n_valid = ctx.saved_tensors
-        scale = grad_loss / n_valid
-        gx = gw = None
-        if ctx.needs_input_grad[0]:
-            gx = (grad @ wc).to(ctx.dtypes[0]) * scale
-        if ctx.needs_input_grad[1]:
-            gw = (grad.t() @ (xc * scale.to(xc.dtype))).to(ctx.dtypes[1])
-        return gx, gw, None, None, None, None
-
-
-@torch.compiler.disable
-def lm_head_cross_entropy(x, weight, targets, chunk=32):
-    """(B, T, C) activations, the (V, C) lm_head weight, (B, T) targets -> mean CE (float32 scalar).
-    Under autocast the matmuls run in the autocast dtype, as lm_head would.
-
-    Kept out of torch.compile's graph (the blocks before it still compile into one graph): traced,
-    the Python chunk loop unrolls into hundreds of small kernels and `valid.all()` breaks the graph,
-    which made a compiled CPU step 15x slower than eager (issue 16); eager, this is already a few
-    large matmuls and in-place passes, which a compiler has little to fuse in."""
-    kind = x.device.type
-    compute_dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
-    needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-    return LMHeadCrossEntropy.apply(x.reshape(-1, x.size(-1)), weight, targets.reshape(-1),
-                                    compute_dtype, chunk, needs_grad)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -899,16 +646,14 @@ class GPT(nn.Module):
         print(f"using fused AdamW: {use_fused}")
         return optimizer
 
-    def estimate_mfu(self, fwdbwd_per_iter, dt, peak_flops=None):
+    def estimate_mfu(self, fwdbwd_per_iter, dt, peak_flops=312e12):
         """Model FLOPs utilisation: achieved FLOP/s over `peak_flops`, the device's peak for the
-        dtype in use. Left out (nanoGPT's two-argument call), it is device.peak_flops for bfloat16
-        on the device holding the model, where nanoGPT assumed an A100's bfloat16 peak. FLOPs per
-        token follow PaLM appendix B (6N + 12 L H Q T), the same formula for every variant, so
-        MFUs compare throughput; with wider query/key heads (qk_head_size) the scores' half of the
-        attention term uses their size: 6 L H (Q_qk + Q) T."""
-        if peak_flops is None:
-            from denoised_gpt.device import peak_flops as device_peak_flops  # the accelerator table lives there
-            peak_flops = device_peak_flops(str(self.lm_head.weight.device), 'bfloat16')
+        dtype in use. The scripts (train.py, bench.py) pass the peak of the device they run on
+        (the project's device.peak_flops); left out (nanoGPT's two-argument call), it is nanoGPT's
+        own assumption, an A100's bfloat16 peak of 312 TFLOP/s. FLOPs per token follow PaLM
+        appendix B (6N + 12 L H Q T), the same formula for every variant, so MFUs compare
+        throughput; with wider query/key heads (qk_head_size) the scores' half of the attention
+        term uses their size: 6 L H (Q_qk + Q) T."""
         N = self.get_num_params()
         cfg = self.config
         L, H, Q, T = cfg.n_layer, cfg.n_head, cfg.n_embd // cfg.n_head, cfg.block_size
@@ -947,3 +692,259 @@ class GPT(nn.Module):
                     idx_next = torch.multinomial(F.softmax(logits.float(), dim=-1), num_samples=1)
             idx = torch.cat((idx, idx_next), dim=1)
         return idx
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernels: the helpers and autograd functions the classes above call
+
+def split_heads(t, n_head):
+    """(B, T, n_head * hs) -> (B, n_head, T, hs)"""
+    B, T, C = t.size()
+    return t.view(B, T, n_head, C // n_head).transpose(1, 2)
+
+
+def merge_heads(t):
+    """(B, n_head, T, hs) -> (B, T, n_head * hs)"""
+    B, nh, T, hs = t.size()
+    return t.transpose(1, 2).contiguous().view(B, T, nh * hs)
+
+
+def causal_mask(t_q, t_k, device):
+    """Boolean (t_q, t_k) mask, True where query i (at absolute position t_k - t_q + i) may look."""
+    return torch.ones(t_q, t_k, dtype=torch.bool, device=device).tril(diagonal=t_k - t_q)
+
+
+def causal_randn(shape, device=None, dtype=None):
+    """N(0, 1) draws of shape (..., T, T) for scores under a causal mask, at half torch.randn's cost.
+
+    Only the lower triangle (key j <= query i) is ever seen, and drawing the numbers was a third of
+    NoiseFormer's overhead over base at T = 1024 (profiled on CPU). So only the first h = ceil(T / 2)
+    columns are drawn; the bottom-right (T - h) x (T - h) block is the top-left one transposed (its
+    strict lower triangle is the top-left's strict upper triangle, hidden there) with a diagonal of
+    its own. Every visible entry is a different N(0, 1) draw; the hidden top-right block is 0.
+    """
+    T = shape[-1]
+    h, m = (T + 1) // 2, T // 2
+    # one draw for both parts: with a second, in-place draw on a view, torch.compile drew other numbers
+    draws = torch.randn(*shape[:-2], T * h + m, device=device, dtype=dtype)
+    left, diagonal = draws[..., :T * h].unflatten(-1, (T, h)), draws[..., T * h:]
+    eps = torch.empty(shape, device=device, dtype=dtype)
+    eps[..., :h].copy_(left)
+    eps[..., :h, h:].zero_()
+    eps[..., h:, h:].copy_(left[..., :m, :m].transpose(-1, -2))
+    eps[..., h:, h:].diagonal(dim1=-2, dim2=-1).copy_(diagonal)
+    return eps
+
+
+def causal_attention(q, k, v, dropout_p=0.0, scale=None, score_bias=None):
+    """softmax(q k^T * scale + score_bias + M) v with one SDPA call (a fused kernel where possible).
+
+    The queries are the last t_q positions of the t_k keys, so the same call serves training
+    (t_q == t_k) and cached decoding (t_q < t_k). `score_bias` is an additive float tensor that
+    broadcasts to (B, H, t_q, t_k): NoiseFormer's noise.
+    """
+    t_q, t_k = q.size(-2), k.size(-2)
+    if score_bias is None:
+        if t_q == t_k:
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale)
+        mask = None if t_q == 1 else causal_mask(t_q, t_k, q.device)
+    else:
+        mask = score_bias.to(q.dtype).masked_fill(~causal_mask(t_q, t_k, q.device), float('-inf'))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale)
+
+
+def causal_softmax_map(q, k, scale=None, score_bias=None):
+    """Analysis only (GPT.attention_maps): the (B, H, t, t) matrix softmax(q k^T * scale + bias + M) that
+    causal_attention never builds, in float32 at least. Training and generation never call this."""
+    q, k = upcast(q), upcast(k)
+    scores = (q @ k.transpose(-1, -2)) * (scale if scale is not None else 1.0 / math.sqrt(q.size(-1)))
+    if score_bias is not None:
+        scores = scores + upcast(score_bias)
+    mask = causal_mask(q.size(-2), k.size(-2), q.device)
+    return torch.softmax(scores.masked_fill(~mask, float('-inf')), dim=-1)
+
+
+def causal_attention_wide_values(q, k, v, dropout_p=0.0):
+    """causal_attention for values n times wider than the queries and keys (DIFF / DINT: 2d-wide
+    values on d-wide heads), with the same heads as q.
+
+    SDPA's fused kernels need one head size for q, k and v; with wider values it falls back to the
+    math path, which builds and keeps the (B, H, T, T) matrix (at block 1024 on CPU: 340 ms forward +
+    backward against 105 ms). So each d-wide slice of the values gets its own fused call on
+    the same q and k, and the outputs are put side by side. Stacking the slices along the batch in
+    one call instead measured the same on CPU, but copies q and k, and the backward keeps the copies.
+    With attention dropout on, separate calls would drop a score for one slice and keep it for the
+    other: there the one wide call keeps one dropout mask per score.
+    """
+    d = q.size(-1)
+    if v.size(-1) == d or dropout_p > 0:
+        return causal_attention(q, k, v, dropout_p)
+    return torch.cat([causal_attention(q, k, v_slice) for v_slice in v.split(d, dim=-1)], dim=-1)
+
+
+def causal_attention_learned_noise(q, k, v, mu, sigma, eps, dropout_p=0.0, materialise=False):
+    """causal_attention with NoiseFormer's learned score noise: softmax(q k^T / sqrt(d) + mu + sigma *
+    eps + M) v, where eps is a fixed N(0, 1) draw broadcasting to (B, H, t_q, t_k) and mu, sigma hold
+    one value per noise head (1 or H).
+
+    As a float mask that requires grad (materialise=True, the reference), the noise forces SDPA onto
+    the math path, which keeps the (B, H, T, T) scores, the mask and their gradients (at block 1024
+    on CPU: 3.4x base's step). But from them the loss needs one number per noise head,
+    dL/dsigma = sum(dS * eps) (dL/dmu = sum(dS) = 0). So the fused kernel runs with the noise as a
+    constant mask and gives dq, dk, dv itself, and NoiseScoreGradient gets dsigma from the saved eps
+    in row chunks. With attention dropout on, the dropped entries of the fused kernel's softmax are
+    unknown to the chunks: that case keeps the reference path. Without gradients (evaluation,
+    generation) the reference path is the fused kernel too.
+    """
+    n = mu.numel()
+    mu, sigma = mu.view(1, n, 1, 1), sigma.view(1, n, 1, 1)
+    needs_noise_grad = torch.is_grad_enabled() and (mu.requires_grad or sigma.requires_grad)
+    if materialise or dropout_p > 0 or not needs_noise_grad:
+        return causal_attention(q, k, v, dropout_p, score_bias=mu + sigma * eps)
+    with torch.no_grad():
+        # mu is left out: a constant added to a whole row does not change its softmax. sigma is cast
+        # to eps's dtype (bf16 under autocast: a 0.2% scale error at most, the mask entries are
+        # rounded to bf16 anyway) so that building the mask is one pass, not a float32 detour.
+        mask = eps.to(q.dtype) * sigma.to(q.dtype)
+        mask.masked_fill_(~causal_mask(q.size(-2), k.size(-2), q.device), float('-inf'))
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return NoiseScoreGradient.apply(o, mu, sigma, q.detach(), k.detach(), v.detach(), mask, eps)
+
+
+NOISE_GRADIENT_ROWS = 128  # queries per chunk of NoiseScoreGradient: a few (B, H, 128, T) fp32 tensors
+
+
+class NoiseScoreGradient(torch.autograd.Function):
+    """Identity on the attention output o in the forward; in the backward, adds the gradients of mu
+    and sigma that the constant noise mask of causal_attention_learned_noise hides from autograd.
+
+    With P = softmax(S) the attention weights and dO the output's gradient, the scores' gradient is
+    dS_ij = P_ij (dO_i . v_j - D_i), D_i = dO_i . o_i (the softmax backward). So with W = P * eps,
+    dL/dsigma = sum(dS * eps) = sum_i dO_i . (W v)_i - D_i sum_j W_ij: one T x T product (W) and a
+    matmul, no dO v^T. W is built for NOISE_GRADIENT_ROWS queries at a time, over only the keys
+    those queries may see, in float32 at least: no (B, H, T, T) tensor is kept. dL/dmu is exactly
+    0 (softmax is unchanged by a constant added to a whole row; mu moves through the KL term only).
+    """
+    @staticmethod
+    def forward(ctx, o, mu, sigma, q, k, v, mask, eps):
+        ctx.save_for_backward(o, q, k, v, mask, eps)  # the fused kernel keeps all but eps anyway
+        ctx.noise_heads = mu.numel()
+        return o.view_as(o)
+
+    @staticmethod
+    def backward(ctx, grad_o):
+        o, q, k, v, mask, eps = ctx.saved_tensors
+        t_q, t_k = q.size(-2), k.size(-2)
+        d_o = upcast(grad_o)
+        q_scaled = q * (1.0 / math.sqrt(q.size(-1)))  # SDPA's default scale
+        D = (d_o * upcast(o)).sum(-1)  # (B, H, t_q)
+        d_sigma = torch.zeros(q.size(1), dtype=d_o.dtype, device=q.device)  # per attention head
+        for r0 in range(0, t_q, NOISE_GRADIENT_ROWS):
+            r1 = min(r0 + NOISE_GRADIENT_ROWS, t_q)
+            seen = t_k - t_q + r1  # keys beyond this are masked for every query of the chunk
+            scores = upcast(q_scaled[..., r0:r1, :] @ k[..., :seen, :].transpose(-1, -2))
+            w = torch.softmax(scores.add_(mask[..., r0:r1, :seen]), dim=-1).mul_(eps[..., r0:r1, :seen])
+            w_v = w @ upcast(v[..., :seen, :])
+            d_sigma += (d_o[..., r0:r1, :] * w_v).sum(dim=(0, 2, 3))
+            d_sigma -= (D[..., r0:r1] * w.sum(-1)).sum(dim=(0, 2))
+        n = ctx.noise_heads  # noiseformer_v1: one (mu, sigma) for all heads
+        d_sigma = d_sigma.view(n, -1).sum(1).view(1, n, 1, 1)
+        return grad_o, torch.zeros_like(d_sigma), d_sigma, None, None, None, None, None
+
+
+def append_to_cache(cache, **tensors):
+    """Concatenate new keys/values to a layer's decoding cache along time; return the full tensors."""
+    if cache is None:
+        return tuple(tensors.values())
+    for name, t in tensors.items():
+        cache[name] = t if name not in cache else torch.cat([cache[name], t], dim=-2)
+    return tuple(cache[name] for name in tensors)
+
+
+def upcast(t):
+    """Half-precision tensors to float32; float32/float64 unchanged (so float64 tests stay exact)."""
+    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
+
+
+def chunked_linear_attention(q, k, v, chunk, eps, state=None):
+    """Causal linear attention on feature-mapped q, k (B, H, T, d) and v (B, H, T, e), in chunks:
+    prefix sums of per-chunk k^T v give every earlier chunk's contribution, a masked (chunk x chunk)
+    product gives the chunk's own. `state` = (S, z) from earlier tokens (decoding). Returns
+    (y, S, z) with S, z the state after the last token."""
+    B, H, T, d = q.shape
+    pad = (-T) % chunk
+    if pad:  # zero k, v rows contribute nothing (phi is applied before padding)
+        q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+    n = (T + pad) // chunk
+    q, k, v = (t.view(B, H, n, chunk, t.size(-1)) for t in (q, k, v))
+    kv = k.transpose(-1, -2) @ v  # (B, H, n, d, e): each chunk's sum of k_j v_j^T
+    kz = k.sum(dim=-2)  # (B, H, n, d)
+    S_before = torch.cumsum(kv, dim=2) - kv  # exclusive prefix sums: everything before the chunk
+    z_before = torch.cumsum(kz, dim=2) - kz
+    if state is not None:
+        S_before = S_before + state[0].unsqueeze(2)
+        z_before = z_before + state[1].unsqueeze(2)
+    scores = (q @ k.transpose(-1, -2)).tril()  # (B, H, n, c, c), within-chunk causal
+    num = q @ S_before + scores @ v
+    den = (q @ z_before.unsqueeze(-1)).squeeze(-1) + scores.sum(-1)
+    y = (num / (den + eps).unsqueeze(-1)).view(B, H, n * chunk, -1)[:, :, :T]
+    return y, S_before[:, :, -1] + kv[:, :, -1], z_before[:, :, -1] + kz[:, :, -1]
+
+
+class LMHeadCrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy of x @ weight^T against targets (-1 ignored), the same numbers as
+    F.cross_entropy(lm_head(x)) (log-softmax in float32 on the matmul-dtype logits), but the float32
+    log-probabilities exist for `chunk` rows at a time only, and d loss / d logits = softmax - onehot
+    is written over the logits in the same pass: no (N, V) float32 tensors, no separate backward
+    pass over them. At vocab 50304 that was most of a small model's step on CPU."""
+
+    @staticmethod
+    def forward(ctx, x, weight, targets, compute_dtype, chunk, needs_grad):
+        xc, wc = x.to(compute_dtype), weight.to(compute_dtype)
+        logits = xc @ wc.t()  # (N, V) in the matmul dtype; becomes the gradient below
+        valid = targets != -1
+        n_valid = valid.sum().clamp_min(1)
+        safe = targets.clamp_min(0)
+        total = torch.zeros((), dtype=upcast(logits[:1, :1]).dtype, device=x.device)  # float32 at least
+        for s in range(0, logits.size(0), chunk):
+            g, t, v = logits[s:s + chunk], safe[s:s + chunk], valid[s:s + chunk]
+            rows = torch.arange(t.size(0), device=x.device)
+            logp = torch.log_softmax(upcast(g), dim=-1)
+            logp_t = logp[rows, t]
+            total -= (logp_t * v).sum()
+            if needs_grad:
+                torch.exp(logp, out=g)  # softmax
+                g[rows, t] = (logp_t.exp() - 1).to(g.dtype)  # minus the one-hot, in float32
+        if needs_grad:
+            if not bool(valid.all()):
+                logits[~valid] = 0
+            ctx.save_for_backward(logits, xc, wc, n_valid)
+            ctx.dtypes = (x.dtype, weight.dtype)
+        return total / n_valid
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad, xc, wc, n_valid = ctx.saved_tensors
+        scale = grad_loss / n_valid
+        gx = gw = None
+        if ctx.needs_input_grad[0]:
+            gx = (grad @ wc).to(ctx.dtypes[0]) * scale
+        if ctx.needs_input_grad[1]:
+            gw = (grad.t() @ (xc * scale.to(xc.dtype))).to(ctx.dtypes[1])
+        return gx, gw, None, None, None, None
+
+
+@torch.compiler.disable
+def lm_head_cross_entropy(x, weight, targets, chunk=32):
+    """(B, T, C) activations, the (V, C) lm_head weight, (B, T) targets -> mean CE (float32 scalar).
+    Under autocast the matmuls run in the autocast dtype, as lm_head would.
+
+    Kept out of torch.compile's graph (the blocks before it still compile into one graph): traced,
+    the Python chunk loop unrolls into hundreds of small kernels and `valid.all()` breaks the graph,
+    which made a compiled CPU step 15x slower than eager; eager, this is already a few
+    large matmuls and in-place passes, which a compiler has little to fuse in."""
+    kind = x.device.type
+    compute_dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
+    needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    return LMHeadCrossEntropy.apply(x.reshape(-1, x.size(-1)), weight, targets.reshape(-1),
+                                    compute_dtype, chunk, needs_grad)

@@ -47,17 +47,15 @@ import contextlib
 import json
 import os
 import re
-import sys
 import time
 
-import tiktoken
 import torch
 
 from denoised_gpt.batches import load_meta, read_meta_pkl
-from denoised_gpt.checkpoint import CheckpointError, load_checkpoint
-from configurator import ConfigError, apply_config, optional_bool
-from denoised_gpt.device import autocast_context, manual_seed, resolve_device, resolve_dtype, setup, torch_dtype
-from model import ATTENTION_TYPES, GPT, GPTConfig
+from denoised_gpt.cli import (check_inference_source, fail, gpt2_encoding, load_model, log, noise_on,
+                              prepare_device, read_config)
+from denoised_gpt.device import autocast_context, manual_seed, torch_dtype
+from model import ATTENTION_TYPES
 
 # -----------------------------------------------------------------------------
 init_from = 'resume'  # either 'resume' (from an out_dir) or a gpt2 variant (e.g. 'gpt2-xl')
@@ -79,25 +77,7 @@ dataset = ''  # char-level models: the data/ folder with meta.pkl (default: the 
 config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str, type(None)))]
 FORMATS = ('text', 'markdown', 'latex', 'jsonl')
 
-
-def fail(message):
-    """A setting or input that cannot work: say what and how to fix it, exit 2 (no traceback)."""
-    print(f"sample.py: error: {message}", file=sys.stderr)
-    sys.exit(2)
-
-
-def log(message):
-    print(message, file=sys.stderr)
-
-
-try:
-    globals().update(apply_config(sys.argv[1:], {k: globals()[k] for k in config_keys}, script=__file__))
-except ConfigError as e:
-    fail(e)
-try:
-    noise_at_eval = optional_bool('noise_at_eval', noise_at_eval)
-except ConfigError as e:
-    fail(e)
+globals().update(read_config(__file__, {k: globals()[k] for k in config_keys}, optional_bools=('noise_at_eval',)))
 if format not in FORMATS:
     fail(f"format={format!r} is not one of {', '.join(FORMATS)}")
 for key in ('num_samples', 'max_new_tokens'):
@@ -105,9 +85,7 @@ for key in ('num_samples', 'max_new_tokens'):
         fail(f"{key}={globals()[key]} must be at least 1")
 if temperature < 0 or top_k < 0:
     fail(f"temperature={temperature} and top_k={top_k} must not be negative (top_k=0 keeps all tokens)")
-if init_from != 'resume' and not init_from.startswith('gpt2'):
-    fail(f"init_from={init_from!r} must be 'resume' (a checkpoint in out_dir) or a GPT-2 model name "
-         f"(gpt2, gpt2-medium, gpt2-large, gpt2-xl)")
+check_inference_source(init_from)
 
 # -----------------------------------------------------------------------------
 # prompts first: a typo in a file name should not cost a model load
@@ -142,54 +120,12 @@ else:
 # -----------------------------------------------------------------------------
 # model
 
-try:
-    device = resolve_device(device)
-    dtype = resolve_dtype(dtype, device)
-except ValueError as e:
-    fail(e)
-setup(device)
+device, dtype = prepare_device(device, dtype)
 
-checkpoint = None
-if init_from == 'resume':
-    try:
-        checkpoint = load_checkpoint(out_dir, map_location='cpu')
-    except FileNotFoundError as e:
-        fail(f"{e}\n(sample.py loads out_dir/ckpt.pt with init_from='resume'; for OpenAI's weights "
-             f"use --init_from=gpt2)")
-    except CheckpointError as e:
-        fail(e)
-    model_args = dict(checkpoint['model_args'])
-    attn_type = model_args.get('attn_type', 'base')  # nanoGPT checkpoints have no attn_type
-else:
-    model_args = None
-    attn_type = 'base'
-if noise_at_eval is not None:
-    if attn_type not in ATTENTION_TYPES or 'noise_at_eval' not in ATTENTION_TYPES[attn_type].config_fields:
-        users = ' / '.join(k for k, cls in ATTENTION_TYPES.items() if 'noise_at_eval' in cls.config_fields)
-        fail(f"noise_at_eval applies to NoiseFormer models ({users}) only; this model is "
-             f"attn_type={attn_type!r}: drop --noise_at_eval")
-
-if checkpoint is not None:
-    if noise_at_eval is not None:
-        model_args['noise_at_eval'] = noise_at_eval
-    if 'noise_per_sample' in getattr(ATTENTION_TYPES.get(attn_type), 'config_fields', ()):
-        # the completions of a prompt are one batch: give each its own noise draw, as if it had been
-        # generated alone (a shared draw would correlate them; see the top of this file)
-        model_args['noise_per_sample'] = True
-    try:
-        model = GPT(GPTConfig(**model_args))
-        model.load_state_dict(checkpoint['model'])
-    except (TypeError, ValueError, RuntimeError) as e:
-        fail(f"the checkpoint in {out_dir} does not build a model: {e}")
-else:
-    try:
-        with contextlib.redirect_stdout(sys.stderr):  # from_pretrained prints progress
-            model = GPT.from_pretrained(init_from, dict(dropout=0.0))
-    except ImportError:
-        fail(f"init_from={init_from!r} needs the transformers package: pip install transformers")
-    except (OSError, ValueError) as e:
-        fail(f"cannot load the {init_from!r} weights: {e}")
-model.eval()
+# the completions of a prompt are one batch: give each its own noise draw, as if it had been generated
+# alone (a shared draw would correlate them; see the top of this file)
+model, checkpoint = load_model(init_from, out_dir, noise_at_eval, model_overrides=dict(noise_per_sample=True))
+attn_type = model.config.attn_type
 model.to(device)
 
 # modules whose weights model.py uses at the activations' precision; every other parameter (DIFF/DINT
@@ -222,7 +158,6 @@ if checkpoint is not None:
 else:
     model_info = dict(attn_type=attn_type, checkpoint=init_from, iter=None, best_val_loss=None)
 model_info['params'] = model.get_num_params()
-noise_on = 'noise_at_eval' in ATTENTION_TYPES[attn_type].config_fields and model.config.noise_at_eval
 
 # -----------------------------------------------------------------------------
 # tokenizer: the char-level vocabulary of the checkpoint's dataset (meta.pkl), else GPT-2's BPE
@@ -276,11 +211,7 @@ else:
         log(f"GPT-2 encodings (the tokenizer named in {meta_dir}/meta.json)")
     else:
         log("no meta.pkl found, assuming GPT-2 encodings...")
-    try:
-        enc = tiktoken.get_encoding("gpt2")
-    except Exception as e:  # tiktoken downloads its files once; offline that is a network error
-        fail(f"cannot load tiktoken's gpt2 encoding ({type(e).__name__}: {e}); it is downloaded on first "
-             f"use: connect once, or point TIKTOKEN_CACHE_DIR at a directory that holds its files")
+    enc = gpt2_encoding()
     eot = enc.eot_token
 
 
@@ -380,7 +311,7 @@ def model_sentence(tt, quote):
 def sampling_sentence():
     s = (f"{num_samples} completion{'s' if num_samples > 1 else ''} per prompt, {max_new_tokens} new tokens each, temperature "
          f"{temperature:g}, top-k {top_k if top_k else 'off'}, seed {seed}")
-    if noise_on:
+    if noise_on(model):
         s += ", NoiseFormer attention noise on"
     elif 'noise_at_eval' in ATTENTION_TYPES[attn_type].config_fields:
         s += ", NoiseFormer attention noise off (noise_at_eval=False)"
@@ -424,7 +355,7 @@ def render_prompt(i, prompt, prompt_ids, completions):
         return '\n'.join(json.dumps(dict(prompt_index=i, prompt=prompt, sample=j, completion=plain(c),
                                          **model_info, max_new_tokens=max_new_tokens,
                                          temperature=temperature, top_k=top_k or None, seed=seed + i,
-                                         noise_on=bool(noise_on)), ensure_ascii=False)
+                                         noise_on=noise_on(model)), ensure_ascii=False)
                          for j, c in enumerate(completions))
     full = '\n' not in prompt.strip('\n') and len(prompt) <= 80  # the heading shows all of it
     if format == 'markdown':

@@ -25,29 +25,28 @@ over the ranks, so val losses compare across evals, runs and attention variants.
 """
 
 import dataclasses
-import json
 import os
-import netrc
-import signal
 import sys
-import tempfile
 import time
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from denoised_gpt.batches import TokenBatches, load_meta
-from denoised_gpt.checkpoint import (CheckpointError, capture_rng_state, checkpoint_path, load_checkpoint, load_optimizer_state,
-                        optimizer_param_names, restore_rng_state, save_checkpoint)
-from configurator import ConfigError, apply_config
+from denoised_gpt.checkpoint import (CheckpointError, capture_rng_state, load_checkpoint, optimizer_param_names,
+                                     restore_training_state, save_checkpoint)
+from denoised_gpt.cli import fail, load_gpt2, read_config
 from denoised_gpt.device import (autocast_context, compile_model, ddp_backend, ddp_device_ids, device_type,
-                    fused_optimizer, grad_scaler, manual_seed, mark_step, max_memory_allocated, peak_flops,
-                    resolve_compile, resolve_device, resolve_dtype, setup)
-from denoised_gpt.finetune import (LORA_KEYS, apply_trainable, check_finetune_settings, is_checkpoint, model_from_checkpoint,
-                      start_model_args, trainable_summary, write_merged_checkpoint)
-from denoised_gpt.lr_schedule import check_schedule, get_lr
+                                 fused_optimizer, grad_scaler, manual_seed, mark_step, peak_flops, resolve_compile,
+                                 resolve_device, resolve_dtype, setup)
+from denoised_gpt.finetune import (apply_trainable, is_checkpoint, model_from_checkpoint, start_model_args,
+                                   trainable_summary, write_merged_checkpoint)
+from denoised_gpt.lr_schedule import get_lr
+from denoised_gpt.run_dir import (StopRequest, clear_for_new_run, lock_out_dir, log_metrics, peak_memory_mib,
+                                  start_wandb, trim_metrics, wandb_learned_values)
+from denoised_gpt.training import (MODEL_KEYS, batch_seed, check_training_settings, compile_training_step,
+                                   resumed_config, resumed_model_args)
 from model import GPT, GPTConfig
 
 # -----------------------------------------------------------------------------
@@ -115,91 +114,24 @@ backend = 'auto'  # DDP backend: 'auto' follows the device (nccl / hccl / gloo)
 seed = 1337  # initial weights, data order and noise all follow from it (a non-negative int)
 # -----------------------------------------------------------------------------
 config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str, type(None)))]
-
-
-def fail(message):
-    """A setting or input that cannot work: say what and how to fix it, exit 2 (no traceback)."""
-    print(f"train.py: error: {message}", file=sys.stderr)
-    sys.exit(2)
-
-
 given = set()  # the keys a config file or --key=value set (even to the default's value)
-try:
-    config = apply_config(sys.argv[1:], {k: globals()[k] for k in config_keys}, script=__file__, given=given)
-except ConfigError as e:
-    fail(e)
+config = read_config(__file__, {k: globals()[k] for k in config_keys}, given)
 globals().update(config)  # config is also useful for logging and checkpoints
 # -----------------------------------------------------------------------------
 
-# Resuming continues the checkpoint's run: every setting it was trained with (batch size, data,
-# schedule, ...) comes from the checkpoint unless given again; the machine-level ones stay this run's.
-NOT_RESUMED = ('init_from', 'out_dir', 'eval_only', 'device', 'dtype', 'compile', 'backend', 'merge_lora')
-# what trains decides what the optimizer holds: a resumed run keeps the checkpoint's
-FIXED_ON_RESUME = ('trainable',) + LORA_KEYS
-# model settings that change how the model runs, not what its weights mean: a resumed run may change
-# them; the other model settings must match the checkpoint's (checked once the model is built)
-RUNTIME_MODEL_ARGS = ('dropout', 'noise_at_eval', 'linear_chunk_size')
-ARCHITECTURE_KEYS = {f.name for f in dataclasses.fields(GPTConfig)} - set(RUNTIME_MODEL_ARGS)
 checkpoint = None
 resume_changes = []  # given settings that differ from the resumed checkpoint's
-if init_from == 'resume':
+if init_from == 'resume':  # every setting the run was trained with comes from its checkpoint unless given
     if not out_dir:
         fail("out_dir='' is empty: name the directory that holds ckpt.pt")
     try:
         checkpoint = load_checkpoint(out_dir, map_location='cpu')
-    except (FileNotFoundError, CheckpointError) as e:
+        config, resume_changes = resumed_config(checkpoint['config'], config, given, out_dir)
+    except (FileNotFoundError, CheckpointError, ValueError) as e:
         fail(e)
-    saved_config = {k: v for k, v in checkpoint['config'].items() if k in config and k not in NOT_RESUMED}
-    resume_changes = [f"  {k}: checkpoint {saved_config[k]!r}, this run {config[k]!r}" for k in sorted(given)
-                      if k in saved_config and saved_config[k] != config[k] and k not in ARCHITECTURE_KEYS]
-    fixed = [f"  {k}: checkpoint {saved_config[k]!r}, this run {config[k]!r}" for k in FIXED_ON_RESUME
-             if k in given and k in saved_config and saved_config[k] != config[k]]
-    if fixed:
-        fail("init_from='resume' continues the checkpoint's run, whose optimizer holds what it trained; these "
-             "settings cannot change:\n" + "\n".join(fixed) + f"\nStart a new run from it instead: "
-             f"--init_from={out_dir} --out_dir=<a new directory>")
-    config.update({k: v for k, v in saved_config.items() if k not in given})
     globals().update(config)
-
-
-def check_settings():
-    """Settings that cannot work (or would silently train nonsense): ValueError before any work."""
-    if decay_lr:
-        check_schedule(learning_rate, warmup_iters, lr_decay_iters, min_lr)
-    for key in ('eval_interval', 'log_interval', 'eval_iters', 'gradient_accumulation_steps', 'batch_size',
-                'block_size', 'n_layer', 'n_head', 'n_embd', 'max_skipped_steps'):
-        if globals()[key] < 1:
-            raise ValueError(f"{key}={globals()[key]} must be at least 1")
-    for key in ('max_iters', 'grad_clip', 'weight_decay', 'kl_weight', 'warmup_iters'):
-        if not globals()[key] >= 0:  # also catches nan
-            raise ValueError(f"{key}={globals()[key]} must not be negative" +
-                             (" (0 turns clipping off)" if key == 'grad_clip' else ""))
-    if not learning_rate > 0:
-        raise ValueError(f"learning_rate={learning_rate} must be positive")
-    for key in ('beta1', 'beta2', 'dropout'):
-        if not 0 <= globals()[key] < 1:
-            raise ValueError(f"{key}={globals()[key]} must be in [0, 1)")
-    if not 0 <= seed < 2 ** 63:
-        raise ValueError(f"seed={seed} must be a non-negative integer below 2**63")
-    if not out_dir.strip():
-        raise ValueError("out_dir='' is empty: name a directory for the checkpoints, e.g. --out_dir=out")
-    if nonfinite not in ('stop', 'skip'):
-        raise ValueError(f"nonfinite={nonfinite!r} must be 'stop' or 'skip'")
-    if init_from not in ('scratch', 'resume') and not init_from.startswith('gpt2') and not os.path.isdir(init_from) \
-            and not is_checkpoint(init_from):
-        raise ValueError(f"init_from={init_from!r} must be 'scratch', 'resume', a GPT-2 model name (gpt2, "
-                         f"gpt2-medium, gpt2-large, gpt2-xl), a checkpoint file or out_dir to start from, "
-                         f"or a local directory saved by transformers")
-    check_finetune_settings(trainable, init_from, given, lora_rank, lora_alpha, lora_dropout, lora_targets)
-    if is_checkpoint(init_from) and os.path.isdir(out_dir) and \
-            os.path.samefile(os.path.dirname(checkpoint_path(init_from)) or '.', out_dir):
-        # the new run's first save would replace the checkpoint it starts from
-        raise ValueError(f"init_from={init_from!r} is in out_dir={out_dir!r}: a new run writes its own checkpoints "
-                         f"there; choose another --out_dir (or --init_from=resume to continue that run)")
-
-
 try:
-    check_settings()
+    check_training_settings(config, given)
     device = resolve_device(device)
 except ValueError as e:
     fail(e)
@@ -242,93 +174,9 @@ try:
 except ValueError as e:
     fail(e)
 
-
-def prepare_out_dir():
-    """Make out_dir and check it is writable now, not at the first save thousands of iterations later.
-    A new run never destroys another run's checkpoint there: it is moved aside unless overwrite=True."""
-    try:
-        os.makedirs(out_dir, exist_ok=True)
-        with tempfile.TemporaryFile(dir=out_dir):
-            pass
-    except OSError as e:
-        fail(f"out_dir={out_dir!r} is not a writable directory ({e.strerror or e}): fix its permissions "
-             f"or choose another --out_dir")
-    if init_from == 'resume' or eval_only:
-        return
-    old = [os.path.join(out_dir, name) for name in ('ckpt.pt', 'ckpt.prev.pt', METRICS_NAME)]
-    had_checkpoint = os.path.exists(old[0])
-    if not had_checkpoint or overwrite:
-        for path in old:  # with no checkpoint, a metrics log is from a run that never saved: not ours
-            if os.path.exists(path):
-                os.remove(path)
-        if had_checkpoint:
-            print(f"overwrite=True: deleted the previous run's checkpoint in {out_dir}")
-        return
-    aside = tempfile.mkdtemp(prefix=time.strftime('replaced-%Y%m%d-%H%M%S-'), dir=out_dir)  # a new name every time
-    for path in old:
-        if os.path.exists(path):
-            os.replace(path, os.path.join(aside, os.path.basename(path)))
-    print(f"{out_dir} held another run's checkpoint: moved it to {aside}/ so this new run does not "
-          f"replace it (to continue that run instead, use --init_from=resume; --overwrite=True deletes it)")
-
-
-# out_dir/metrics.jsonl: one JSON line per logged iteration and per evaluation, for compare.py and
-# plots. Resume-safe: a resumed run first drops the rows written after its checkpoint.
-METRICS_NAME = 'metrics.jsonl'
-metrics_path = os.path.join(out_dir, METRICS_NAME)
-
-
-def trim_metrics_log(resumed_iter):
-    """Keep the rows the checkpoint had seen: iterations before resumed_iter, evaluations up to it."""
-    if not os.path.exists(metrics_path):
-        return
-    with open(metrics_path) as f:
-        lines = f.read().splitlines()
-    keep = []
-    for line in lines:
-        try:
-            row = json.loads(line)
-        except ValueError:  # the last line of a killed run may be cut short
-            continue
-        if row['iter'] < resumed_iter or (row['iter'] == resumed_iter and 'val_loss' in row):
-            keep.append(line)
-    with open(metrics_path + '.tmp', 'w') as f:
-        f.write(''.join(line + '\n' for line in keep))
-    os.replace(metrics_path + '.tmp', metrics_path)
-
-
-def peak_memory_mib():
-    """Peak tensor memory on CUDA / Gaudi; on CPU the process's peak resident size (an upper bound)."""
-    peak = max_memory_allocated(device)
-    if peak is None:
-        try:
-            import resource  # Unix only
-        except ImportError:
-            return None
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-    return peak / 2 ** 20
-
-
-def log_metrics(row):
-    with open(metrics_path, 'a') as f:
-        f.write(json.dumps(row) + '\n')
-
-
 if master_process:
     print(f"device {device} ({dtype}), {ddp_world_size} process(es)")
-    prepare_out_dir()
-    if init_from == 'resume' and not eval_only:
-        trim_metrics_log(checkpoint['iter_num'])
-    if resume_changes:
-        print("resuming with these settings changed from the checkpoint's (the others are the checkpoint's):\n"
-              + "\n".join(resume_changes))
 ctx = autocast_context(device, dtype)
-
-
-def batch_seed(*key):
-    """A 63-bit seed that depends only on (seed, *key): see the module docstring."""
-    return int(np.random.SeedSequence([seed, *key]).generate_state(1, np.uint64)[0] >> np.uint64(1))
-
 
 # data: the vocabulary now; the batch loaders below, once the model (and block_size) is settled.
 # Random windows of the token files, drawn by a generator we seed per micro-batch.
@@ -348,13 +196,7 @@ def get_batch(split, seed_value):
 
 
 # model init
-model_args = dict(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=block_size, bias=bias,
-                  vocab_size=None, dropout=dropout, attn_type=attn_type, noise_init_std=noise_init_std,
-                  noise_per_sample=noise_per_sample, noise_param=noise_param, noise_at_eval=noise_at_eval,
-                  lowrank_rank=lowrank_rank, lowrank_score_divisor=lowrank_score_divisor,
-                  linear_chunk_size=linear_chunk_size)
-if qk_head_size is not None:  # saved only when set, so default checkpoints keep their old model_args
-    model_args['qk_head_size'] = qk_head_size
+model_args = {k: config[k] for k in MODEL_KEYS if k != 'vocab_size'}  # vocab_size: from the data or weights
 manual_seed(seed)  # the same initial weights in every run and on every rank
 iter_num = 0
 best_val_loss = 1e9
@@ -370,19 +212,7 @@ try:
     elif init_from == 'resume':
         if master_process:
             print(f"Resuming training from {out_dir}")
-        # The architecture comes from the checkpoint. A setting this run gives that disagrees with
-        # it is a mistake to report (a wrong config or out_dir), not something to silently ignore.
-        defaults = {f.name: f.default for f in dataclasses.fields(GPTConfig)}
-        saved = {**defaults, **checkpoint['model_args']}  # nanoGPT checkpoints lack the variant keys
-        changed = [f"  {k}: checkpoint {saved[k]!r}, this run {model_args[k]!r}" for k in model_args
-                   if k in given and k not in RUNTIME_MODEL_ARGS and saved[k] != model_args[k]]
-        if meta_vocab_size is not None and meta_vocab_size > saved['vocab_size']:
-            changed.append(f"  vocab_size: checkpoint {saved['vocab_size']}, dataset {dataset!r} has {meta_vocab_size}")
-        if changed:
-            fail(f"init_from='resume': the checkpoint in {out_dir} has a different model:\n" + "\n".join(changed) +
-                 "\nPass the config it was trained with (saved in the checkpoint's 'config'), leave these "
-                 "settings out to take the checkpoint's, or start a new out_dir.")
-        model_args = {**saved, **{k: model_args[k] for k in RUNTIME_MODEL_ARGS}}
+        model_args = resumed_model_args(checkpoint['model_args'], model_args, given, meta_vocab_size, dataset, out_dir)
         block_size = model_args['block_size']
         model = GPT(GPTConfig(**model_args))
         apply_trainable(model, trainable, lora_rank, lora_alpha, lora_dropout, lora_targets)  # the same LoRA names
@@ -403,14 +233,7 @@ try:
     else:  # a GPT-2 name or a local transformers directory
         if master_process:
             print(f"Initializing from OpenAI GPT-2 weights: {init_from}")
-        try:
-            model = GPT.from_pretrained(init_from, dict(dropout=dropout, attn_type=attn_type))
-        except ImportError:
-            fail(f"init_from={init_from!r} needs the transformers package: pip install transformers")
-        except OSError as e:  # offline, or a name the hub does not know
-            fail(f"could not fetch the {init_from!r} weights from the Hugging Face hub "
-                 f"({str(e).strip().splitlines()[0][:200]}): connect to the network once (they are cached), "
-                 f"or pass --init_from=/path/to/a/folder/saved/by/transformers/save_pretrained")
+        model = load_gpt2(init_from, dict(dropout=dropout, attn_type=attn_type))
         model_args = dataclasses.asdict(model.config)
     # crop down the model block size if desired, using model surgery
     if block_size < model.config.block_size:
@@ -437,6 +260,23 @@ tokens_per_iter = gradient_accumulation_steps * ddp_world_size * batch_size * bl
 if master_process:
     print(f"tokens per iteration will be: {tokens_per_iter:,}")
 
+# out_dir is touched only now, after every check that can refuse the run: one writer at a time (the lock
+# is the OS's and dies with this process), and a new run never destroys another run's checkpoint
+if master_process:
+    try:
+        out_dir_lock = lock_out_dir(out_dir)
+    except ValueError as e:
+        fail(e)
+    if init_from == 'resume' and not eval_only:
+        trim_metrics(out_dir, iter_num)
+    elif not eval_only:
+        message = clear_for_new_run(out_dir, overwrite)
+        if message:
+            print(message)
+    if resume_changes:
+        print("resuming with these settings changed from the checkpoint's (the others are the checkpoint's):\n"
+              + "\n".join(resume_changes))
+
 # initialize a GradScaler. If enabled=False scaler is a no-op
 scaler = grad_scaler(device, dtype)
 
@@ -444,39 +284,20 @@ scaler = grad_scaler(device, dtype)
 optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type(device))
 optimizer = fused_optimizer(optimizer, device)
 if init_from == 'resume':
-    if checkpoint['optimizer'] is None:  # grow.py's and --merge_lora's: moments of other weights would not fit
-        if master_process:
-            print("the checkpoint has no optimizer state (grow.py or --merge_lora changed its weights): "
-                  "AdamW starts fresh")
-    else:
-        try:  # by parameter name: nanoGPT's checkpoints order their optimizer state differently
-            load_optimizer_state(optimizer, model, checkpoint)
-        except CheckpointError as e:
-            fail(e)
-    if 'rng' in checkpoint:  # written by this train.py (a nanoGPT checkpoint has model and optimizer only)
-        scaler.load_state_dict(checkpoint['scaler'])
-        restore_rng_state(checkpoint['rng'], device_type(device))
-        batches['train'].load_state_dict(checkpoint['train_batches'])
+    try:
+        note = restore_training_state(checkpoint, model, optimizer, scaler, batches['train'], device_type(device))
+    except CheckpointError as e:
+        fail(e)
+    if note and master_process:
+        print(note)
 checkpoint = None  # free up memory
 
 raw_model = model  # the plain module: its state_dict, KL and MFU, whatever wraps it below
 if compile:
     model = compile_model(model, device)
-    if model is not raw_model and not ddp:
-        # torch.compile is lazy: compile the training step now, on a batch of zeros, so that the
-        # cold compile time is printed and not charged to iter 0. Nothing carries over: the
-        # gradients are dropped and every step re-seeds the RNG. Under DDP the first step compiles
-        # inside DDP instead, which splits the graph at its gradient buckets.
-        t_compile = time.time()
-        dummy = torch.zeros(batch_size, block_size, dtype=torch.long, device=device)
-        with ctx:
-            _, ce = model(dummy, dummy, return_logits=False)
-        ce.backward()
-        mark_step()
-        raw_model.zero_grad(set_to_none=True)
-        del dummy, ce
-        print(f"compiled the training step in {time.time() - t_compile:.1f} s (cold compile; "
-              f"evaluation compiles at its first call)")
+    if model is not raw_model and not ddp:  # under DDP the first step compiles, inside DDP
+        seconds = compile_training_step(model, batch_size, block_size, device, ctx)
+        print(f"compiled the training step in {seconds:.1f} s (cold compile; evaluation compiles at its first call)")
     elif model is not raw_model and master_process:
         print("compiling the model at the first step (takes a minute or more; iter 0's time includes it)")
 
@@ -496,7 +317,7 @@ def estimate_loss():
     for split in ('train', 'val'):
         totals = torch.zeros(2, device=device)
         for j in range(ddp_rank, eval_iters, ddp_world_size):
-            s = batch_seed(2, SPLIT_KEYS[split], j)  # 2: evaluation (training uses (0, it, m))
+            s = batch_seed(seed, 2, SPLIT_KEYS[split], j)  # 2: evaluation (training uses (0, it, m))
             X, Y = get_batch(split, s)
             manual_seed(s)  # the same noise every evaluation
             with ctx:
@@ -534,62 +355,38 @@ def save(reason):
     print(f"saved checkpoint to {path} (iter {iter_num}, {reason})")
 
 
-# SIGTERM (a scheduler's preemption, `kill`) or Ctrl-C: finish the current step, checkpoint, exit 0.
-# A second Ctrl-C exits at once.
-stop_signal = None  # the name of the signal received
+def checkpoint_reason(val_loss, improved, done):
+    """The one rule for writing ckpt.pt, asked once per iteration on rank 0 after the evaluation (val_loss:
+    None when there was none): the reason to save now, or None. A SIGTERM / Ctrl-C always saves, to
+    resume from; an evaluation after iter 0 saves if the val loss improved or always_save_checkpoint;
+    the end of training saves the last state if always_save_checkpoint (else ckpt.pt stays the best),
+    and always when the run would otherwise leave no checkpoint at all."""
+    if eval_only or iter_num == saved_iter:
+        return None
+    if stopping:
+        return stop_request.signal or "stop signal"
+    if val_loss is not None and iter_num > 0 and (improved or always_save_checkpoint):
+        return f"val loss {val_loss:.4f}"
+    if done and (always_save_checkpoint or not os.path.exists(os.path.join(out_dir, 'ckpt.pt'))):
+        return "end of training"
+    return None
 
 
-def request_stop(signum, frame):
-    global stop_signal
-    stop_signal = signal.Signals(signum).name
-    if signum == signal.SIGINT:
-        print("\nCtrl-C: finishing this step, then saving a checkpoint (Ctrl-C again to quit at once)",
-              file=sys.stderr)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-
-
-signal.signal(signal.SIGTERM, request_stop)
-signal.signal(signal.SIGINT, request_stop)
-
-
-def wandb_logged_in():
-    """An API key in the environment or in ~/.netrc (where `wandb login` puts it)."""
-    if os.environ.get('WANDB_API_KEY'):
-        return True
-    host = os.environ.get('WANDB_BASE_URL', 'https://api.wandb.ai').split('://')[-1].split('/')[0]
-    try:
-        return netrc.netrc().authenticators(host) is not None
-    except (OSError, netrc.NetrcParseError):
-        return False
-
-
-def start_wandb():
-    """wandb online where the user is logged in; otherwise (or when that fails) offline into
-    out_dir/wandb, to upload later with `wandb sync`: a missing login never stops a training run."""
-    import wandb
-    run = dict(project=wandb_project, name=wandb_run_name, config=config, dir=out_dir)
-    if os.environ.get('WANDB_MODE') or wandb_logged_in():
-        try:
-            wandb.init(**run)
-            return wandb
-        except Exception as e:  # no network, a revoked key, ...
-            reason = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
-    else:
-        reason = "not logged in"
-    wandb.init(mode='offline', **run)
-    print(f"wandb: {reason}; logging offline to {os.path.join(out_dir, 'wandb')} "
-          f"(upload later with: wandb sync {os.path.join(out_dir, 'wandb', 'offline-run-*')})")
-    return wandb
-
-
+stop_request = StopRequest()  # SIGTERM or Ctrl-C: finish the step, checkpoint, exit 0
 if wandb_log and master_process:
-    wandb = start_wandb()
+    wandb = start_wandb(wandb_project, wandb_run_name, config, out_dir)
 peak = peak_flops(device, dtype) if master_process else None  # MFU denominator (measured on CPU)
 if master_process and decay_lr and max_iters < warmup_iters:
     print(f"note: max_iters={max_iters} ends during the warmup (warmup_iters={warmup_iters}): the learning "
           f"rate only reaches {get_lr(max_iters, learning_rate, warmup_iters, lr_decay_iters, min_lr):.3g} "
           f"of learning_rate={learning_rate:g}")
 
+
+def restart_advice():
+    if saved_iter is None:
+        return "No checkpoint was written yet: start the run again with a lower learning_rate"
+    return (f"Resume from the last checkpoint ({os.path.join(out_dir, 'ckpt.pt')}, iter {saved_iter}) with a "
+            f"lower learning_rate: --init_from=resume --learning_rate=...")
 
 
 def stop_diverged(message):
@@ -608,6 +405,7 @@ local_iter_num = 0  # number of iterations in the lifetime of this process
 running_mfu = -1.0  # measured after a few iterations; not shown until then
 # the iteration of the checkpoint on disk: a resumed run evaluates and saves only after training further
 saved_iter = iter_num if init_from == 'resume' else None
+saved_val_loss = None  # the val loss of the state saved in this process, None before (or not evaluated)
 stopping = False
 skipped_in_a_row = 0
 while True:
@@ -618,26 +416,27 @@ while True:
         param_group['lr'] = lr
 
     # evaluate the loss on train/val sets and write checkpoints
-    if not stopping and (iter_num % eval_interval == 0 or iter_num >= max_iters or eval_only) \
-            and (iter_num != saved_iter or eval_only):
+    done = eval_only or stopping or iter_num >= max_iters
+    val_loss, improved = None, False
+    if not stopping and (iter_num % eval_interval == 0 or done) and (iter_num != saved_iter or eval_only):
         losses = estimate_loss()
+        val_loss, improved = losses['val'], losses['val'] < best_val_loss
+        best_val_loss = min(best_val_loss, val_loss)
         if master_process:
             print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
             row = {"iter": iter_num, "train_loss": losses['train'], "val_loss": losses['val'], "lr": lr,
-                   "time": train_time, "peak_memory_mib": peak_memory_mib()}
+                   "time": train_time, "peak_memory_mib": peak_memory_mib(device)}
             learned = raw_model.learned_values()  # e.g. {'sigma': [[per head] per layer]}
             if not eval_only:
-                log_metrics({**row, **learned})
+                log_metrics(out_dir, {**row, **learned})
             if wandb_log:
-                wandb.log({**row, **{f"{name}/layer{i}/{j}": v for name, layers in learned.items()
-                                     for i, layer in enumerate(layers) for j, v in enumerate(layer)}})
-            improved = losses['val'] < best_val_loss
-            best_val_loss = min(best_val_loss, losses['val'])
-            if (improved or always_save_checkpoint) and iter_num > 0 and not eval_only:
-                save(f"val loss {losses['val']:.4f}")
-                saved_iter = iter_num
+                wandb.log({**row, **wandb_learned_values(learned)})
         t0 = time.time()  # evaluation time is not training time
-    if eval_only or stopping or iter_num >= max_iters:
+    reason = checkpoint_reason(val_loss, improved, done) if master_process else None
+    if reason:
+        save(reason)
+        saved_iter, saved_val_loss = iter_num, val_loss
+    if done:
         break
 
     # forward backward update, with optional gradient accumulation to simulate larger batch size
@@ -645,7 +444,7 @@ while True:
     loss_sum = torch.zeros((), device=device)
     ce_sum = torch.zeros((), device=device)
     m = ddp_rank  # index of this rank's micro-batch among the iteration's micro-batches
-    s = batch_seed(0, iter_num, m)
+    s = batch_seed(seed, 0, iter_num, m)
     X, Y = get_batch('train', s)
     for micro_step in range(gradient_accumulation_steps):
         if ddp:
@@ -664,7 +463,7 @@ while True:
         # immediately async prefetch next batch while model is doing the forward pass on the device
         if micro_step < gradient_accumulation_steps - 1:
             m += ddp_world_size
-            s = batch_seed(0, iter_num, m)
+            s = batch_seed(seed, 0, iter_num, m)
             X, Y = get_batch('train', s)
         # backward pass, with gradient scaling if training in fp16
         scaler.scale(loss / gradient_accumulation_steps).backward()
@@ -676,7 +475,7 @@ while True:
     # Under fp16 an inf grad norm is the GradScaler's business (it skips the step), not an error.
     local_bad = ~torch.isfinite(loss_sum) if scaler.is_enabled() else ~(torch.isfinite(loss_sum) & torch.isfinite(grad_norm))
     stats = torch.stack([loss_sum, ce_sum, kl.detach().float(), local_bad.float(),
-                         torch.tensor(float(stop_signal is not None), device=device)])
+                         torch.tensor(float(stop_request.signal is not None), device=device)])
     if ddp:
         dist.all_reduce(stats)
     loss_mean, ce_mean, kl_mean, n_bad, n_stop = stats.tolist()
@@ -690,13 +489,12 @@ while True:
                   file=sys.stderr)
         if nonfinite == 'stop':
             stop_diverged(f"stopping at iter {iter_num}: non-finite loss or gradient (nonfinite='stop'). "
-                          f"Resume from the last checkpoint with a lower learning_rate, or set "
-                          f"--nonfinite=skip to skip such steps.")
+                          f"{restart_advice()}, or set --nonfinite=skip to skip such steps.")
         skipped_in_a_row += 1
         if skipped_in_a_row >= max_skipped_steps:
             stop_diverged(f"stopping at iter {iter_num}: {skipped_in_a_row} steps in a row had a non-finite loss "
-                          f"or gradient (max_skipped_steps={max_skipped_steps}): the run has diverged. Resume "
-                          f"from the last checkpoint with a lower learning_rate.")
+                          f"or gradient (max_skipped_steps={max_skipped_steps}): the run has diverged. "
+                          f"{restart_advice()}.")
         if master_process:
             print(f"iter {iter_num}: skipping the update (non-finite loss or gradient, nonfinite='skip')")
         scaler.update()
@@ -723,7 +521,7 @@ while True:
               f"{dt * 1000:.2f}ms/iter, {tokens_per_iter / dt:,.0f} tok/s{mfu_text}")
         row = {"iter": iter_num, "loss": loss_mean, "ce": ce_mean, "kl": kl_mean, "lr": lr, "ms": dt * 1000, "time": train_time,
                "tokens_per_s": tokens_per_iter / dt, **({"mfu": running_mfu * 100} if running_mfu >= 0 else {})}
-        log_metrics(row)
+        log_metrics(out_dir, row)
         if wandb_log:
             wandb.log(row)
     iter_num += 1
@@ -731,22 +529,24 @@ while True:
     if n_stop > 0:
         stopping = True
         if master_process:
-            print(f"{stop_signal or 'stop signal'} received: stopping after iter {iter_num - 1}")
+            print(f"{stop_request.signal or 'stop signal'} received: stopping after iter {iter_num - 1}")
 
-# The final evaluation above saved by the usual rule: the last state, or with
-# always_save_checkpoint=False only an improvement (ckpt.pt stays the best). SIGTERM always saves
-# (to resume from), and so does a run that would otherwise leave no checkpoint at all.
 if master_process and not eval_only:
     ckpt_path = os.path.join(out_dir, 'ckpt.pt')
-    if stopping or (saved_iter != iter_num and (always_save_checkpoint or not os.path.exists(ckpt_path))):
-        save(stop_signal or "stop signal" if stopping else "end of training")
-    print(f"checkpoint: {ckpt_path} (best val loss {best_val_loss:.4f})")
+    if saved_val_loss is not None and saved_val_loss > best_val_loss:  # always_save_checkpoint, or SIGTERM
+        print(f"checkpoint: {ckpt_path} holds the last state (iter {saved_iter}, val loss {saved_val_loss:.4f}); "
+              f"the best val loss, {best_val_loss:.4f}, was an earlier state that it replaced "
+              f"(always_save_checkpoint=False keeps the best instead)")
+    else:
+        print(f"checkpoint: {ckpt_path} (best val loss {best_val_loss:.4f})")
     if trainable == 'lora':  # sample.py / eval.py read plain checkpoints: merge the adapters first
         print(f"merge its LoRA adapters (for sample.py, eval.py) with: python3 train.py --out_dir={out_dir} --merge_lora=True")
     else:
         print(f"sample from it with: python3 sample.py --out_dir={out_dir}")
 if wandb_log and master_process:
     wandb.finish()
+if master_process:
+    out_dir_lock.close()  # the next run may write to out_dir
 if ddp:
     dist.barrier()  # rank 0 may still be writing the checkpoint: leave together
     dist.destroy_process_group()

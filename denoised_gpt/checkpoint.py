@@ -99,6 +99,11 @@ def split_model_args(model_args):
             {k: v for k, v in model_args.items() if k not in keep})
 
 
+def full_model_args(ckpt):
+    """A checkpoint's whole model_args, whatever the layout on disk (see split_model_args)."""
+    return {**ckpt['model_args'], **ckpt.get('attn_args', {})}
+
+
 def _write_synced(state, tmp):
     # the CRC-32s are what load_checkpoint verifies: write them even if someone turned them off
     crc32_was = torch.serialization.get_crc32_options()
@@ -183,7 +188,8 @@ def load_checkpoint(out_dir_or_file, map_location='cpu'):
         ckpt = torch.load(path, map_location=map_location, weights_only=True)
         damaged = _first_damaged_record(path)
     except pickle.UnpicklingError as e:
-        if 'weights_only' not in str(e).lower() and 'weights only' not in str(e).lower():
+        weights_only_refusal = 'weights_only' in str(e).lower() or 'weights only' in str(e).lower()
+        if not weights_only_refusal or _is_damaged(path):  # damaged bytes read as garbage, not as code
             raise CheckpointError(f"checkpoint {path} is truncated or corrupt ({_first_line(e)}). "
                                   f"{use_prev}") from e
         raise CheckpointError(f"checkpoint {path} holds Python objects other than tensors and plain "
@@ -202,9 +208,17 @@ def load_checkpoint(out_dir_or_file, map_location='cpu'):
     # without flash attention (torch < 2) saved each layer's causal mask, a buffer, as attn.bias
     model = {_clean_name(k): v for k, v in ckpt['model'].items()}
     ckpt['model'] = {k: v for k, v in model.items() if not NANOGPT_MASK_KEY.fullmatch(k)}
-    # callers see one full model_args whatever the layout (see split_model_args)
-    ckpt['model_args'] = {**ckpt['model_args'], **ckpt.pop('attn_args', {})}
+    ckpt['model_args'] = full_model_args(ckpt)
+    ckpt.pop('attn_args', None)
     return ckpt
+
+
+def _is_damaged(path):
+    """Whether a record of the file fails its CRC-32 or the zip itself cannot be read."""
+    try:
+        return _first_damaged_record(path) is not None
+    except (OSError, EOFError, ValueError, zipfile.BadZipFile, RuntimeError):
+        return True
 
 
 def _first_damaged_record(path):
@@ -314,6 +328,27 @@ def _first_line(e):
 
 # ----------------------------------------------------------------------------------------------
 # RNG states, as tensors and plain values so that weights_only loading accepts them
+
+def restore_training_state(checkpoint, model, optimizer, scaler, train_batches, device_type):
+    """What a resumed run takes from its checkpoint besides the weights: the optimizer state (by parameter
+    name), and where train.py wrote it, the GradScaler, the RNGs and the training batches' sampler.
+    Returns a note for the user, or None. CheckpointError when the optimizer state does not fit."""
+    note = None
+    if checkpoint['optimizer'] is None:  # grow.py's and --merge_lora's: moments of other weights would not fit
+        note = "the checkpoint has no optimizer state (grow.py or --merge_lora changed its weights): AdamW starts fresh"
+    else:  # by parameter name: nanoGPT's checkpoints order their optimizer state differently
+        # loading puts back the saved hyperparameters too; the run's own (weight_decay, betas: the
+        # checkpoint's unless given again) are the ones to train with
+        settings = [{k: v for k, v in group.items() if k != 'params'} for group in optimizer.param_groups]
+        load_optimizer_state(optimizer, model, checkpoint)
+        for group, own in zip(optimizer.param_groups, settings):
+            group.update(own)
+    if 'rng' in checkpoint:  # written by our train.py (a nanoGPT checkpoint has model and optimizer only)
+        scaler.load_state_dict(checkpoint['scaler'])
+        restore_rng_state(checkpoint['rng'], device_type)
+        train_batches.load_state_dict(checkpoint['train_batches'])
+    return note
+
 
 def capture_rng_state(device_type):
     state = {'torch': torch.get_rng_state(), 'python': random.getstate()}

@@ -1,17 +1,20 @@
-"""Test-wide setup: the repo on sys.path, and every library that could reach the network kept offline.
+"""Test-wide setup: the repo on sys.path, every library that could reach the network kept offline,
+and the fixtures several test files use.
 
-tiktoken's GPT-2 files come from ../shared/tiktoken (copied to a temp dir, since tiktoken may write
-into its cache); Hugging Face and wandb are told they are offline. Nothing here downloads.
+tiktoken's GPT-2 files are not provided here: they come from TIKTOKEN_CACHE_DIR, tiktoken's default
+cache or a download, as the README says (tests/gpt2_bpe.py skips the tests that need them when none
+of those works). Hugging Face and wandb are told they are offline.
 """
 import os
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
-SHARED = ROOT.parent / "shared"
 sys.path.insert(0, str(ROOT))
+# the shared test modules' asserts (run_train's exit status, ...) report their values like a test's own
+pytest.register_assert_rewrite('helpers', 'nanogpt_reference', 'fake_gaudi', 'gpt2_bpe')
 
 if "PYTEST_XDIST_WORKER" in os.environ:
     # one OpenMP thread per test worker (and the train.py processes it starts): with `-n 2` on two
@@ -25,10 +28,14 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 
-if "TIKTOKEN_CACHE_DIR" not in os.environ and (SHARED / "tiktoken").is_dir():
-    _cache = tempfile.mkdtemp(prefix="tiktoken-cache-")
-    for f in (SHARED / "tiktoken").iterdir():
-        shutil.copy(f, _cache)
-    os.environ["TIKTOKEN_CACHE_DIR"] = _cache
 
-SHAKESPEARE = SHARED / "data" / "tinyshakespeare" / "input.txt"
+@pytest.fixture
+def fake_habana(tmp_path):
+    """(env, log path) for a train.py subprocess on a fake Intel Gaudi (tests/fake_gaudi.py): PYTHONPATH
+    puts the fake habana_frameworks first, and it logs what it is called for into the log file."""
+    import fake_gaudi
+    from helpers import subprocess_env
+    site = fake_gaudi.install(tmp_path / 'fake_site')
+    log = tmp_path / 'hpu.log'
+    env = subprocess_env(PYTHONPATH=f"{site}{os.pathsep}{ROOT}", FAKE_HPU_LOG=str(log))
+    return env, log

@@ -1,13 +1,24 @@
-"""Whether tiktoken can load GPT-2's BPE here, for the tests that need it (data preparation, GLUE).
+"""Whether tiktoken can load GPT-2's BPE here, for the tests that need it (data preparation, GLUE,
+sampling and lm-eval with GPT-2's vocabulary).
 
-It loads from TIKTOKEN_CACHE_DIR (conftest points it at a copy of ../shared/tiktoken when there is
-one), tiktoken's default cache, or a download. Only when none of those works are such tests
+tiktoken finds the files the way the README says: in TIKTOKEN_CACHE_DIR, in its default cache, or
+by a one-time download (which it then caches). Only when none of those works are such tests
 skipped, with the reason and how to supply the files."""
 import functools
 import threading
 
 import pytest
 import tiktoken
+import tiktoken.load
+
+# the two files of tiktoken's 'gpt2' encoding (tiktoken_ext/openai_public.py): where tiktoken fetches
+# them from (its cache is keyed by these addresses) and their SHA-256
+_GPT2_FILES = {
+    'encoder.json': ('https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/encoder.json',
+                     '196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783'),
+    'vocab.bpe': ('https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/vocab.bpe',
+                  '1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5'),
+}
 
 
 @functools.lru_cache(maxsize=None)
@@ -32,8 +43,8 @@ def unavailable():
 
 def skip_message(why):
     return (f"the GPT-2 BPE files are neither cached nor downloadable ({why}). To run these tests "
-            f"offline, set TIKTOKEN_CACHE_DIR to a folder holding them: a copy of the project's "
-            f"../shared/tiktoken, or of a tiktoken cache from a machine with network ($TMPDIR/data-gym-cache)")
+            f"offline, set TIKTOKEN_CACHE_DIR to a folder holding them: a copy of a tiktoken cache from a "
+            f"machine with network ($TMPDIR/data-gym-cache, or that machine's TIKTOKEN_CACHE_DIR)")
 
 
 def require():
@@ -41,3 +52,12 @@ def require():
     why = unavailable()
     if why:
         pytest.skip(skip_message(why))
+
+
+def gpt2_file(name):
+    """The bytes of GPT-2's 'encoder.json' or 'vocab.bpe' (what transformers calls vocab.json and
+    merges.txt), read as tiktoken reads them: from its cache, which require() has filled (or, with
+    caching turned off by an empty TIKTOKEN_CACHE_DIR, fetched again). Skips like require()."""
+    require()
+    url, sha256 = _GPT2_FILES[name]
+    return tiktoken.load.read_file_cached(url, sha256)

@@ -1,5 +1,5 @@
 """Naive float64 reference implementations of every attention variant, written from
-../shared/spec/attention.md and the parameter names of the model contract, independently of model.py.
+docs/attention.md and the parameter names of the model contract, independently of model.py.
 
 Each `naive_<variant>(attn, x, eps=None, ...)` reads the weights of an attention module
 (`model.transformer.h[i].attn`) by their contract names, casts everything to float64 and builds the

@@ -16,13 +16,7 @@ import torch
 
 from denoised_gpt import batches
 from denoised_gpt.batches import TokenBatches, load_meta
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def write_tokens(path, tokens):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    np.asarray(tokens, dtype=np.uint16).tofile(path)
+from helpers import ROOT, TINY, subprocess_env, write_tokens
 
 
 @pytest.fixture
@@ -273,9 +267,9 @@ def test_crafted_meta_pkl_is_refused_not_run(tmp_path):
 
 def test_train_py_refuses_a_crafted_meta_pkl(tmp_path):
     data = crafted_dataset(tmp_path / "data", tmp_path / "marker")
-    r = subprocess.run([sys.executable, "train.py", str(ROOT / "tests" / "config_tiny.py"), f"--dataset={data}",
+    r = subprocess.run([sys.executable, "train.py", str(TINY), f"--dataset={data}",
                         f"--out_dir={tmp_path / 'out'}", "--max_iters=1"], cwd=ROOT, capture_output=True, text=True,
-                       timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                       timeout=120, env=subprocess_env())
     assert r.returncode == 2, r.stderr
     assert r.stderr.splitlines() == [
         f"train.py: error: {data / 'meta.pkl'} is not a plain-data meta.pkl (refusing to load posix.mkdir: only plain "

@@ -4,28 +4,25 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from helpers import ROOT, subprocess_env
 from model import ATTENTION_TYPES
 
 # one xdist worker runs this whole file, so its module-scoped fixtures are built once (-n 2 --dist loadgroup)
 pytestmark = pytest.mark.xdist_group('test_bench')
 
-ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_size=2", "--vocab_size=96",
         "--warmup_iters=1", "--bench_iters=2", "--rounds=1"]
 
 
 def bench(*args):
-    # one thread: OpenMP's spinning threads run ten times slower when other processes keep the
-    # second core busy, and a tiny model gains nothing from two
-    env = {**os.environ, 'OMP_NUM_THREADS': '1'}
-    return subprocess.run([sys.executable, "bench.py", *TINY, *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300)
+    """`python3 bench.py` on the tiny model, with args (one OpenMP thread: see subprocess_env)."""
+    return subprocess.run([sys.executable, "bench.py", *TINY, *args], cwd=ROOT, env=subprocess_env(),
+                          capture_output=True, text=True, timeout=300)
 
 
 def table_rows(stdout, marker):
@@ -144,7 +141,7 @@ def test_bad_settings_fail_clearly(args, words):
 def test_cpu_default_size_and_rounds():
     """No size key given: on CPU the 4-layer 256-wide model at batch 8, block 256 (GPT-2 small takes
     minutes per step there), three rounds by default, and the first line says which size ran."""
-    env = {**os.environ, 'OMP_NUM_THREADS': '1'}
+    env = subprocess_env()
     proc = subprocess.run([sys.executable, "bench.py", "--attn_types=base", "--vocab_size=96", "--warmup_iters=1",
                            "--bench_iters=1"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
@@ -154,7 +151,7 @@ def test_cpu_default_size_and_rounds():
 
 
 def test_a_given_size_key_keeps_the_other_cpu_defaults():
-    env = {**os.environ, 'OMP_NUM_THREADS': '1'}
+    env = subprocess_env()
     proc = subprocess.run([sys.executable, "bench.py", "--attn_types=base", "--vocab_size=96", "--n_layer=1",
                            "--rounds=1", "--warmup_iters=1", "--bench_iters=1"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)

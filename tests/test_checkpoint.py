@@ -10,7 +10,6 @@ import subprocess
 import sys
 import textwrap
 import zipfile
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,9 +17,7 @@ import torch
 
 from denoised_gpt.checkpoint import (NANOGPT_MODEL_ARGS, CheckpointError, capture_rng_state, load_checkpoint,
                         load_optimizer_state, optimizer_param_names, restore_rng_state, save_checkpoint)
-from model import GPT, GPTConfig
-
-ROOT = Path(__file__).resolve().parents[1]
+from helpers import ROOT, tiny_gpt
 
 
 def state(iter_num, **extra):
@@ -252,10 +249,10 @@ def test_other_write_errors_are_one_line_and_keep_both_checkpoints(tmp_path):
 
 # ---------------------------------------------------------------------------- optimizer state by name
 
-def tiny_gpt(seed, attn_type='noiseformer_v2', **overrides):
-    torch.manual_seed(seed)
-    args = {**dict(n_layer=2, n_head=4, n_embd=32, block_size=16, vocab_size=61, attn_type=attn_type), **overrides}
-    model = GPT(GPTConfig(**args))
+def model_and_optimizer(seed, attn_type='noiseformer_v2', **overrides):
+    """A 4-head model (helpers.tiny_gpt, with biases, context 16, 61 tokens; overrides applied) and
+    its AdamW."""
+    model = tiny_gpt(attn_type, seed, **{**dict(n_head=4, block_size=16, vocab_size=61, bias=True), **overrides})
     return model, model.configure_optimizers(0.1, 1e-2, (0.9, 0.95), 'cpu')
 
 
@@ -270,7 +267,7 @@ def train_steps(model, optimizer, seeds):
 
 
 def trained_checkpoint(tmp_path, attn_type='noiseformer_v2', **overrides):
-    model, optimizer = tiny_gpt(0, attn_type, **overrides)
+    model, optimizer = model_and_optimizer(0, attn_type, **overrides)
     train_steps(model, optimizer, [1, 2])
     save_checkpoint({**state(2), 'model': model.state_dict(), 'optimizer': optimizer.state_dict(),
                      'optimizer_param_names': optimizer_param_names(model, optimizer)}, tmp_path)
@@ -278,7 +275,7 @@ def trained_checkpoint(tmp_path, attn_type='noiseformer_v2', **overrides):
 
 
 def test_optimizer_param_names_name_every_slot_in_order():
-    model, optimizer = tiny_gpt(0, 'base')
+    model, optimizer = model_and_optimizer(0, 'base')
     names = optimizer_param_names(model, optimizer)
     params = dict(model.named_parameters())
     assert [[params[n] for n in group] for group in names] == [g['params'] for g in optimizer.param_groups]
@@ -289,7 +286,7 @@ def test_loading_by_name_is_bit_identical_to_load_state_dict_for_our_checkpoints
     ckpt = trained_checkpoint(tmp_path)
     resumed = []
     for load in ('plain', 'by name'):
-        model, optimizer = tiny_gpt(5)  # different init: everything must come from the checkpoint
+        model, optimizer = model_and_optimizer(5)  # different init: everything must come from the checkpoint
         model.load_state_dict(ckpt['model'])
         c = copy.deepcopy(ckpt)
         optimizer.load_state_dict(c['optimizer']) if load == 'plain' else load_optimizer_state(optimizer, model, c)
@@ -301,7 +298,7 @@ def test_loading_by_name_is_bit_identical_to_load_state_dict_for_our_checkpoints
 def test_an_older_checkpoint_of_ours_with_c_proj_first_resumes_by_name(tmp_path):
     """Before c_attn was registered first, our checkpoints listed each block's attn.c_proj before
     attn.c_attn in the model and in the optimizer's slots, with no optimizer_param_names."""
-    model, _ = tiny_gpt(0, 'base')
+    model, _ = model_and_optimizer(0, 'base')
     params = dict(model.named_parameters())
     old = list(params)
     for i in range(model.config.n_layer):  # c_attn.weight, c_attn.bias, c_proj.weight, c_proj.bias
@@ -317,7 +314,7 @@ def test_an_older_checkpoint_of_ours_with_c_proj_first_resumes_by_name(tmp_path)
     sd = {k: sd[k] for k in old + ['lm_head.weight']}
     save_checkpoint({**state(2), 'model': sd, 'optimizer': optimizer.state_dict()}, tmp_path)
 
-    new_model, new_optimizer = tiny_gpt(5, 'base')
+    new_model, new_optimizer = model_and_optimizer(5, 'base')
     ckpt = load_checkpoint(tmp_path)
     new_model.load_state_dict(ckpt['model'])
     load_optimizer_state(new_optimizer, new_model, ckpt)
@@ -328,16 +325,16 @@ def test_an_older_checkpoint_of_ours_with_c_proj_first_resumes_by_name(tmp_path)
 
 def test_optimizer_state_that_does_not_fit_the_model_is_refused_clearly(tmp_path):
     ckpt = trained_checkpoint(tmp_path / 'a', attn_type='base')
-    model, optimizer = tiny_gpt(0, 'base', vocab_size=64)
+    model, optimizer = model_and_optimizer(0, 'base', vocab_size=64)
     with pytest.raises(CheckpointError, match=r"exp_avg for transformer.wte.weight has shape \(61, 32\) but the "
                                               r"model's parameter has \(64, 32\)"):
         load_optimizer_state(optimizer, model, copy.deepcopy(ckpt))
-    model, optimizer = tiny_gpt(0, 'diff')  # the same matrices plus lambda vectors and a norm
+    model, optimizer = model_and_optimizer(0, 'diff')  # the same matrices plus lambda vectors and a norm
     with pytest.raises(CheckpointError, match=r"param group 1 lacks \['transformer.h.0.attn.head_norm.weight'"):
         load_optimizer_state(optimizer, model, copy.deepcopy(ckpt))
     del ckpt['optimizer_param_names']  # nanoGPT's layout: names inferred from the model's keys
     ckpt['model'].pop('transformer.ln_f.weight')
-    model, optimizer = tiny_gpt(0, 'base')
+    model, optimizer = model_and_optimizer(0, 'base')
     with pytest.raises(CheckpointError, match=r"param groups of \[10, 18\] tensors but nanoGPT's grouping of "
                                               r"its model gives \[10, 17\]"):
         load_optimizer_state(optimizer, model, ckpt)

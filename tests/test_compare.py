@@ -2,7 +2,6 @@
 runs' metrics.jsonl rows, a sweep killed in the middle of a run and started again gives the same
 numbers as an uninterrupted one, and finished runs are skipped."""
 import json
-import os
 import signal
 import statistics
 import subprocess
@@ -11,7 +10,7 @@ import time
 
 import pytest
 
-from test_train import ROOT, TINY, make_dataset, subprocess_env
+from helpers import ROOT, TINY, make_dataset, subprocess_env
 
 # one xdist worker runs this whole file, so its module-scoped fixtures are built once (-n 2 --dist loadgroup)
 pytestmark = pytest.mark.xdist_group('test_compare')

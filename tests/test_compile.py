@@ -1,12 +1,12 @@
-"""torch.compile with the fused loss (issue 16): the blocks compile into one graph, the fused
-lm_head + cross-entropy stays eager (compiled, it made a CPU step 15x slower), and compiled losses
-and gradients equal eager ones for every attn_type; compile=True / False / 'auto'.
+"""torch.compile with the fused loss: the blocks compile into one graph, the fused lm_head +
+cross-entropy stays eager (compiled, it made a CPU step 15x slower), and compiled losses and
+gradients equal eager ones for every attn_type; compile=True / False / 'auto'.
 
 Inductor's cold compile takes tens of seconds per model on this CPU, so every variant is checked
 with the cheap backends: torch._dynamo.explain (tracing only: graphs and graph breaks) and
 'aot_eager' (forward and backward traced through AOTAutograd, run without code generation);
-train.py's compile step runs against the fake Gaudi of test_device.py, whose backend runs dynamo's
-graph as traced. The one inductor test (train.py on the tiny test model) runs with INDUCTOR_TESTS=1."""
+train.py's compile step runs against the fake Gaudi of tests/fake_gaudi.py, whose backend runs
+dynamo's graph as traced. The one inductor test (train.py on the tiny test model) runs with INDUCTOR_TESTS=1."""
 import os
 import re
 
@@ -16,22 +16,17 @@ from torch.nn import functional as F
 
 from configurator import apply_config
 from denoised_gpt.device import resolve_compile
-from model import ATTENTION_TYPES, GPT, GPTConfig
-from test_device import HAS_HABANA, events, fake_habana  # noqa: F401  (a fixture)
-from test_train import ITER_LINE, make_dataset, run_train
+from fake_gaudi import HAS_HABANA, events
+from helpers import ITER_LINE, TINY_MODEL, make_dataset, run_train, tiny_gpt
+from model import ATTENTION_TYPES
 
-TINY = dict(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=96, dropout=0.0, bias=False)
-
-
-def tiny_model(attn_type):
-    torch.manual_seed(0)
-    return GPT(GPTConfig(attn_type=attn_type, **TINY))
+VOCAB = 96  # TINY_MODEL with another vocabulary size than make_dataset's
 
 
 def tiny_batch():
     g = torch.Generator().manual_seed(1)
-    x = torch.randint(TINY['vocab_size'], (2, TINY['block_size']), generator=g)
-    y = torch.randint(TINY['vocab_size'], (2, TINY['block_size']), generator=g)
+    x = torch.randint(VOCAB, (2, TINY_MODEL['block_size']), generator=g)
+    y = torch.randint(VOCAB, (2, TINY_MODEL['block_size']), generator=g)
     y[0, :5] = -1  # ignored targets: the fused loss's masked path
     return x, y
 
@@ -49,7 +44,7 @@ def loss_and_grads(net, model, x, y):
 
 @pytest.mark.parametrize('attn_type', ATTENTION_TYPES)
 def test_blocks_compile_into_one_graph_and_only_the_fused_loss_stays_eager(attn_type):
-    model = tiny_model(attn_type)
+    model = tiny_gpt(attn_type, vocab_size=VOCAB)
     x, y = tiny_batch()
     torch._dynamo.reset()
     explained = torch._dynamo.explain(model)(x, y, return_logits=False)
@@ -61,12 +56,12 @@ def test_blocks_compile_into_one_graph_and_only_the_fused_loss_stays_eager(attn_
     assert frame.name == 'forward' and 'lm_head_cross_entropy(' in frame.line
     # ... and the graph holds the whole transformer: ln_1 and ln_2 of every block, then ln_f
     layer_norms = [n for n in explained.graphs[0].graph.nodes if n.target is F.layer_norm]
-    assert len(layer_norms) == 2 * TINY['n_layer'] + 1
+    assert len(layer_norms) == 2 * TINY_MODEL['n_layer'] + 1
 
 
 def test_plain_loss_compiles_without_any_break():
     # return_logits=True (evaluation, nanoGPT's API): lm_head + F.cross_entropy, all in one graph
-    model = tiny_model('base')
+    model = tiny_gpt('base', vocab_size=VOCAB)
     x, y = tiny_batch()
     torch._dynamo.reset()
     explained = torch._dynamo.explain(model)(x, y)
@@ -78,7 +73,7 @@ def test_compiled_loss_and_gradients_equal_eager(attn_type):
     """float32; 'aot_eager' runs the same kernels as eager, only traced and ordered by AOTAutograd,
     so the loss and every gradient agree to 1e-6 relative (plus 1e-8 absolute, for gradients near
     zero); measured: equal to the last bit or within a few float32 ulps."""
-    model = tiny_model(attn_type)
+    model = tiny_gpt(attn_type, vocab_size=VOCAB)
     x, y = tiny_batch()
     loss_eager, grads_eager = loss_and_grads(model, model, x, y)
     torch._dynamo.reset()

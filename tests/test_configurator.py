@@ -2,15 +2,14 @@
 checked; and every config file the project ships is valid for train.py."""
 import ast
 import dataclasses
-from pathlib import Path
+import runpy
 
 import pytest
 import torch
 
 from configurator import ConfigError, apply_config
+from helpers import ROOT
 from model import ATTENTION_TYPES, GPT, GPTConfig
-
-ROOT = Path(__file__).resolve().parents[1]
 DEFAULTS = {'batch_size': 12, 'learning_rate': 6e-4, 'compile': False, 'out_dir': 'out',
             'wandb_run_name': 'gpt2', 'n_layer': 12, 'anything': None}
 
@@ -136,8 +135,28 @@ def model_config(config):
 
 @pytest.mark.parametrize('name', CONFIGS)
 def test_shipped_config_is_valid(name):
-    config = apply_config([str(ROOT / 'config' / name)], train_defaults())
-    model_config(config)  # GPTConfig validates attn_type, head counts and variant fields
+    """Every key the file assigns is one of train.py's settings, of its default's type, and the run
+    gets the file's value; the model is the one the file describes: its attn_type (train.py's
+    default when it names none) and every size it sets, and it builds."""
+    path = ROOT / 'config' / name
+    assigned = {k: v for k, v in runpy.run_path(str(path)).items() if not k.startswith('__')}
+    defaults = train_defaults()
+    config = apply_config([str(path)], defaults)
+    assert assigned and set(assigned) <= set(defaults), sorted(set(assigned) - set(defaults))
+    for key, value in assigned.items():
+        assert config[key] == value, key
+        # a float setting takes an int as a float; compile takes True / False as well as 'auto'
+        types = {type(defaults[key])} | ({bool} if key == 'compile' else set())
+        assert defaults[key] is None or type(config[key]) in types, (key, config[key], defaults[key])
+    gpt_config = model_config(config)  # GPTConfig validates attn_type, head counts and variant fields
+    assert gpt_config.attn_type == assigned.get('attn_type', defaults['attn_type'])
+    for f in dataclasses.fields(GPTConfig):
+        if f.name in assigned:
+            assert getattr(gpt_config, f.name) == assigned[f.name], f.name
+    with torch.device('meta'):  # every shape, no memory or init time
+        model = GPT(gpt_config)
+    assert len(model.transformer.h) == gpt_config.n_layer
+    assert all(type(block.attn) is ATTENTION_TYPES[gpt_config.attn_type] for block in model.transformer.h)
 
 
 @pytest.mark.parametrize('name', COMPARE_CONFIGS)

@@ -17,12 +17,13 @@ import pytest
 import tiktoken
 
 from denoised_gpt.batches import TokenBatches, load_meta
+from helpers import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 OWT = ROOT / "data" / "openwebtext" / "prepare.py"
 FINEWEB = ROOT / "data" / "fineweb_edu" / "prepare.py"
 SHAKESPEARE = ROOT / "data" / "shakespeare_char" / "prepare.py"
-SHAKESPEARE_TXT = ROOT.parent / "shared" / "data" / "tinyshakespeare" / "input.txt"
+# the real Tiny Shakespeare (nanoGPT's input.txt) when this variable names the file (CI sets it)
+SHAKESPEARE_TXT = Path(os.environ["TINY_SHAKESPEARE"]) if os.environ.get("TINY_SHAKESPEARE") else None
 sys.path.insert(0, str(ROOT / "data"))
 import gpt2_bpe  # noqa: E402
 import prepare_common  # noqa: E402
@@ -436,10 +437,11 @@ def test_compressed_and_json_array_inputs(tmp_path):
 # ------------------------------------------------------------------------- shakespeare_char
 
 def shakespeare_text(tmp_path):
-    """The real Tiny Shakespeare when ../shared has it; else a stand-in written here: lines of
-    speaker names and verse drawn from a fixed alphabet (a non-ASCII letter among them, so reading
-    as UTF-8 is tested too), long enough that both splits hold many distinct characters."""
-    if SHAKESPEARE_TXT.exists():
+    """The real Tiny Shakespeare when the TINY_SHAKESPEARE environment variable names the file; else
+    a stand-in written here: lines of speaker names and verse drawn from a fixed alphabet (a
+    non-ASCII letter among them, so reading as UTF-8 is tested too), long enough that both splits
+    hold many distinct characters."""
+    if SHAKESPEARE_TXT is not None and SHAKESPEARE_TXT.is_file():
         return SHAKESPEARE_TXT
     rng = random.Random(6)
     words = ["thou", "art", "Verona", "naïve", "O", "ROMEO:", "JULIET:", "what's", "here?", "love,", "night;", "Ay!"]

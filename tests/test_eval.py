@@ -5,40 +5,28 @@ lm-evaluation-harness: test_eval_lm.py.
 import dataclasses
 import json
 import math
-import os
 import subprocess
 import sys
-from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
-from denoised_gpt.checkpoint import save_checkpoint
 from denoised_gpt.evaluation import exact_val_loss
 from denoised_gpt.evaluation.entropy import attention_entropy, normalised_row_entropy
+from helpers import NO_AUTOCAST, ROOT, subprocess_env, tiny_checkpoint, tiny_gpt, write_tokens
 from model import ATTENTION_TYPES, GPT, GPTConfig, split_heads
 
 # one xdist worker runs this whole file, so its module-scoped fixtures are built once (-n 2 --dist loadgroup)
 pytestmark = pytest.mark.xdist_group('test_eval')
 
-ROOT = Path(__file__).resolve().parents[1]
-NO_AUTOCAST = torch.autocast('cpu', enabled=False)
+# the models here: helpers.TINY_MODEL 16 wide, with a context of 16, biases and 40 tokens
+SHAPE = dict(block_size=16, vocab_size=40, n_embd=16, bias=True)
 
 
-def tiny_model(attn_type='base', vocab_size=40, n_layer=2, block_size=16, n_head=2, n_embd=16, seed=0, **kw):
-    if attn_type == 'dint_lowrank':
-        kw.setdefault('lowrank_rank', 4)
-    torch.manual_seed(seed)
-    return GPT(GPTConfig(block_size=block_size, vocab_size=vocab_size, n_layer=n_layer, n_head=n_head,
-                         n_embd=n_embd, attn_type=attn_type, **kw)).eval()
-
-
-def write_tokens(path, tokens):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    np.asarray(tokens, dtype=np.uint16).tofile(path)
-    return path
+def tiny_model(attn_type='base', seed=0, **overrides):
+    """tiny_gpt of SHAPE, overrides applied (dint_lowrank at rank 4), in eval mode."""
+    return tiny_gpt(attn_type, seed, lowrank_rank=4, **{**SHAPE, **overrides}).eval()
 
 
 # ----------------------------------------------------------------------------- exact val loss
@@ -160,18 +148,8 @@ def _merge(t):
 
 # ----------------------------------------------------------------------------- eval.py as a user runs it
 
-def make_checkpoint(out_dir, attn_type, vocab_size, dataset, seed=0):
-    """A tiny untrained model saved as train.py saves it."""
-    model = tiny_model(attn_type, vocab_size=vocab_size, n_layer=2, block_size=32, n_head=2, n_embd=16, seed=seed)
-    config = model.config
-    save_checkpoint({'model': model.state_dict(), 'optimizer': {}, 'model_args': dataclasses.asdict(config),
-                     'iter_num': 7, 'best_val_loss': 2.5, 'config': {'dataset': str(dataset)}}, str(out_dir))
-    return out_dir, model
-
-
 def launch(*args, cwd=ROOT):
-    env = {**os.environ, 'OMP_NUM_THREADS': '1'}
-    return subprocess.run([sys.executable, str(ROOT / 'eval.py'), *map(str, args)], cwd=cwd, env=env,
+    return subprocess.run([sys.executable, str(ROOT / 'eval.py'), *map(str, args)], cwd=cwd, env=subprocess_env(),
                           capture_output=True, text=True, timeout=240)
 
 
@@ -184,8 +162,11 @@ def char_run(tmp_path_factory):
     (data / 'meta.json').write_text(json.dumps({'vocab_size': len(chars), 'tokenizer': 'char', 'chars': chars}))
     tokens = torch.randint(len(chars), (300,), generator=torch.Generator().manual_seed(5)).tolist()
     write_tokens(data / 'val.bin', tokens)
-    base_dir, base = make_checkpoint(root / 'out-base', 'base', len(chars), data)
-    diff_dir, _ = make_checkpoint(root / 'out-diff', 'diff', len(chars), data, seed=1)
+    # untrained models saved as train.py saves them, with a context of 32
+    shape = {**SHAPE, 'block_size': 32, 'vocab_size': len(chars)}
+    base_dir, diff_dir = root / 'out-base', root / 'out-diff'
+    base = tiny_checkpoint(base_dir, 'base', data, **shape)
+    tiny_checkpoint(diff_dir, 'diff', data, seed=1, **shape)
     return dict(root=root, data=data, base_dir=base_dir, base=base, diff_dir=diff_dir)
 
 

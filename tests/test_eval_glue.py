@@ -3,34 +3,29 @@ in nyu-mll/glue's layout (parquet files + the README's config list), read by the
 loader. A synthetic task whose label is the last token must be learned (~100 %); the same texts with
 shuffled labels must stay at chance. Features are cached in chunks and reused after an interruption.
 """
-import dataclasses
 import json
 import os
 import random
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import tiktoken
 import torch
 
 import gpt2_bpe
-from denoised_gpt.checkpoint import save_checkpoint
 from denoised_gpt.evaluation import final_hidden_states, glue
-from model import GPT, GPTConfig
+from helpers import NO_AUTOCAST, ROOT, save_model_checkpoint, subprocess_env, tiny_gpt
 
 # one xdist worker runs this whole file, so its module-scoped fixtures are built once (-n 2 --dist loadgroup)
 pytestmark = pytest.mark.xdist_group('test_eval_glue')
 
-ROOT = Path(__file__).resolve().parents[1]
-NO_AUTOCAST = torch.autocast('cpu', enabled=False)
 WORDS = 'the a cat dog sat ran on under red blue house tree quickly slowly'.split()
 
 
 def gpt2_vocab_model(attn_type='base', seed=0):
-    torch.manual_seed(seed)
-    return GPT(GPTConfig(block_size=32, vocab_size=50304, n_layer=2, n_head=2, n_embd=32, attn_type=attn_type)).eval()
+    """helpers.TINY_MODEL with biases and GPT-2's (padded) vocabulary, in eval mode."""
+    return tiny_gpt(attn_type, seed, vocab_size=50304, bias=True).eval()
 
 
 def synthetic_rows(n, rng, shuffle_labels=False):
@@ -86,7 +81,7 @@ def test_probe_learns_a_last_token_label_and_stays_at_chance_on_shuffled_labels(
     model = gpt2_vocab_model()
     learned = run_probe(model, glue_dirs['learnable'], tmp_path / 'c1', seeds=(0, 1))
     acc = learned['sst2']['splits']['validation']['accuracy']
-    assert len(acc['per_seed']) == 2 and min(acc['per_seed']) >= 0.95
+    assert len(acc['values']) == 2 and min(acc['values']) >= 0.95
     assert learned['sst2']['batch_size'] == 32  # the paper's rule for a small training set
     chance = run_probe(model, glue_dirs['shuffled'], tmp_path / 'c2')
     assert 0.3 <= chance['sst2']['splits']['validation']['accuracy']['mean'] <= 0.7
@@ -154,17 +149,15 @@ def test_eval_script_writes_the_glue_table_json_and_feature_cache(glue_dirs, tmp
     gpt2_bpe.require()  # tiktoken's GPT-2 files: skipped only when neither cached nor downloadable
     model = gpt2_vocab_model()
     out = tmp_path / 'out-gpt2-vocab'
-    save_checkpoint({'model': model.state_dict(), 'optimizer': {}, 'model_args': dataclasses.asdict(model.config),
-                     'iter_num': 3, 'best_val_loss': 9.0, 'config': {'dataset': 'openwebtext'}}, str(out))
+    save_model_checkpoint(out, model, iter_num=3, best_val_loss=9.0, config={'dataset': 'openwebtext'})
     args = [sys.executable, str(ROOT / 'eval.py'), f'--out_dir={out}', '--glue=sst2', '--device=cpu', '--dtype=float32',
             f"--glue_path={glue_dirs['learnable']}", '--glue_epochs=40', '--glue_lr=1e-2', '--seeds=0,1']
-    env = {**os.environ, 'OMP_NUM_THREADS': '1'}
-    r = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    r = subprocess.run(args, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stderr
     result = json.loads((out / 'glue.json').read_text())
     acc = result['results']['sst2']['splits']['validation']['accuracy']
-    assert acc['per_seed'] == pytest.approx(run_probe(model, glue_dirs['learnable'], tmp_path / 'c',
-                                                      seeds=(0, 1))['sst2']['splits']['validation']['accuracy']['per_seed'])
+    assert acc['values'] == pytest.approx(run_probe(model, glue_dirs['learnable'], tmp_path / 'c',
+                                                      seeds=(0, 1))['sst2']['splits']['validation']['accuracy']['values'])
     header, rule, row = r.stdout.strip().splitlines()[:3]
     assert header == '| Model | SST-2 (acc) |' and row.startswith('| out-gpt2-vocab | ') and ' ± ' in row
     assert (out / 'glue.md').read_text().startswith(header)

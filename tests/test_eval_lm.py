@@ -7,25 +7,20 @@ task (a task YAML over a local jsonl, run by lm_eval.simple_evaluate), and the s
 loglikelihoods and greedy generations, including inputs longer than block_size (left truncation).
 """
 import json
-import os
-import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import tiktoken
 import torch
 
-from denoised_gpt.checkpoint import save_checkpoint
+import gpt2_bpe
+from helpers import NO_AUTOCAST, ROOT, save_model_checkpoint, subprocess_env
 from model import GPT
 
 # one xdist worker runs this whole file, so its module-scoped fixtures are built once (-n 2 --dist loadgroup)
 pytestmark = pytest.mark.xdist_group('test_eval_lm')
 
-ROOT = Path(__file__).resolve().parents[1]
-SHARED_TIKTOKEN = ROOT.parent / 'shared' / 'tiktoken'
-NO_AUTOCAST = torch.autocast('cpu', enabled=False)
 BLOCK = 64
 
 QUESTIONS = [
@@ -37,29 +32,15 @@ QUESTIONS = [
 ]
 
 
-def gpt2_files():
-    """The GPT-2 BPE files in ../shared/tiktoken (named by tiktoken's cache hashes), found by content."""
-    if not SHARED_TIKTOKEN.is_dir():
-        pytest.skip('../shared/tiktoken (GPT-2 BPE files) not available')
-    found = {}
-    for f in SHARED_TIKTOKEN.iterdir():
-        head = f.read_bytes()[:20]
-        if head.startswith(b'{'):
-            found['vocab'] = f
-        elif head.startswith(b'#version'):
-            found['merges'] = f
-    return found['vocab'], found['merges']
-
-
 @pytest.fixture(scope='module')
 def tiny_gpt2(tmp_path_factory):
     """A random 2-layer GPT-2 saved by transformers, with GPT-2's tokenizer, in a local folder."""
     from transformers import GPT2Config, GPT2LMHeadModel, GPT2TokenizerFast
     root = tmp_path_factory.mktemp('lm')
-    vocab, merges = gpt2_files()
-    (root / 'bpe').mkdir()  # the file names from_pretrained looks for, in transformers 4 and 5 alike
-    shutil.copy(vocab, root / 'bpe' / 'vocab.json')
-    shutil.copy(merges, root / 'bpe' / 'merges.txt')
+    # tiktoken's GPT-2 files, under the names from_pretrained looks for in transformers 4 and 5 alike
+    (root / 'bpe').mkdir()
+    (root / 'bpe' / 'vocab.json').write_bytes(gpt2_bpe.gpt2_file('encoder.json'))
+    (root / 'bpe' / 'merges.txt').write_bytes(gpt2_bpe.gpt2_file('vocab.bpe'))
     tokenizer = GPT2TokenizerFast.from_pretrained(str(root / 'bpe'))
     assert tokenizer('The capital of France is')['input_ids'] == tiktoken.get_encoding('gpt2').encode('The capital of France is')
     torch.manual_seed(0)
@@ -154,12 +135,9 @@ def test_unknown_task_names_get_a_suggestion(tiny_gpt2):
 
 
 def test_eval_script_runs_a_local_task(tiny_gpt2, tmp_path):
-    ours = tiny_gpt2['ours']
-    import dataclasses
     out = tmp_path / 'out'
-    save_checkpoint({'model': ours.state_dict(), 'optimizer': {}, 'model_args': dataclasses.asdict(ours.config),
-                     'iter_num': 1, 'best_val_loss': 9.0, 'config': {'dataset': 'openwebtext'}}, str(out))
-    env = {**os.environ, 'OMP_NUM_THREADS': '1'}
+    save_model_checkpoint(out, tiny_gpt2['ours'], iter_num=1, best_val_loss=9.0, config={'dataset': 'openwebtext'})
+    env = subprocess_env()
     base = [sys.executable, str(ROOT / 'eval.py'), f'--out_dir={out}', '--device=cpu', '--dtype=float32',
             f"--lm_eval_include_path={tiny_gpt2['tasks']}"]
     r = subprocess.run(base + ['--lm_eval=tiny_mc'], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)

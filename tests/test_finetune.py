@@ -7,16 +7,15 @@ import shutil
 import pytest
 import torch
 
-from denoised_gpt.checkpoint import load_checkpoint, save_checkpoint
-from denoised_gpt.finetune import (apply_trainable, check_finetune_settings, merge_lora, merged_checkpoint, model_from_checkpoint, new_parameter_names,
-                      start_model_args)
+from denoised_gpt.checkpoint import load_checkpoint
+from denoised_gpt.finetune import (apply_trainable, check_finetune_settings, merge_lora, merged_checkpoint,
+                                   model_from_checkpoint, new_parameter_names, start_model_args)
+from helpers import TINY_MODEL, VOCAB, iter_losses, make_dataset, run_train, save_model_checkpoint, tiny_gpt
 from model import GPT, GPTConfig
-from test_nanogpt_compat import BETAS, LR, WD, NanoConfig, NanoGPT, nano_checkpoint, train_steps
-from test_train import VOCAB, iter_losses, make_dataset, run_train
+from nanogpt_reference import BETAS, LR, WD, NanoConfig, NanoGPT, nano_checkpoint, train_steps
 
 F64 = torch.float64
 SEED = 1337  # tests/config_tiny.py's run seed (train.py's default)
-TINY_SHAPE = dict(block_size=32, vocab_size=VOCAB, n_layer=2, n_head=2, n_embd=32, bias=False)
 # what each variant adds to base's tensors, per layer (docs/attention.md); linear adds nothing
 ADDED = {
     'dint_lowrank': {'attn.q2_down.weight', 'attn.q2_up.weight', 'attn.k2_down.weight', 'attn.k2_up.weight',
@@ -29,7 +28,7 @@ ADDED = {
 def nanogpt_base_checkpoint(out_dir, mask_buffer=True):
     """out_dir/ckpt.pt as nanoGPT's train.py writes it (compiled-model key prefix, no rng entry, its
     causal-mask buffers), after two AdamW steps so that it is not just an init."""
-    cfg = NanoConfig(**{**TINY_SHAPE, 'dropout': 0.0})
+    cfg = NanoConfig(**{**TINY_MODEL, 'dropout': 0.0})
     torch.manual_seed(0)
     nano = NanoGPT(cfg, mask_buffer=mask_buffer)
     optimizer = nano.configure_optimizers(WD, LR, BETAS)
@@ -44,7 +43,7 @@ def nanogpt_base_checkpoint(out_dir, mask_buffer=True):
 def converted(base_dir, attn_type, seed=SEED, **variant):
     """What train.py builds from init_from=base_dir: (model, listed new names)."""
     ckpt = load_checkpoint(base_dir)
-    run_args = {**TINY_SHAPE, 'dropout': 0.0, 'attn_type': attn_type, **variant}
+    run_args = {**TINY_MODEL, 'dropout': 0.0, 'attn_type': attn_type, **variant}
     torch.manual_seed(seed)
     return model_from_checkpoint(ckpt, start_model_args(ckpt['model_args'], run_args, given=set()))
 
@@ -73,9 +72,9 @@ def test_a_variant_that_does_not_fit_base_says_so(tmp_path):
 
 
 def test_a_checkpoint_of_another_variant_only_converts_from_base(tmp_path):
-    diff = tiny_model('diff').float()
-    save_checkpoint({'model': diff.state_dict(), 'optimizer': {}, 'model_args': {**TINY_SHAPE, 'attn_type': 'diff'},
-                     'iter_num': 1, 'best_val_loss': 1.0, 'config': {}}, tmp_path / 'diff')
+    diff = tiny_gpt('diff')
+    save_model_checkpoint(tmp_path / 'diff', diff, model_args={**TINY_MODEL, 'attn_type': 'diff'}, iter_num=1,
+                          best_val_loss=1.0)
     with pytest.raises(ValueError, match=r"attn_type is 'diff': only a 'base' checkpoint converts"):
         converted(tmp_path / 'diff', 'dint_lowrank')
     model, new = converted(tmp_path / 'diff', 'diff')  # its own attn_type loads as it is
@@ -83,27 +82,21 @@ def test_a_checkpoint_of_another_variant_only_converts_from_base(tmp_path):
 
 
 def test_the_checkpoints_shape_wins_and_a_different_given_one_is_an_error():
-    saved = {**TINY_SHAPE, 'dropout': 0.1}
-    run = {**TINY_SHAPE, 'n_layer': 4, 'block_size': 16, 'dropout': 0.0, 'attn_type': 'linear'}
+    saved = {**TINY_MODEL, 'dropout': 0.1}
+    run = {**TINY_MODEL, 'n_layer': 4, 'block_size': 16, 'dropout': 0.0, 'attn_type': 'linear'}
     args = start_model_args(saved, run, given={'block_size', 'dropout', 'attn_type'})
-    assert args == {**TINY_SHAPE, 'dropout': 0.0, 'attn_type': 'linear'}  # train.py crops block_size after
+    assert args == {**TINY_MODEL, 'dropout': 0.0, 'attn_type': 'linear'}  # train.py crops block_size after
     with pytest.raises(ValueError, match="n_layer: checkpoint 2, this run 4"):
         start_model_args(saved, run, given={'n_layer'})
 
 
 # ---------------------------------------------------------------------------- LoRA
 
-def tiny_model(attn_type='base', seed=0):
-    torch.manual_seed(seed)
-    return GPT(GPTConfig(**TINY_SHAPE, attn_type=attn_type, lowrank_rank=4) if attn_type == 'dint_lowrank'
-               else GPTConfig(**TINY_SHAPE, attn_type=attn_type)).to(F64)
-
-
 LORA = dict(lora_rank=4, lora_alpha=8.0, lora_dropout=0.0, lora_targets='c_attn,c_proj,c_fc')
 
 
 def test_lora_starts_as_the_model_and_merges_to_the_same_logits_float64():
-    base = tiny_model()
+    base = tiny_gpt().to(F64)
     idx = torch.randint(0, VOCAB, (3, 32), generator=torch.Generator().manual_seed(1))
     base_logits = base(idx, targets=idx)[0]
     model = apply_trainable(copy.deepcopy(base), 'lora', **LORA)
@@ -120,43 +113,43 @@ def test_lora_starts_as_the_model_and_merges_to_the_same_logits_float64():
     adapter_logits = model(idx, targets=idx)[0].detach()
     assert (adapter_logits - base_logits).abs().max() > 1e-3  # the adapters changed the model
 
-    ckpt = {'model': model.state_dict(), 'model_args': {**TINY_SHAPE, 'attn_type': 'base'},
+    ckpt = {'model': model.state_dict(), 'model_args': {**TINY_MODEL, 'attn_type': 'base'},
             'config': {'trainable': 'lora', **LORA}, 'optimizer': {}, 'iter_num': 3, 'best_val_loss': 1.0}
     merged = merged_checkpoint(ckpt)
     assert set(merged['model']) == set(base.state_dict())  # plain names: what sample.py / eval.py load
     # no optimizer state, so init_from=resume starts AdamW fresh (the grown checkpoints' path, test_grow.py)
     # instead of failing to match the adapters' moments to merged weights
     assert merged['optimizer'] is None and merged['config']['trainable'] == 'all'
-    plain = GPT(GPTConfig(**TINY_SHAPE)).to(F64)
+    plain = GPT(GPTConfig(**TINY_MODEL)).to(F64)
     plain.load_state_dict(merged['model'])
     merged_logits = plain(idx, targets=idx)[0].detach()
     assert ((merged_logits - adapter_logits).abs().max() / adapter_logits.abs().max()) < 1e-10
 
 
 def test_lora_on_a_converted_model_also_trains_what_the_variant_adds():
-    model = apply_trainable(tiny_model('dint_lowrank'), 'lora', **LORA)
+    model = apply_trainable(tiny_gpt('dint_lowrank', lowrank_rank=4).to(F64), 'lora', **LORA)
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     added = {f'transformer.h.{i}.{k}' for i in range(2) for k in ADDED['dint_lowrank']}
     assert added <= trainable and all('.lora_' in n for n in trainable - added)
     assert not any(p.requires_grad for n, p in model.named_parameters() if 'base_layer' in n)
     merge_lora(model)
-    assert set(model.state_dict()) == set(tiny_model('dint_lowrank').state_dict())
+    assert set(model.state_dict()) == set(tiny_gpt('dint_lowrank', lowrank_rank=4).to(F64).state_dict())
 
 
 def test_what_cannot_train_is_refused():
     with pytest.raises(ValueError, match="trainable='new' leaves nothing to train: attn_type='linear' adds no"):
-        apply_trainable(tiny_model('linear'), 'new')
+        apply_trainable(tiny_gpt('linear').to(F64), 'new')
     with pytest.raises(ValueError, match="lora_targets='c_nope': .*c_attn, c_proj, c_fc"):
-        apply_trainable(tiny_model(), 'lora', **{**LORA, 'lora_targets': 'c_nope'})
+        apply_trainable(tiny_gpt().to(F64), 'lora', **{**LORA, 'lora_targets': 'c_nope'})
     with pytest.raises(ValueError, match="lora_rank=0 must be at least 1"):
         check_finetune_settings('lora', 'gpt2', set(), **{**LORA, 'lora_rank': 0})
     with pytest.raises(ValueError, match="trainable='some' must be one of 'all', 'new', 'lora'"):
         check_finetune_settings('some', 'gpt2', set(), **LORA)
     with pytest.raises(ValueError, match="has no LoRA adapters to merge"):
         merged_checkpoint({'config': {'trainable': 'new'}, 'model': {}})
-    lora_ckpt = {'model': apply_trainable(tiny_model(), 'lora', **LORA).state_dict(), 'model_args': TINY_SHAPE}
+    lora_ckpt = {'model': apply_trainable(tiny_gpt().to(F64), 'lora', **LORA).state_dict(), 'model_args': TINY_MODEL}
     with pytest.raises(ValueError, match=r"holds LoRA adapters: merge them first .*--merge_lora=True"):
-        model_from_checkpoint(lora_ckpt, {**TINY_SHAPE, 'attn_type': 'base'})
+        model_from_checkpoint(lora_ckpt, {**TINY_MODEL, 'attn_type': 'base'})
 
 
 # ---------------------------------------------------------------------------- train.py

@@ -2,26 +2,22 @@
 linear algebra in float64, the gradient the hooks collect, 'zero' growth preserving the function
 exactly, and a grown checkpoint resumed by train.py (DDP with gloo, bf16 autocast)."""
 import math
-import runpy
-import sys
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from denoised_gpt import growth
-from denoised_gpt.checkpoint import load_checkpoint, save_checkpoint
+from denoised_gpt.checkpoint import load_checkpoint
+from helpers import make_dataset, run_script_in_process, run_train, save_model_checkpoint, tiny_gpt
 from model import ATTENTION_TYPES, GPT, GPTConfig
-from test_train import ROOT, make_dataset, run_train
 
 VOCAB = 11
 
 
 def tiny(qk_head_size=None, bias=True, attn_type='base', block_size=16, seed=0):
-    torch.manual_seed(seed)
-    config = GPTConfig(n_layer=2, n_head=2, n_embd=8, block_size=block_size, vocab_size=VOCAB, bias=bias,
-                       attn_type=attn_type, qk_head_size=qk_head_size)
-    model = GPT(config).double().eval()
+    """An 8-wide float64 model of VOCAB tokens, in eval mode, its weights moved off their init."""
+    model = tiny_gpt(attn_type, seed, n_embd=8, block_size=block_size, vocab_size=VOCAB, bias=bias,
+                     qk_head_size=qk_head_size).double().eval()
     with torch.no_grad():  # trained-looking weights: init's zero biases would hide bias mistakes
         for p in model.parameters():
             p.add_(0.3 * torch.randn_like(p))
@@ -92,10 +88,7 @@ def test_qk_head_size_must_be_a_positive_int(bad):
 
 def test_checkpoint_round_trip_with_qk_head_size(tmp_path):
     model = tiny(qk_head_size=12)
-    import dataclasses
-    args = dataclasses.asdict(model.config)
-    save_checkpoint({'model': model.state_dict(), 'optimizer': None, 'model_args': args, 'iter_num': 3,
-                     'best_val_loss': 1.0, 'config': {}}, tmp_path)
+    save_model_checkpoint(tmp_path, model, optimizer=None, iter_num=3, best_val_loss=1.0)
     ckpt = load_checkpoint(tmp_path)
     assert ckpt['model_args']['qk_head_size'] == 12 and ckpt['optimizer'] is None
     again = GPT(GPTConfig(**ckpt['model_args'])).double().eval()
@@ -262,28 +255,18 @@ def test_first_order_prediction_matches_a_small_step():
 # ----------------------------------------------------------------------------------------------
 # grow.py end to end: train narrow, grow, resume with DDP and bf16
 
-def run_grow(capsys, *args):
-    saved = sys.argv, torch.get_num_threads()
-    sys.argv = ['grow.py', *map(str, args)]
-    torch.set_num_threads(1)
-    try:
-        with pytest.raises(SystemExit) as exit_info:
-            runpy.run_path(str(ROOT / 'grow.py'), run_name='__main__')
-            raise SystemExit(0)
-    finally:
-        sys.argv = saved[0]
-        torch.set_num_threads(saved[1])
-    out = capsys.readouterr()
-    return exit_info.value.code or 0, out.out, out.err
+def run_grow(*args):
+    """`python3 grow.py ARGS` in the repo root, in this process: (exit status, stdout, stderr)."""
+    proc = run_script_in_process('grow.py', args)
+    return proc.returncode, proc.stdout, proc.stderr
 
 
-def test_grow_script_then_train_resumes_with_ddp_and_bf16(tmp_path, capsys, monkeypatch):
-    monkeypatch.chdir(ROOT)
+def test_grow_script_then_train_resumes_with_ddp_and_bf16(tmp_path):
     data = make_dataset(tmp_path)
     narrow = tmp_path / 'narrow'
     run_train(narrow, data, '--qk_head_size=4', '--max_iters=10', '--lr_decay_iters=10', '--bias=True')
     assert load_checkpoint(narrow)['model_args']['qk_head_size'] == 4
-    rc, out, err = run_grow(capsys, f'--out_dir={narrow}', '--grow_to=16', '--method=closed_form', '--batches=2',
+    rc, out, err = run_grow(f'--out_dir={narrow}', '--grow_to=16', '--method=closed_form', '--batches=2',
                             f'--out={tmp_path / "grown"}', '--eval_iters=2', '--device=cpu')
     assert rc == 0, err
     assert "predicted after (first order)" in out and "growth step:" in out
@@ -299,12 +282,8 @@ def test_grow_script_then_train_resumes_with_ddp_and_bf16(tmp_path, capsys, monk
     assert resumed['optimizer']['state']  # now a real AdamW state, resumable as usual
 
 
-def test_grow_script_rejects_bad_requests_in_one_line(tmp_path, capsys, monkeypatch):
-    monkeypatch.chdir(ROOT)
-    model = tiny(qk_head_size=4)
-    import dataclasses
-    save_checkpoint({'model': model.state_dict(), 'optimizer': None, 'model_args': dataclasses.asdict(model.config),
-                     'iter_num': 0, 'best_val_loss': 1e9, 'config': {}}, tmp_path / 'a')
+def test_grow_script_rejects_bad_requests_in_one_line(tmp_path):
+    save_model_checkpoint(tmp_path / 'a', tiny(qk_head_size=4), optimizer=None)
     (tmp_path / 'taken').mkdir()
     (tmp_path / 'taken' / 'ckpt.pt').write_bytes(b'keep me')
     cases = [(['--grow_to=2', '--out=x'], "grow_to=2 must be between the checkpoint's qk_head_size 4 and n_embd 8"),
@@ -313,12 +292,10 @@ def test_grow_script_rejects_bad_requests_in_one_line(tmp_path, capsys, monkeypa
              (['--grow_to=8', '--out=x', '--method=svd'], "method='svd' must be one of closed_form, random, zero"),
              (['--grow_to=8', '--out=x', '--layers=5'], "layers='5' must name layers between 0 and 1")]
     for args, message in cases:
-        rc, out, err = run_grow(capsys, f'--out_dir={tmp_path / "a"}', *args)
+        rc, out, err = run_grow(f'--out_dir={tmp_path / "a"}', *args)
         assert rc == 2 and err.startswith("grow.py: error: ") and message in err, err
         assert err.count('\n') == 1 and 'Traceback' not in err
     assert (tmp_path / 'taken' / 'ckpt.pt').read_bytes() == b'keep me'
-    other = tiny(attn_type='symmetric')
-    save_checkpoint({'model': other.state_dict(), 'optimizer': None, 'model_args': dataclasses.asdict(other.config),
-                     'iter_num': 0, 'best_val_loss': 1e9, 'config': {}}, tmp_path / 's')
-    rc, _, err = run_grow(capsys, f'--out_dir={tmp_path / "s"}', '--grow_to=8', '--out=x')
+    save_model_checkpoint(tmp_path / 's', tiny(attn_type='symmetric'), optimizer=None)
+    rc, _, err = run_grow(f'--out_dir={tmp_path / "s"}', '--grow_to=8', '--out=x')
     assert rc == 2 and "attn_type='symmetric'; grow.py widens `base` attention only" in err

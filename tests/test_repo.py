@@ -1,8 +1,7 @@
 """Repository-level promises: the README's commands are the ones CI and users actually run."""
 import re
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers import ROOT
 
 
 def readme_commands():

@@ -9,28 +9,23 @@ the batched greedy completions equal unbatched greedy generation; NoiseFormer no
 (its own draw per completion) and off on request; bf16 weights give valid samples for every attn_type;
 a crafted meta.pkl never runs; bad inputs exit non-zero with a message that names the problem.
 """
-import contextlib
-import dataclasses
-import io
 import json
-import os
 import pickle
 import re
-import runpy
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-from denoised_gpt.checkpoint import load_checkpoint, save_checkpoint
+import gpt2_bpe
+from denoised_gpt.checkpoint import load_checkpoint
+from helpers import ROOT, run_script_in_process, subprocess_env, tiny_checkpoint, tiny_gpt
 from model import ATTENTION_TYPES, GPT, GPTConfig
 
 # one xdist worker runs this whole file, so its module-scoped fixtures are built once (-n 2 --dist loadgroup)
 pytestmark = pytest.mark.xdist_group('test_sample')
 
-ROOT = Path(__file__).resolve().parents[1]
 APPENDIX_PROMPTS = "prompts/appendix.txt"  # shipped with the repo, named in the README
 # a character vocabulary with every LaTeX / Markdown special character in it
 CHARS = sorted(set("\n !$%&#_{}~^\\<>|`*'.,:;?-0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"))
@@ -38,23 +33,14 @@ PROMPTS = ["ROMEO:", "50% of $x_1$ & {y} #2 ~^ \\ <a|b> `c`"]
 THIRD_PROMPT = "JULIET: O"
 NUM_SAMPLES = 3
 NEW_TOKENS = 100
+# the models here: helpers.TINY_MODEL with a context of 64 and biases, over CHARS by default
+SHAPE = dict(block_size=64, vocab_size=len(CHARS), bias=True)
 
 
-def tiny_config(attn_type, vocab_size, **kwargs):
-    return GPTConfig(block_size=64, vocab_size=vocab_size, n_layer=2, n_head=2, n_embd=32, attn_type=attn_type,
-                     **kwargs)
-
-
-def make_checkpoint(out_dir, attn_type, vocab_size, dataset, tweak=None, best_val_loss=3.25):
-    """A tiny untrained model saved as train.py saves it; tweak(model) may set weights first."""
-    torch.manual_seed(0)
-    config = tiny_config(attn_type, vocab_size)
-    model = GPT(config)
-    if tweak is not None:
-        with torch.no_grad():
-            tweak(model)
-    save_checkpoint({'model': model.state_dict(), 'optimizer': {}, 'model_args': dataclasses.asdict(config),
-                     'iter_num': 7, 'best_val_loss': best_val_loss, 'config': {'dataset': str(dataset)}}, out_dir)
+def make_checkpoint(out_dir, attn_type, dataset, **kwargs):
+    """A tiny untrained model saved as train.py saves it, at iteration 7 with val loss 3.25 (kwargs:
+    tiny_checkpoint's tweak, best_val_loss, vocab_size); returns out_dir."""
+    tiny_checkpoint(out_dir, attn_type, dataset, **{**SHAPE, 'best_val_loss': 3.25, **kwargs})
     return out_dir
 
 
@@ -109,44 +95,22 @@ def ckpts(tmp_path_factory):
     evil_json = crafted_dataset(root / "evil-json", with_meta_json=True)
     return {
         'root': root, 'prompts': root / "prompts.txt", 'prompts3': root / "prompts3.txt",
-        'evil_pkl': make_checkpoint(root / "out-evil-pkl", "base", len(CHARS), evil_pkl),
-        'evil_json': make_checkpoint(root / "out-evil-json", "base", len(CHARS), evil_json),
-        **{attn: make_checkpoint(root / f"out-{attn}", attn, len(CHARS), data)
+        'evil_pkl': make_checkpoint(root / "out-evil-pkl", "base", evil_pkl),
+        'evil_json': make_checkpoint(root / "out-evil-json", "base", evil_json),
+        **{attn: make_checkpoint(root / f"out-{attn}", attn, data)
            for attn in ATTENTION_TYPES if attn not in ('base', 'noiseformer_v1')},
-        'noisy': make_checkpoint(root / "out-noisy", "noiseformer_v1", len(CHARS), data, loud_noise),
-        'base': make_checkpoint(root / "out-base", "base", len(CHARS), data),
+        'noisy': make_checkpoint(root / "out-noisy", "noiseformer_v1", data, tweak=loud_noise),
+        'base': make_checkpoint(root / "out-base", "base", data),
         # GPT-2's vocabulary and no meta.pkl in its (missing) dataset folder: tiktoken's gpt2 encoding
-        'gpt2': make_checkpoint(root / "out-gpt2", "base", 50304, root / "no-such-dataset", always_endoftext,
-                                best_val_loss=1e9),
+        'gpt2': make_checkpoint(root / "out-gpt2", "base", root / "no-such-dataset", tweak=always_endoftext,
+                                vocab_size=50304, best_val_loss=1e9),
     }
 
 
 def launch(*args):
-    # one thread: a tiny model gains nothing from two, and OpenMP's spinning threads run ten times
-    # slower when other processes keep the second core busy
-    env = {**os.environ, 'OMP_NUM_THREADS': '1'}
-    return subprocess.Popen([sys.executable, "sample.py", *args], cwd=ROOT, env=env, text=True,
+    """`python3 sample.py ARGS` started as a subprocess in the repo root (one OpenMP thread)."""
+    return subprocess.Popen([sys.executable, "sample.py", *args], cwd=ROOT, env=subprocess_env(), text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-
-
-def run_in_process(args):
-    """`python3 sample.py ARGS` in the repo root, run in this process: its exit status, stdout, stderr."""
-    out, err = io.StringIO(), io.StringIO()
-    saved_argv, saved_cwd, saved_threads = sys.argv, os.getcwd(), torch.get_num_threads()
-    sys.argv = ['sample.py', *args]
-    os.chdir(ROOT)  # sample.py reads data/<dataset> relative to where it runs
-    torch.set_num_threads(1)
-    rc = 0
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            runpy.run_path(str(ROOT / 'sample.py'), run_name='__main__')
-    except SystemExit as e:  # fail() exits 2; an uncaught exception fails the test with its traceback
-        rc = e.code if isinstance(e.code, int) else 1
-    finally:
-        sys.argv = saved_argv
-        os.chdir(saved_cwd)
-        torch.set_num_threads(saved_threads)
-    return subprocess.CompletedProcess(['sample.py', *args], rc, out.getvalue(), err.getvalue())
 
 
 @pytest.fixture(scope="module")
@@ -183,11 +147,11 @@ def runs(ckpts):
         **{f"bf16_{attn}": [f"--out_dir={ckpts[attn]}", f"--start={PROMPTS[0]}", "--format=jsonl", "--dtype=bfloat16"]
            for attn in ATTENTION_TYPES if attn != 'noiseformer_v1'},
     }
-    if not os.environ.get("TIKTOKEN_CACHE_DIR"):  # tests never download: conftest points it at ../shared
+    if gpt2_bpe.unavailable():  # tiktoken's GPT-2 files can be neither found nor downloaded
         del commands['gpt2_eot'], commands['appendix_file']
     # as a user runs it: the reference output (stdout holds only the samples) and the crafted meta.pkl
     procs = {name: launch(*commands.pop(name)) for name in ('jsonl', 'evil_pkl')}
-    results = {name: run_in_process(args) for name, args in commands.items()}
+    results = {name: run_script_in_process('sample.py', args) for name, args in commands.items()}
     for name, p in procs.items():
         stdout, stderr = p.communicate(timeout=300)
         results[name] = subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr)
@@ -303,8 +267,7 @@ def test_bad_inputs_fail_clearly(runs, problem, expected):
 
 def test_gpt2_vocab_special_tokens_readable(runs):
     """A GPT-2-vocabulary checkpoint (tiktoken, no meta.pkl) that always predicts <|endoftext|>."""
-    if 'gpt2_eot' not in runs:
-        pytest.skip("the GPT-2 BPE files are not available offline: set TIKTOKEN_CACHE_DIR (CI copies ../shared/tiktoken)")
+    gpt2_bpe.require()  # tiktoken's GPT-2 files: skipped only when neither cached nor downloadable
     out = output(runs, 'gpt2_eot')
     eot = r"\texttt{\textless{}\textbar{}endoftext\textbar{}\textgreater{}}"
     assert re.search(r"\\begin\{quote\}\n(.*?)\n\\end\{quote\}", out, re.S).group(1) == eot * 3
@@ -352,8 +315,7 @@ def test_batched_greedy_equals_unbatched_generation(runs, ckpts):
 def test_generate_batch_rows_equal_single_sequence_greedy(attn_type, extra):
     """What sample.py's batching relies on, for every deterministic variant: row j of a batched greedy
     generation equals the generation of that sequence alone, with and without the cache."""
-    torch.manual_seed(0)
-    model = GPT(tiny_config(attn_type, len(CHARS), **extra))
+    model = tiny_gpt(attn_type, **SHAPE, **extra)
     model.eval()
     x = torch.randint(len(CHARS), (1, 5))
     for use_cache in (True, False):

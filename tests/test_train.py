@@ -1,117 +1,32 @@
 """train.py end to end on CPU (tiny model, OMP_NUM_THREADS=1 subprocesses, torch.compile off):
 exact resume after SIGKILL and SIGTERM, DDP (gloo) equal to one process, non-finite handling,
-every attention variant learning; and the LR schedule."""
+every attention variant learning. (The LR schedule itself: test_lr_schedule.py.)"""
 import dataclasses
 import json
-import math
 import os
 import re
 import runpy
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
-from denoised_gpt.checkpoint import load_checkpoint, save_checkpoint
-from configurator import apply_config
-from denoised_gpt.lr_schedule import check_schedule, get_lr
-from model import ATTENTION_TYPES, GPT, GPTConfig
-
-ROOT = Path(__file__).resolve().parents[1]
-TINY = ROOT / 'tests' / 'config_tiny.py'
-VOCAB = 48
+from denoised_gpt.checkpoint import load_checkpoint
+from helpers import (ITER_LINE, ROOT, TINY, TINY_MODEL, VOCAB, eval_losses, iter_losses, make_dataset,
+                     run_script_in_process, run_train, save_model_checkpoint, subprocess_env, tiny_gpt,
+                     train_command)
+from model import ATTENTION_TYPES, GPTConfig
 
 
-# -----------------------------------------------------------------------------
-# helpers (also used by test_device.py)
-
-def make_dataset(tmp_path, n_train=30_000, n_val=6_000, seed=0):
-    """Token files as data/<name>/ holds them (train.bin, val.bin: flat uint16; meta.json), from a
-    Markov chain that mostly follows a fixed random successor table: learnable in a few dozen
-    iterations, unlike uniform noise."""
-    rng = np.random.default_rng(seed)
-    successor = rng.permutation(VOCAB)
-    tokens = np.empty(n_train + n_val, dtype=np.uint16)
-    tokens[0] = 0
-    jump = rng.random(len(tokens)) < 0.15
-    random_tokens = rng.integers(0, VOCAB, len(tokens))
-    for i in range(1, len(tokens)):
-        tokens[i] = random_tokens[i] if jump[i] else successor[tokens[i - 1]]
-    data = tmp_path / 'data'
-    data.mkdir(exist_ok=True)
-    tokens[:n_train].tofile(data / 'train.bin')
-    tokens[n_train:].tofile(data / 'val.bin')
-    (data / 'meta.json').write_text(json.dumps({'tokenizer': 'char', 'vocab_size': VOCAB, 'train_tokens': n_train,
-                                                'val_tokens': n_val, 'source': 'synthetic (tests)'}))
-    return data
-
-
-def subprocess_env(**extra):
-    return {**os.environ, 'OMP_NUM_THREADS': '1', 'PYTHONUNBUFFERED': '1', 'WANDB_MODE': 'offline',
-            'WANDB_SILENT': 'true', **extra}
-
-
-def train_command(out_dir, data, *args, nproc=1):
-    launcher = [sys.executable, 'train.py'] if nproc == 1 else [
-        sys.executable, '-m', 'torch.distributed.run', '--standalone', f'--nproc_per_node={nproc}', 'train.py']
-    return launcher + [str(TINY), f'--dataset={data}', f'--out_dir={out_dir}', *args]
-
-
-def run_train(out_dir, data, *args, nproc=1, env=None, expect_rc=0):
-    proc = subprocess.run(train_command(out_dir, data, *args, nproc=nproc), cwd=ROOT, env=env or subprocess_env(),
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == expect_rc, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
-    return proc
-
-
-ITER_LINE = re.compile(r"^iter (\d+): loss (\S+), ce (\S+), kl (\S+),", re.M)
-EVAL_LINE = re.compile(r"^step (\d+): train loss (\S+), val loss (\S+)", re.M)
-
-
-def iter_losses(stdout):
-    """{iter: printed loss} (the printed value is the global mean, to 6 decimals)."""
-    return {int(m[1]): float(m[2]) for m in ITER_LINE.finditer(stdout)}
-
-
-def eval_losses(stdout):
-    return {int(m[1]): float(m[3]) for m in EVAL_LINE.finditer(stdout)}
-
-
-# -----------------------------------------------------------------------------
-# LR schedule: values from the formula, written out here
-
-def test_lr_schedule_warmup_cosine_floor():
-    lr, warmup, decay, min_lr = 6e-4, 2000, 600000, 6e-5
-    f = lambda it: get_lr(it, lr, warmup, decay, min_lr)  # noqa: E731
-    assert f(0) == pytest.approx(lr * 1 / 2001)
-    assert f(999) == pytest.approx(lr * 1000 / 2001)
-    assert f(1999) == pytest.approx(lr * 2000 / 2001)
-    assert f(2000) == pytest.approx(lr)  # end of warmup: cos(0) = 1
-    mid = (warmup + decay) // 2
-    assert f(mid) == pytest.approx(min_lr + 0.5 * (lr - min_lr))  # cos(pi/2) = 0
-    r = (100000 - warmup) / (decay - warmup)
-    assert f(100000) == pytest.approx(min_lr + 0.5 * (1 + math.cos(math.pi * r)) * (lr - min_lr))
-    assert f(decay) == pytest.approx(min_lr)  # cos(pi) = -1
-    assert f(decay + 1) == min_lr and f(10 * decay) == min_lr
-    values = [f(it) for it in range(0, decay + 2000, 997)]
-    peak = values.index(max(values))
-    assert all(a <= b for a, b in zip(values[:peak], values[1:peak + 1]))  # up, then
-    assert all(a >= b for a, b in zip(values[peak:], values[peak + 1:]))  # down
-    assert get_lr(0, lr, 0, decay, min_lr) == lr  # no warmup
-
-
-def test_lr_schedule_rejects_impossible_settings():
-    with pytest.raises(ValueError, match="lr_decay_iters=100 must be larger than warmup_iters=100"):
-        check_schedule(6e-4, 100, 100, 6e-5)
-    with pytest.raises(ValueError, match="min_lr"):
-        check_schedule(6e-4, 10, 100, 1e-3)
-    with pytest.raises(ValueError, match="warmup_iters"):
-        check_schedule(6e-4, -1, 100, 6e-5)
-    check_schedule(6e-4, 2000, 600000, 6e-5)
+def test_tiny_model_is_config_tiny_model():
+    """helpers.TINY_MODEL, which the tiny checkpoints here and in other files are built with, is the
+    model train.py builds from tests/config_tiny.py on make_dataset's data."""
+    settings = runpy.run_path(str(TINY))
+    fields = {f.name: f.default for f in dataclasses.fields(GPTConfig)}
+    from_config = {k: settings.get(k, default) for k, default in fields.items() if k != 'vocab_size'}
+    assert GPTConfig(**TINY_MODEL) == GPTConfig(**from_config, vocab_size=VOCAB)
 
 
 # -----------------------------------------------------------------------------
@@ -244,7 +159,7 @@ def test_ddp_two_ranks_match_one_process(tmp_path):
         assert abs(e1[it] - e2[it]) < 1e-5
     # only rank 0 saves (twice: at the evaluations of iters 4 and 8); the results agree
     assert one.stdout.count('saved checkpoint') == two.stdout.count('saved checkpoint') == 2
-    assert sorted(os.listdir(tmp_path / 'two')) == ['ckpt.prev.pt', 'ckpt.pt', 'metrics.jsonl']
+    assert sorted(os.listdir(tmp_path / 'two')) == ['.lock', 'ckpt.prev.pt', 'ckpt.pt', 'metrics.jsonl']  # rank 0's files
     w1, w2 = load_checkpoint(tmp_path / 'one')['model'], load_checkpoint(tmp_path / 'two')['model']
     for name in w1:
         torch.testing.assert_close(w1[name], w2[name], rtol=0, atol=1e-5)
@@ -259,16 +174,11 @@ def test_ddp_two_ranks_match_one_process(tmp_path):
 
 def nan_checkpoint(out_dir):
     """A nanoGPT-format checkpoint (no RNG state) of the config_tiny model with one NaN weight."""
-    tiny = runpy.run_path(str(TINY))
-    names = {f.name for f in dataclasses.fields(GPTConfig)}
-    model_args = dataclasses.asdict(GPTConfig(**{k: v for k, v in tiny.items() if k in names}, vocab_size=VOCAB))
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(**model_args))
+    model = tiny_gpt()
     with torch.no_grad():
         model.transformer.h[0].mlp.c_fc.weight[0, 0] = float('nan')
     optimizer = model.configure_optimizers(0.1, 1e-3, (0.9, 0.99), 'cpu')
-    save_checkpoint({'model': model.state_dict(), 'optimizer': optimizer.state_dict(), 'model_args': model_args,
-                     'iter_num': 0, 'best_val_loss': 1e9, 'config': {}}, out_dir)
+    save_model_checkpoint(out_dir, model, optimizer=optimizer.state_dict())
     return model.state_dict()
 
 
@@ -298,25 +208,19 @@ def test_nonfinite_loss_skips_the_step_when_asked(tmp_path):
 # -----------------------------------------------------------------------------
 # every attention variant learns (in-process: one torch import for all eight)
 
-def run_in_process(argv, capsys):
-    saved = sys.argv, signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT), torch.get_num_threads()
-    sys.argv = ['train.py', *argv]
-    torch.set_num_threads(1)
-    try:
-        runpy.run_path(str(ROOT / 'train.py'))
-    finally:
-        sys.argv = saved[0]
-        signal.signal(signal.SIGTERM, saved[1])
-        signal.signal(signal.SIGINT, saved[2])
-        torch.set_num_threads(saved[3])
-    return capsys.readouterr().out
+def train_in_process(*args, expect_rc=0):
+    """`python3 train.py ARGS` run in this process (one torch import for all of them); its exit
+    status must be expect_rc."""
+    proc = run_script_in_process('train.py', args)
+    assert proc.returncode == expect_rc, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    return proc
 
 
 @pytest.mark.parametrize('attn_type', list(ATTENTION_TYPES))
-def test_every_attention_variant_trains(attn_type, tmp_path, capsys):
+def test_every_attention_variant_trains(attn_type, tmp_path):
     data = make_dataset(tmp_path)
-    out = run_in_process([str(TINY), f'--dataset={data}', f'--out_dir={tmp_path / "out"}', f'--attn_type={attn_type}',
-                          '--max_iters=50', '--lr_decay_iters=50', '--eval_interval=50', '--log_interval=5'], capsys)
+    out = train_in_process(str(TINY), f'--dataset={data}', f'--out_dir={tmp_path / "out"}', f'--attn_type={attn_type}',
+                           '--max_iters=50', '--lr_decay_iters=50', '--eval_interval=50', '--log_interval=5').stdout
     val = eval_losses(out)
     assert sorted(val) == [0, 50]
     assert val[50] < val[0] - 0.5, val  # the same val batches before and after: it learned
@@ -352,27 +256,25 @@ def tiny_args(tmp_path, data, out='out'):
     return [str(TINY), f'--dataset={data}', f'--out_dir={tmp_path / out}']
 
 
-def test_resume_refuses_an_architecture_given_at_its_default_value(tmp_path, capsys):
+def test_resume_refuses_an_architecture_given_at_its_default_value(tmp_path):
     data = make_dataset(tmp_path)
-    run_in_process([*tiny_args(tmp_path, data), '--attn_type=dint', '--max_iters=0'], capsys)
+    train_in_process(*tiny_args(tmp_path, data), '--attn_type=dint', '--max_iters=0')
     # base is train.py's default, but it was given: it must be compared, not ignored
-    with pytest.raises(SystemExit) as e:
-        run_in_process([*tiny_args(tmp_path, data), '--init_from=resume', '--attn_type=base'], capsys)
-    assert e.value.code == 2
-    assert "attn_type: checkpoint 'dint', this run 'base'" in capsys.readouterr().err
+    proc = train_in_process(*tiny_args(tmp_path, data), '--init_from=resume', '--attn_type=base', expect_rc=2)
+    assert "attn_type: checkpoint 'dint', this run 'base'" in proc.stderr
     assert load_checkpoint(tmp_path / 'out')['model_args']['attn_type'] == 'dint'
 
 
-def test_resume_continues_the_checkpoints_run_settings(tmp_path, capsys):
+def test_resume_continues_the_checkpoints_run_settings(tmp_path):
     data = make_dataset(tmp_path)
     out = tmp_path / 'out'
-    first = run_in_process([str(TINY), f'--dataset={data}', f'--out_dir={out}', '--batch_size=2',
-                            '--gradient_accumulation_steps=1', '--max_iters=2', '--eval_interval=2'], capsys)
+    first = train_in_process(str(TINY), f'--dataset={data}', f'--out_dir={out}', '--batch_size=2',
+                             '--gradient_accumulation_steps=1', '--max_iters=2', '--eval_interval=2').stdout
     assert "tokens per iteration will be: 64" in first  # 1 x 2 x 32
     assert "max_iters=2 ends during the warmup (warmup_iters=5)" in first
     # nanoGPT's way of resuming: no config file; batch, data and schedule come from the checkpoint
-    second = run_in_process(['--init_from=resume', f'--out_dir={out}', '--max_iters=4', '--learning_rate=0.001',
-                             '--device=cpu', '--dtype=float32'], capsys)
+    second = train_in_process('--init_from=resume', f'--out_dir={out}', '--max_iters=4', '--learning_rate=0.001',
+                              '--device=cpu', '--dtype=float32').stdout
     assert "tokens per iteration will be: 64" in second
     assert "learning_rate: checkpoint 0.003, this run 0.001" in second
     assert "max_iters: checkpoint 2, this run 4" in second
@@ -381,32 +283,32 @@ def test_resume_continues_the_checkpoints_run_settings(tmp_path, capsys):
     assert (ckpt['config']['batch_size'], ckpt['config']['dataset'], ckpt['config']['learning_rate']) == (2, str(data), 0.001)
 
 
-def test_scratch_run_keeps_another_runs_checkpoint_aside(tmp_path, capsys):
+def test_scratch_run_keeps_another_runs_checkpoint_aside(tmp_path):
     data = make_dataset(tmp_path)
     out = tmp_path / 'out'
-    run_in_process([*tiny_args(tmp_path, data), '--max_iters=10', '--eval_interval=5'], capsys)
+    train_in_process(*tiny_args(tmp_path, data), '--max_iters=10', '--eval_interval=5')
     before = {name: (out / name).read_bytes() for name in ('ckpt.pt', 'ckpt.prev.pt', 'metrics.jsonl')}
     # the same command again (or a short test run with the same out_dir): the first run is not lost
-    stdout = run_in_process([*tiny_args(tmp_path, data), '--max_iters=2', '--eval_interval=5'], capsys)
+    stdout = train_in_process(*tiny_args(tmp_path, data), '--max_iters=2', '--eval_interval=5').stdout
     aside = [p for p in out.iterdir() if p.name.startswith('replaced-')]
     assert len(aside) == 1 and f"moved it to {aside[0]}/" in stdout
     assert {name: (aside[0] / name).read_bytes() for name in before} == before
     assert load_checkpoint(out)['iter_num'] == 2
-    stdout = run_in_process([*tiny_args(tmp_path, data), '--max_iters=1', '--overwrite=True'], capsys)
+    stdout = train_in_process(*tiny_args(tmp_path, data), '--max_iters=1', '--overwrite=True').stdout
     assert "deleted the previous run's checkpoint" in stdout
     assert len([p for p in out.iterdir() if p.name.startswith('replaced-')]) == 1
 
 
-def test_resume_does_not_replace_the_fallback_before_training(tmp_path, capsys):
+def test_resume_does_not_replace_the_fallback_before_training(tmp_path):
     data = make_dataset(tmp_path)
     out = tmp_path / 'out'
-    run_in_process([*tiny_args(tmp_path, data), '--max_iters=10', '--eval_interval=5'], capsys)  # saves at 5, 10
+    train_in_process(*tiny_args(tmp_path, data), '--max_iters=10', '--eval_interval=5')  # saves at 5, 10
     assert load_checkpoint(out / 'ckpt.prev.pt')['iter_num'] == 5
     before = {name: (out / name).read_bytes() for name in ('ckpt.pt', 'ckpt.prev.pt')}
-    stdout = run_in_process([*tiny_args(tmp_path, data), '--init_from=resume', '--max_iters=10'], capsys)
+    stdout = train_in_process(*tiny_args(tmp_path, data), '--init_from=resume', '--max_iters=10').stdout
     assert 'saved checkpoint' not in stdout and 'step 10:' not in stdout  # nothing left to train
     assert {name: (out / name).read_bytes() for name in before} == before
-    run_in_process([*tiny_args(tmp_path, data), '--init_from=resume', '--max_iters=12'], capsys)
+    train_in_process(*tiny_args(tmp_path, data), '--init_from=resume', '--max_iters=12')
     assert load_checkpoint(out)['iter_num'] == 12 and load_checkpoint(out / 'ckpt.prev.pt')['iter_num'] == 10
 
 
@@ -423,25 +325,20 @@ BAD_SETTINGS = [
 
 
 @pytest.mark.parametrize('args,message', BAD_SETTINGS, ids=[a[0].split('=')[0] for a, _ in BAD_SETTINGS])
-def test_impossible_settings_fail_before_any_work(args, message, tmp_path, capsys):
+def test_impossible_settings_fail_before_any_work(args, message, tmp_path):
     data = make_dataset(tmp_path, n_train=2000, n_val=500)
-    with pytest.raises(SystemExit) as e:
-        run_in_process([str(TINY), f'--dataset={data}', f'--out_dir={tmp_path / "out"}', *args], capsys)
-    captured = capsys.readouterr()
-    assert e.value.code == 2
-    assert captured.err.strip() == f"train.py: error: {captured.err.strip()[len('train.py: error: '):]}"
-    assert message in captured.err and len(captured.err.strip().splitlines()) == 1
+    err = train_in_process(str(TINY), f'--dataset={data}', f'--out_dir={tmp_path / "out"}', *args, expect_rc=2).stderr
+    assert err.strip() == f"train.py: error: {err.strip()[len('train.py: error: '):]}"
+    assert message in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / 'out').exists()  # nothing was started
 
 
-def test_unwritable_out_dir_is_found_at_start(tmp_path, capsys):
+def test_unwritable_out_dir_is_found_at_start(tmp_path):
     data = make_dataset(tmp_path, n_train=2000, n_val=500)
     (tmp_path / 'file').write_text('not a directory')
-    with pytest.raises(SystemExit) as e:
-        run_in_process([str(TINY), f'--dataset={data}', f'--out_dir={tmp_path / "file" / "out"}'], capsys)
-    captured = capsys.readouterr()
-    assert e.value.code == 2 and "is not a writable directory" in captured.err
-    assert 'iter 0' not in captured.out
+    captured = train_in_process(str(TINY), f'--dataset={data}', f'--out_dir={tmp_path / "file" / "out"}', expect_rc=2)
+    assert "is not a writable directory" in captured.stderr
+    assert 'iter 0' not in captured.stdout
 
 
 def test_gpt2_weights_offline_is_one_clear_line(tmp_path):

@@ -1,13 +1,23 @@
 """
 The pieces of eval.py that tests import: exact validation loss and the final hidden states (here),
 attention entropy (entropy.py), the GLUE frozen-backbone probe (glue.py) and the
-lm-evaluation-harness adapter (lm_eval_adapter.py). Heavy libraries (datasets, lm_eval, matplotlib)
+lm-evaluation-harness adapter (lm_eval_adapter.py), and the mean and spread over seeds that eval.py's
+and compare.py's tables report. Heavy libraries (datasets, lm_eval, matplotlib)
 are imported inside the functions that need them, so `eval.py --help` and a val-loss run stay quick.
 """
 import math
+import statistics
 
 import numpy as np
 import torch
+
+
+def mean_std(values):
+    """{'values', 'mean', 'std'} over seeds: std is the sample standard deviation, None for one value
+    (no spread to report), and mean None when there are no values."""
+    values = list(values)
+    return dict(values=values, mean=statistics.mean(values) if values else None,
+                std=statistics.stdev(values) if len(values) > 1 else None)
 
 
 @torch.no_grad()

@@ -14,8 +14,6 @@ the distribution of attention *magnitude* over keys: 1 when every key gets the s
 0 when all of it sits on one key. For a map with no negative entries (softmax branches, linear
 attention) this is the ordinary entropy of the row.
 """
-import json
-import math
 
 import torch
 
@@ -49,11 +47,6 @@ def attention_entropy(model, batches, ctx):
 def entropy_summary(entropy):
     """{map name: [mean over heads, per layer]} and the overall mean, for the console and JSON."""
     return {name: [sum(h) / len(h) for h in layers] for name, layers in entropy.items()}
-
-
-def save_json(result, path):
-    with open(path, 'w') as f:
-        json.dump(result, f, indent=2)
 
 
 def plot_entropy(results, path):

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from denoised_gpt.device import manual_seed
-from denoised_gpt.evaluation import final_hidden_states
+from denoised_gpt.evaluation import final_hidden_states, mean_std
 
 CHUNK = 1024  # examples per cache file written during extraction: a kill loses at most this many
 FORMAT = 1  # bump when the feature computation changes, so old caches are not reused
@@ -207,12 +207,6 @@ def train_probe(x, y, num_labels, epochs, lr, weight_decay, batch_size, seed, de
     return probe
 
 
-def mean_std(values):
-    mean = sum(values) / len(values)
-    std = math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1)) if len(values) > 1 else 0.0
-    return dict(mean=mean, std=std, per_seed=values)
-
-
 # ----------------------------------------------------------------------------- the protocol
 
 def load_split(path, task, split, max_examples):
@@ -295,7 +289,7 @@ def markdown_table(model_name, results, settings):
             parts = []
             for m in metrics:
                 r = metrics[m]
-                parts.append(f"{100 * r['mean']:.1f}" + (f" ± {100 * r['std']:.1f}" if len(r['per_seed']) > 1 else ''))
+                parts.append(f"{100 * r['mean']:.1f}" + (f" ± {100 * r['std']:.1f}" if r['std'] is not None else ''))
             cells.append(' / '.join(parts))
     lines = ['| ' + ' | '.join(header) + ' |', '|' + '---|' * len(header), '| ' + ' | '.join(cells) + ' |']
     n = len(settings['seeds'])

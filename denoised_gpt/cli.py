@@ -1,0 +1,123 @@
+"""What every script does the same way: read its settings, refuse bad input in one line, load a model
+to run (a checkpoint or GPT-2's weights) and GPT-2's tokenizer."""
+import contextlib
+import os
+import sys
+
+from configurator import ConfigError, apply_config, optional_bool
+
+GPT2_NAMES = ('gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl')
+
+
+def fail(message):
+    """A setting or input that cannot work: say what and how to fix it on stderr, exit 2 (no traceback)."""
+    print(f"{os.path.basename(sys.argv[0])}: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def log(message):
+    """Messages go to stderr, so that a script's stdout holds only its results."""
+    print(message, file=sys.stderr, flush=True)
+
+
+def read_config(script, defaults, given=None, optional_bools=()):
+    """The script's settings: `defaults` updated by the config files and --key=value overrides on the
+    command line (configurator.apply_config); --help prints them and exits. given: a set that receives
+    the keys set. optional_bools: keys whose default None means "as the checkpoint says" (True, False
+    or None, see configurator.optional_bool)."""
+    try:
+        config = apply_config(sys.argv[1:], defaults, script=script, given=given)
+        return {**config, **{k: optional_bool(k, config[k]) for k in optional_bools}}
+    except ConfigError as e:
+        fail(e)
+
+
+def prepare_device(device, dtype):
+    """The device and dtype settings ('auto' or a name) resolved, and the device set up; exit 2 on a bad one."""
+    from denoised_gpt.device import resolve_device, resolve_dtype, setup
+    try:
+        device = resolve_device(device)
+        dtype = resolve_dtype(dtype, device)
+    except ValueError as e:
+        fail(e)
+    setup(device)
+    return device, dtype
+
+
+def check_inference_source(init_from):
+    """sample.py / eval.py run a trained model: 'resume' (out_dir's ckpt.pt) or GPT-2's weights."""
+    if init_from != 'resume' and not init_from.startswith('gpt2'):
+        fail(f"init_from={init_from!r} must be 'resume' (a checkpoint in out_dir) or a GPT-2 model name "
+             f"({', '.join(GPT2_NAMES)})")
+
+
+def load_model(init_from, out_dir, noise_at_eval=None, model_overrides=None):
+    """The model to run, in eval mode on the CPU, and the checkpoint it came from (None for GPT-2's
+    weights). init_from: 'resume' (out_dir's ckpt.pt, or a checkpoint file) or a GPT-2 name.
+    noise_at_eval: None keeps the checkpoint's setting; True / False is refused for a model without
+    NoiseFormer noise. model_overrides: model_args replaced where the model has that setting (e.g.
+    noise_per_sample for NoiseFormer)."""
+    from model import ATTENTION_TYPES, GPT, GPTConfig
+    from denoised_gpt.checkpoint import CheckpointError, load_checkpoint
+    script = os.path.basename(sys.argv[0])
+    if init_from != 'resume':
+        if noise_at_eval is not None:
+            fail("noise_at_eval applies to NoiseFormer models only; GPT-2's weights are base attention")
+        with contextlib.redirect_stdout(sys.stderr):  # from_pretrained prints progress
+            return load_gpt2(init_from, dict(dropout=0.0)).eval(), None
+    try:
+        checkpoint = load_checkpoint(out_dir, map_location='cpu')
+    except FileNotFoundError as e:
+        fail(f"{e}\n({script} loads out_dir/ckpt.pt with init_from='resume'; for OpenAI's weights use "
+             f"--init_from=gpt2)")
+    except CheckpointError as e:
+        fail(e)
+    model_args = dict(checkpoint['model_args'])
+    attn_type = model_args.get('attn_type', 'base')  # nanoGPT checkpoints have no attn_type
+    fields = getattr(ATTENTION_TYPES.get(attn_type), 'config_fields', ())
+    if noise_at_eval is not None:
+        if 'noise_at_eval' not in fields:
+            users = ' / '.join(k for k, cls in ATTENTION_TYPES.items() if 'noise_at_eval' in cls.config_fields)
+            fail(f"noise_at_eval applies to NoiseFormer models ({users}) only; {out_dir} is "
+                 f"attn_type={attn_type!r}: drop --noise_at_eval")
+        model_args['noise_at_eval'] = noise_at_eval
+    model_args.update({k: v for k, v in (model_overrides or {}).items() if k in fields})
+    try:
+        model = GPT(GPTConfig(**model_args))
+        model.load_state_dict(checkpoint['model'])
+    except (TypeError, ValueError, RuntimeError) as e:
+        fail(f"the checkpoint in {out_dir} does not build a model: {e}")
+    return model.eval(), checkpoint
+
+
+def load_gpt2(name, override_args):
+    """GPT.from_pretrained(name, override_args): OpenAI's GPT-2 weights from the Hugging Face hub (or a
+    folder saved by transformers), failing with what to do when they cannot be had."""
+    from model import GPT
+    try:
+        return GPT.from_pretrained(name, override_args)
+    except ImportError:
+        fail(f"init_from={name!r} needs the transformers package: pip install transformers")
+    except OSError as e:  # offline, or a name the hub does not know
+        fail(f"could not fetch the {name!r} weights from the Hugging Face hub "
+             f"({str(e).strip().splitlines()[0][:200]}): connect to the network once (they are cached), "
+             f"or pass --init_from=/path/to/a/folder/saved/by/transformers/save_pretrained")
+    except ValueError as e:  # weights that do not fit the attn_type asked for
+        fail(f"cannot load the {name!r} weights: {e}")
+
+
+def noise_on(model):
+    """Whether the model draws NoiseFormer noise when it runs in eval mode (sampling, evaluation)."""
+    from model import ATTENTION_TYPES
+    return bool('noise_at_eval' in ATTENTION_TYPES[model.config.attn_type].config_fields
+                and model.config.noise_at_eval)
+
+
+def gpt2_encoding():
+    """tiktoken's GPT-2 BPE; it downloads its files once, so offline it says where to put them."""
+    import tiktoken
+    try:
+        return tiktoken.get_encoding("gpt2")
+    except Exception as e:  # offline, tiktoken's download is a network error of some kind
+        fail(f"cannot load tiktoken's gpt2 encoding ({type(e).__name__}: {e}); it is downloaded on first "
+             f"use: connect once, or point TIKTOKEN_CACHE_DIR at a directory that holds its files")

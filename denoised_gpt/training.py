@@ -1,0 +1,123 @@
+"""What train.py decides and prepares around its loop: which settings cannot work, what a resumed run
+takes from its checkpoint, the seeds its batches and noise are drawn from, and the compile warm-up."""
+import dataclasses
+import math
+import os
+import time
+
+import numpy as np
+import torch
+
+from denoised_gpt.checkpoint import checkpoint_path
+from denoised_gpt.device import mark_step
+from denoised_gpt.finetune import LORA_KEYS, check_finetune_settings, is_checkpoint
+from denoised_gpt.lr_schedule import check_schedule
+from model import GPTConfig
+
+# Resuming continues the checkpoint's run: every setting it was trained with (batch size, data,
+# schedule, ...) comes from the checkpoint unless given again; the machine-level ones stay this run's.
+NOT_RESUMED = ('init_from', 'out_dir', 'eval_only', 'device', 'dtype', 'compile', 'backend', 'merge_lora')
+# what trains decides what the optimizer holds: a resumed run keeps the checkpoint's
+FIXED_ON_RESUME = ('trainable',) + LORA_KEYS
+# model settings that change how the model runs, not what its weights mean: a resumed run may change
+# them; the other model settings must match the checkpoint's
+RUNTIME_MODEL_ARGS = ('dropout', 'noise_at_eval', 'linear_chunk_size')
+MODEL_KEYS = tuple(f.name for f in dataclasses.fields(GPTConfig))
+ARCHITECTURE_KEYS = set(MODEL_KEYS) - set(RUNTIME_MODEL_ARGS)
+
+
+def check_training_settings(config, given):
+    """Settings that cannot work (or would silently train nonsense): ValueError before any work."""
+    c = config
+    for key, value in c.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"{key}={value} must be a finite number")
+    if c['decay_lr']:
+        check_schedule(c['learning_rate'], c['warmup_iters'], c['lr_decay_iters'], c['min_lr'])
+    for key in ('eval_interval', 'log_interval', 'eval_iters', 'gradient_accumulation_steps', 'batch_size',
+                'block_size', 'n_layer', 'n_head', 'n_embd', 'max_skipped_steps'):
+        if c[key] < 1:
+            raise ValueError(f"{key}={c[key]} must be at least 1")
+    for key in ('max_iters', 'grad_clip', 'weight_decay', 'kl_weight', 'warmup_iters'):
+        if not c[key] >= 0:  # also catches nan
+            raise ValueError(f"{key}={c[key]} must not be negative" +
+                             (" (0 turns clipping off)" if key == 'grad_clip' else ""))
+    if not c['learning_rate'] > 0:
+        raise ValueError(f"learning_rate={c['learning_rate']} must be positive")
+    for key in ('beta1', 'beta2', 'dropout'):
+        if not 0 <= c[key] < 1:
+            raise ValueError(f"{key}={c[key]} must be in [0, 1)")
+    if not 0 <= c['seed'] < 2 ** 63:
+        raise ValueError(f"seed={c['seed']} must be a non-negative integer below 2**63")
+    if not c['out_dir'].strip():
+        raise ValueError("out_dir='' is empty: name a directory for the checkpoints, e.g. --out_dir=out")
+    if c['nonfinite'] not in ('stop', 'skip'):
+        raise ValueError(f"nonfinite={c['nonfinite']!r} must be 'stop' or 'skip'")
+    init_from = c['init_from']
+    if init_from not in ('scratch', 'resume') and not init_from.startswith('gpt2') and not os.path.isdir(init_from) \
+            and not is_checkpoint(init_from):
+        raise ValueError(f"init_from={init_from!r} must be 'scratch', 'resume', a GPT-2 model name (gpt2, "
+                         f"gpt2-medium, gpt2-large, gpt2-xl), a checkpoint file or out_dir to start from, "
+                         f"or a local directory saved by transformers")
+    check_finetune_settings(c['trainable'], init_from, given, *(c[k] for k in LORA_KEYS))
+    GPTConfig(**{k: c[k] for k in MODEL_KEYS if k in c})  # attn_type, head counts, variant settings
+    if is_checkpoint(init_from) and os.path.isdir(c['out_dir']) and \
+            os.path.samefile(os.path.dirname(checkpoint_path(init_from)) or '.', c['out_dir']):
+        # the new run's first save would replace the checkpoint it starts from
+        raise ValueError(f"init_from={init_from!r} is in out_dir={c['out_dir']!r}: a new run writes its own "
+                         f"checkpoints there; choose another --out_dir (or --init_from=resume to continue that run)")
+
+
+def resumed_config(saved_config, config, given, out_dir):
+    """The settings of a resumed run: the checkpoint's, except the machine-level ones and those given
+    again. Returns (config, lines naming the given settings that differ from the checkpoint's).
+    ValueError when a given setting cannot change on resume (what trains: the optimizer holds it)."""
+    saved = {k: v for k, v in saved_config.items() if k in config and k not in NOT_RESUMED}
+    differ = lambda k: k in saved and saved[k] != config[k]  # noqa: E731
+    line = lambda k: f"  {k}: checkpoint {saved[k]!r}, this run {config[k]!r}"  # noqa: E731
+    fixed = [line(k) for k in FIXED_ON_RESUME if k in given and differ(k)]
+    if fixed:
+        raise ValueError("init_from='resume' continues the checkpoint's run, whose optimizer holds what it "
+                         "trained; these settings cannot change:\n" + "\n".join(fixed) +
+                         f"\nStart a new run from it instead: --init_from={out_dir} --out_dir=<a new directory>")
+    changes = [line(k) for k in sorted(given) if differ(k) and k not in ARCHITECTURE_KEYS]
+    return {**config, **{k: v for k, v in saved.items() if k not in given}}, changes
+
+
+def resumed_model_args(saved_model_args, model_args, given, meta_vocab_size, dataset, out_dir):
+    """The model of a resumed run is the checkpoint's. A model setting this run gives that disagrees
+    with it is a mistake to report (a wrong config or out_dir), not something to silently ignore:
+    ValueError. Only RUNTIME_MODEL_ARGS are taken from this run."""
+    defaults = {f.name: f.default for f in dataclasses.fields(GPTConfig)}
+    saved = {**defaults, **saved_model_args}  # nanoGPT checkpoints lack the variant keys
+    changed = [f"  {k}: checkpoint {saved[k]!r}, this run {model_args[k]!r}" for k in model_args
+               if k in given and k not in RUNTIME_MODEL_ARGS and saved[k] != model_args[k]]
+    if meta_vocab_size is not None and meta_vocab_size > saved['vocab_size']:
+        changed.append(f"  vocab_size: checkpoint {saved['vocab_size']}, dataset {dataset!r} has {meta_vocab_size}")
+    if changed:
+        raise ValueError(f"init_from='resume': the checkpoint in {out_dir} has a different model:\n" +
+                         "\n".join(changed) + "\nPass the config it was trained with (saved in the "
+                         "checkpoint's 'config'), leave these settings out to take the checkpoint's, or start "
+                         "a new out_dir.")
+    return {**saved, **{k: model_args[k] for k in RUNTIME_MODEL_ARGS}}
+
+
+def batch_seed(seed, *key):
+    """A 63-bit seed that depends only on (seed, *key): micro-batch m of iteration it is (seed, 0, it, m),
+    evaluation batch j of a split is (seed, 2, split, j)."""
+    return int(np.random.SeedSequence([seed, *key]).generate_state(1, np.uint64)[0] >> np.uint64(1))
+
+
+def compile_training_step(model, batch_size, block_size, device, ctx):
+    """torch.compile is lazy: compile the training step now, on a batch of zeros, so that the cold compile
+    time is said and not charged to iter 0. Nothing carries over: the gradients are dropped and every
+    step re-seeds the RNG. Returns the seconds it took. (Not under DDP: there the first step compiles
+    inside DDP, which splits the graph at its gradient buckets.)"""
+    t0 = time.time()
+    dummy = torch.zeros(batch_size, block_size, dtype=torch.long, device=device)
+    with ctx:
+        _, ce = model(dummy, dummy, return_logits=False)
+    ce.backward()
+    mark_step()
+    model.zero_grad(set_to_none=True)
+    return time.time() - t0

@@ -1,0 +1,169 @@
+"""What several test files share: paths, synthetic datasets, running the scripts (as subprocesses or
+in this process), and tiny models and checkpoints. A plain module, not a test file.
+
+The tiny model is tests/config_tiny.py's (2 layers, 2 heads, 32 wide, context 32, no bias) over
+VOCAB tokens; each builder takes keyword overrides for the files that need another size.
+"""
+import contextlib
+import dataclasses
+import gc
+import io
+import json
+import os
+import re
+import runpy
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from denoised_gpt.checkpoint import save_checkpoint
+from model import GPT, GPTConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / 'tests' / 'config_tiny.py'  # the train.py config of the tests' training runs
+VOCAB = 48  # make_dataset's vocabulary
+
+# config_tiny.py's model over make_dataset's vocabulary (test_train checks that they agree)
+TINY_MODEL = dict(block_size=32, vocab_size=VOCAB, n_layer=2, n_head=2, n_embd=32, bias=False)
+
+NO_AUTOCAST = torch.autocast('cpu', enabled=False)  # float32 evaluation on CPU
+
+
+# -----------------------------------------------------------------------------
+# data
+
+def write_tokens(path, tokens):
+    """A token file as data/<name>/ holds one (flat uint16), at path (its folder made if needed)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    np.asarray(tokens, dtype=np.uint16).tofile(path)
+    return path
+
+
+def make_dataset(tmp_path, n_train=30_000, n_val=6_000, seed=0):
+    """Token files as data/<name>/ holds them (train.bin, val.bin: flat uint16; meta.json), from a
+    Markov chain that mostly follows a fixed random successor table: learnable in a few dozen
+    iterations, unlike uniform noise."""
+    rng = np.random.default_rng(seed)
+    successor = rng.permutation(VOCAB)
+    tokens = np.empty(n_train + n_val, dtype=np.uint16)
+    tokens[0] = 0
+    jump = rng.random(len(tokens)) < 0.15
+    random_tokens = rng.integers(0, VOCAB, len(tokens))
+    for i in range(1, len(tokens)):
+        tokens[i] = random_tokens[i] if jump[i] else successor[tokens[i - 1]]
+    data = tmp_path / 'data'
+    data.mkdir(exist_ok=True)
+    tokens[:n_train].tofile(data / 'train.bin')
+    tokens[n_train:].tofile(data / 'val.bin')
+    (data / 'meta.json').write_text(json.dumps({'tokenizer': 'char', 'vocab_size': VOCAB, 'train_tokens': n_train,
+                                                'val_tokens': n_val, 'source': 'synthetic (tests)'}))
+    return data
+
+
+# -----------------------------------------------------------------------------
+# running the scripts
+
+def subprocess_env(**extra):
+    """The environment of a script run as a subprocess: one OpenMP thread (a tiny model gains nothing
+    from two, and spinning threads run ten times slower when other processes keep the second core
+    busy), unbuffered output, wandb offline and quiet; extra adds or replaces variables."""
+    return {**os.environ, 'OMP_NUM_THREADS': '1', 'PYTHONUNBUFFERED': '1', 'WANDB_MODE': 'offline',
+            'WANDB_SILENT': 'true', **extra}
+
+
+def train_command(out_dir, data, *args, nproc=1):
+    """`python3 train.py tests/config_tiny.py --dataset=DATA --out_dir=OUT ARGS` (torchrun for nproc > 1)."""
+    launcher = [sys.executable, 'train.py'] if nproc == 1 else [
+        sys.executable, '-m', 'torch.distributed.run', '--standalone', f'--nproc_per_node={nproc}', 'train.py']
+    return launcher + [str(TINY), f'--dataset={data}', f'--out_dir={out_dir}', *args]
+
+
+def run_train(out_dir, data, *args, nproc=1, env=None, expect_rc=0):
+    """train_command run to the end in the repo root; its exit status must be expect_rc."""
+    proc = subprocess.run(train_command(out_dir, data, *args, nproc=nproc), cwd=ROOT, env=env or subprocess_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == expect_rc, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    return proc
+
+
+def run_script_in_process(script, args):
+    """`python3 SCRIPT ARGS` in the repo root, run in this process (runpy, as __main__), which spares
+    it torch's start-up: a CompletedProcess with its exit status, stdout and stderr. An uncaught
+    exception other than SystemExit fails the calling test with its traceback. The working
+    directory, sys.argv, the SIGTERM / SIGINT handlers (train.py sets its own) and torch's thread
+    count (one while it runs) are restored afterwards, and what the script left open is closed
+    (its out_dir lock, say), as the end of its process would."""
+    args = [str(a) for a in args]
+    out, err = io.StringIO(), io.StringIO()
+    saved = (sys.argv, os.getcwd(), signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT),
+             torch.get_num_threads())
+    sys.argv = [script, *args]
+    os.chdir(ROOT)  # the scripts read data/<dataset> relative to where they run
+    torch.set_num_threads(1)
+    rc = 0
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            runpy.run_path(str(ROOT / script), run_name='__main__')
+    except SystemExit as e:
+        rc = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
+    finally:
+        sys.argv = saved[0]
+        os.chdir(saved[1])
+        signal.signal(signal.SIGTERM, saved[2])
+        signal.signal(signal.SIGINT, saved[3])
+        torch.set_num_threads(saved[4])
+        gc.collect()  # the script's globals are gone: finalise its objects (files close, locks are released)
+    return subprocess.CompletedProcess([script, *args], rc, out.getvalue(), err.getvalue())
+
+
+ITER_LINE = re.compile(r"^iter (\d+): loss (\S+), ce (\S+), kl (\S+),", re.M)
+EVAL_LINE = re.compile(r"^step (\d+): train loss (\S+), val loss (\S+)", re.M)
+
+
+def iter_losses(stdout):
+    """{iter: printed loss} (the printed value is the global mean, to 6 decimals)."""
+    return {int(m[1]): float(m[2]) for m in ITER_LINE.finditer(stdout)}
+
+
+def eval_losses(stdout):
+    """{iter: printed val loss} of train.py's evaluation lines."""
+    return {int(m[1]): float(m[3]) for m in EVAL_LINE.finditer(stdout)}
+
+
+# -----------------------------------------------------------------------------
+# tiny models and checkpoints
+
+def tiny_gpt(attn_type='base', seed=0, lowrank_rank=None, **overrides):
+    """TINY_MODEL as a GPT of attn_type, initialised after torch.manual_seed(seed); overrides set
+    any other GPTConfig field. lowrank_rank applies to dint_lowrank only (the other variants refuse
+    the field), so a caller looping over every attn_type can give it once."""
+    if lowrank_rank is not None and attn_type == 'dint_lowrank':
+        overrides['lowrank_rank'] = lowrank_rank
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(**{**TINY_MODEL, 'attn_type': attn_type, **overrides}))
+
+
+def save_model_checkpoint(out_dir, model, **fields):
+    """out_dir/ckpt.pt holding `model` as train.py saves it: its weights and full model_args, no
+    optimizer state, iteration 0, no evaluation yet, no run settings; fields replace any of those
+    entries (iter_num, best_val_loss, config, optimizer, model_args, ...) or add others."""
+    save_checkpoint({'model': model.state_dict(), 'optimizer': {}, 'model_args': dataclasses.asdict(model.config),
+                     'iter_num': 0, 'best_val_loss': 1e9, 'config': {}, **fields}, out_dir)
+    return out_dir
+
+
+def tiny_checkpoint(out_dir, attn_type, dataset, seed=0, tweak=None, iter_num=7, best_val_loss=2.5, **overrides):
+    """An untrained tiny_gpt(attn_type, seed, **overrides) saved as train.py saves it after
+    iter_num iterations of a run on `dataset` (what sample.py and eval.py read its vocabulary
+    from); tweak(model), if given, sets weights first. Returns the model."""
+    model = tiny_gpt(attn_type, seed, **overrides)
+    if tweak is not None:
+        with torch.no_grad():
+            tweak(model)
+    save_model_checkpoint(out_dir, model, iter_num=iter_num, best_val_loss=best_val_loss,
+                          config={'dataset': str(dataset)})
+    return model
