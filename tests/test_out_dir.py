@@ -1,0 +1,151 @@
+"""What a run does to its out_dir: one writer at a time, nothing touched by a run that is refused, the
+settings a resume says it applies applied, and messages that name what is really on disk."""
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from denoised_gpt.checkpoint import CheckpointError, load_checkpoint
+from helpers import ITER_LINE, ROOT, TINY, make_dataset, run_script_in_process, subprocess_env, train_command
+
+pytestmark = pytest.mark.xdist_group('out_dir')  # one module-scoped dataset
+
+
+@pytest.fixture(scope='module')
+def data(tmp_path_factory):
+    return make_dataset(tmp_path_factory.mktemp('data'))
+
+
+def train(*args, expect_rc=0):
+    proc = run_script_in_process('train.py', args)
+    assert proc.returncode == expect_rc, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    return proc
+
+
+def snapshot(folder):
+    """Every file under folder (names and bytes), so that a refused run can be shown to change nothing."""
+    return {p.relative_to(folder): p.read_bytes() for p in sorted(folder.rglob('*')) if p.is_file()}
+
+
+def test_a_second_run_on_a_busy_out_dir_is_refused_and_the_first_is_untouched(tmp_path, data):
+    args = ['--max_iters=40', '--eval_interval=20']
+    lone = tmp_path / 'lone'
+    train(*train_command(lone, data, *args)[2:])
+    out = tmp_path / 'out'
+    first = subprocess.Popen(train_command(out, data, *args), cwd=ROOT, env=subprocess_env(),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in first.stdout:  # the first run trains...
+        if ITER_LINE.match(line):
+            break
+    # ... when the same command is launched again, and a scratch run with another seed
+    for extra in ([], ['--seed=2']):
+        second = train(*train_command(out, data, *args, *extra)[2:], expect_rc=2)
+        assert f"out_dir='{out}' is in use by another run (train.py, pid {first.pid} on " in second.stderr
+        assert 'iter 0' not in second.stdout
+    first.communicate(timeout=120)
+    assert first.returncode == 0
+    assert not [p for p in out.iterdir() if p.name.startswith('replaced-')]
+    # the first run's files are exactly those of the same run alone
+    a, b = load_checkpoint(lone), load_checkpoint(out)
+    assert a['iter_num'] == b['iter_num'] == 40
+    for name in a['model']:
+        assert torch.equal(a['model'][name], b['model'][name]), name
+    strip = lambda text: [line.split(', "ms"')[0].split(', "time"')[0] for line in text.splitlines()]  # noqa: E731
+    assert strip((out / 'metrics.jsonl').read_text()) == strip((lone / 'metrics.jsonl').read_text())
+    # the lock died with its process: the next run goes ahead
+    train(*train_command(out, data, '--init_from=resume', '--max_iters=41')[2:])
+
+
+def test_a_run_killed_with_sigkill_leaves_no_lock_behind(tmp_path, data):
+    out = tmp_path / 'out'
+    proc = subprocess.Popen(train_command(out, data, '--max_iters=100000', '--eval_interval=5'), cwd=ROOT,
+                            env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in proc.stdout:
+        if line.startswith('saved checkpoint'):
+            proc.send_signal(signal.SIGKILL)
+            break
+    proc.communicate(timeout=60)
+    assert (out / '.lock').exists()
+    train(*train_command(out, data, '--init_from=resume', '--max_iters=6')[2:])
+    assert load_checkpoint(out)['iter_num'] == 6
+
+
+REFUSED = [
+    ['--attn_type=noiseformer2'],
+    ['--n_embd=30', '--n_head=4'],
+    ['--qk_head_size=0'],
+    ['--lowrank_rank=0'],  # a dint_lowrank setting on base
+    ['--dataset=nosuch'],
+    ['--learning_rate=1e309'],
+    ['--weight_decay=1e999'],
+    ['--kl_weight=inf'],
+    ['--noise_init_std=1e400', '--attn_type=noiseformer_v2'],
+    ['--init_from=nosuch-checkpoint'],
+]
+
+
+@pytest.mark.parametrize('args', REFUSED, ids=[a[0].split('=')[0][2:] for a in REFUSED])
+def test_a_refused_setting_leaves_out_dir_byte_identical(args, tmp_path, data):
+    out = tmp_path / 'out'
+    train(str(TINY), f'--dataset={data}', f'--out_dir={out}', '--max_iters=5', '--eval_interval=5')
+    before = snapshot(out)
+    for overwrite in ('False', 'True'):
+        proc = train(str(TINY), f'--dataset={data}', f'--out_dir={out}', f'--overwrite={overwrite}', *args,
+                     expect_rc=2)
+        assert proc.stderr.startswith('train.py: error: ') and 'Traceback' not in proc.stderr
+        assert snapshot(out) == before
+    new = tmp_path / 'new'
+    train(str(TINY), f'--dataset={data}', f'--out_dir={new}', *args, expect_rc=2)
+    assert not new.exists()  # no empty folder either
+
+
+def test_resume_applies_changed_optimizer_settings(tmp_path, data):
+    common = [str(TINY), f'--dataset={data}', '--max_iters=6', '--eval_interval=3']
+    for name in ('same', 'changed'):
+        train(*common, f'--out_dir={tmp_path / name}', '--max_iters=3')
+    train(*common, f'--out_dir={tmp_path / "same"}', '--init_from=resume')
+    proc = train(*common, f'--out_dir={tmp_path / "changed"}', '--init_from=resume', '--weight_decay=0.5',
+                 '--beta1=0.5', '--beta2=0.9')
+    assert "weight_decay: checkpoint 0.1, this run 0.5" in proc.stdout
+    same, changed = load_checkpoint(tmp_path / 'same'), load_checkpoint(tmp_path / 'changed')
+    groups = changed['optimizer']['param_groups']
+    assert groups[0]['weight_decay'] == 0.5 and groups[1]['weight_decay'] == 0.0  # norms and biases never decay
+    assert all(tuple(g['betas']) == (0.5, 0.9) for g in groups)
+    assert changed['config']['weight_decay'] == 0.5
+    assert same['optimizer']['param_groups'][0]['weight_decay'] == 0.1
+    differ = [k for k in same['model'] if not torch.equal(same['model'][k], changed['model'][k])]
+    assert differ, "the changed settings did not change the training"
+
+
+def test_divergence_before_any_checkpoint_does_not_send_the_user_to_one(tmp_path, data):
+    proc = train(str(TINY), f'--dataset={data}', f'--out_dir={tmp_path / "out"}', '--learning_rate=1e30',
+                 '--decay_lr=False', '--grad_clip=0', '--max_iters=50', '--eval_interval=1000', expect_rc=3)
+    assert "No checkpoint was written yet: start the run again with a lower learning_rate" in proc.stderr
+    assert "Resume from the last checkpoint" not in proc.stderr
+
+
+def test_the_last_line_says_when_the_checkpoint_is_not_the_best(tmp_path, data):
+    # a learning rate that makes the model worse after its first evaluation
+    proc = train(str(TINY), f'--dataset={data}', f'--out_dir={tmp_path / "out"}', '--learning_rate=2.0',
+                 '--decay_lr=False', '--max_iters=20', '--eval_interval=5')
+    ckpt = load_checkpoint(tmp_path / 'out')
+    last = proc.stdout.strip().splitlines()[-2]
+    vals = [float(line.split('val loss ')[1]) for line in proc.stdout.splitlines() if line.startswith('step ')]
+    if vals[-1] > min(vals):  # the last state is worse than the best seen
+        assert f"holds the last state (iter 20, val loss {vals[-1]:.4f}); the best val loss, {min(vals):.4f}" in last
+        assert ckpt['best_val_loss'] == pytest.approx(min(vals), abs=1e-4)
+    else:
+        pytest.fail(f"learning_rate=2.0 did not make the model worse: {vals}")
+
+
+def test_a_checkpoint_damaged_at_its_start_points_to_the_previous_one(tmp_path, data):
+    out = tmp_path / 'out'
+    train(str(TINY), f'--dataset={data}', f'--out_dir={out}', '--max_iters=10', '--eval_interval=5')
+    raw = bytearray((out / 'ckpt.pt').read_bytes())
+    raw[60:68] = bytes(b ^ 0xFF for b in raw[60:68])  # inside the first record (the pickle)
+    (out / 'ckpt.pt').write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match="truncated or corrupt") as e:
+        load_checkpoint(out)
+    assert 'ckpt.prev.pt' in str(e.value) and 'unpickling them can run code' not in str(e.value)
