@@ -46,7 +46,7 @@ import time
 
 import torch
 
-from denoised_gpt.cli import fail, read_config
+from denoised_gpt.cli import check_attn_types, check_ranges, fail, read_config
 from denoised_gpt.device import (autocast_context, compile_model, cpu_tensor_peak, device_name, device_type,
                     fused_optimizer, grad_scaler, manual_seed, mark_step, max_memory_allocated, peak_flops,
                     resolve_compile, resolve_device, resolve_dtype, setup, spec_sheet_tflops,
@@ -105,16 +105,20 @@ def model_config(attn_type):
     return GPTConfig(attn_type=attn_type, **{f.name: globals()[f.name] for f in dataclasses.fields(GPTConfig)
                                              if f.name in config_keys})
 
+
 variants = list(ATTENTION_TYPES) if attn_types == 'all' else [a.strip() for a in attn_types.split(',') if a.strip()]
-unknown = [a for a in variants if a not in ATTENTION_TYPES]
-if unknown or not variants:
-    fail(f"attn_types={attn_types!r}: {'unknown ' + ', '.join(map(repr, unknown)) if unknown else 'empty'}; "
-         f"use 'all' or a comma-separated list of {', '.join(ATTENTION_TYPES)}")
-variants = list(dict.fromkeys(variants))  # drop repeats, keep the order
-for key in ('batch_size', 'block_size', 'warmup_iters', 'bench_iters', 'rounds', 'max_new_tokens', 'gen_prompt_len'):
-    if globals()[key] < 1:  # warm-up: the first step pays for allocation, kernel selection, compiling
-        fail(f"{key}={globals()[key]} must be at least 1")
 try:
+    check_attn_types(variants, all_allowed=True)
+except ValueError as e:
+    fail(e)
+variants = list(dict.fromkeys(variants))  # drop repeats, keep the order
+try:
+    # warm-up at least 1: the first step pays for allocation, kernel selection, compiling
+    check_ranges({k: globals()[k] for k in config_keys},
+                 at_least_one=('batch_size', 'block_size', 'n_layer', 'n_head', 'n_embd', 'warmup_iters', 'bench_iters',
+                               'rounds', 'max_new_tokens', 'gen_prompt_len'),
+                 non_negative=('grad_clip', 'weight_decay', 'kl_weight'), unit_interval=('beta1', 'beta2', 'dropout'),
+                 positive=('learning_rate',))
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     if device_type(device) in ('cpu', 'mps'):

@@ -34,11 +34,12 @@ import torch
 from tqdm import tqdm
 
 from configurator import ConfigError, apply_config, script_defaults
-from denoised_gpt.checkpoint import full_model_args
-from denoised_gpt.cli import fail, read_config
+from denoised_gpt.checkpoint import CheckpointError, load_checkpoint
+from denoised_gpt.cli import check_attn_types, fail, read_config
 from denoised_gpt.evaluation import mean_std
+from denoised_gpt.training import NOT_RESUMED
 from denoised_gpt.run_dir import lock_out_dir
-from model import ATTENTION_TYPES, GPT, GPTConfig
+from model import GPT, GPTConfig
 
 # -----------------------------------------------------------------------------
 attn_types = ['base', 'symmetric', 'noiseformer_v1', 'noiseformer_v2', 'diff', 'dint', 'dint_lowrank', 'linear']  # variants to train
@@ -50,17 +51,20 @@ nproc = 1  # processes per run; more than 1 launches train.py with torchrun --st
 samples = True  # put one sample per variant (sample.py on its first seed's checkpoint) in the report
 sample_tokens = 200  # new tokens in each sample
 report_only = False  # only write the report from the runs already in out_dir
+continue_changed = False  # continue runs that were trained with other settings than this sweep's (the report says so)
 # -----------------------------------------------------------------------------
 config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str, list))]
 
 globals().update(read_config(__file__, {k: globals()[k] for k in config_keys}))
-unknown = [a for a in attn_types if a not in ATTENTION_TYPES]
-if unknown or not attn_types:
-    fail(f"attn_types={attn_types!r}: {unknown or 'empty'}; choose from {', '.join(ATTENTION_TYPES)}")
+try:
+    check_attn_types(attn_types)
+except ValueError as e:
+    fail(e)
 if not seeds or not all(isinstance(s, int) and s >= 0 for s in seeds) or len(set(seeds)) != len(seeds):
     fail(f"seeds={seeds!r} must be distinct non-negative integers, e.g. --seeds=1337,1338")
-if nproc < 1:
-    fail(f"nproc={nproc} must be at least 1")
+if not 1 <= nproc <= (os.cpu_count() or 1):  # torchrun would wait for ever for processes it cannot start
+    fail(f"nproc={nproc} must be between 1 and this machine's {os.cpu_count()} CPU cores (one train.py process "
+         f"per GPU or core)")
 extra = shlex.split(overrides)
 # the settings every run trains with, checked now (a typo fails here, not in the eighth run)
 try:
@@ -72,6 +76,56 @@ if train_config['init_from'] not in ('scratch',) and not train_config['init_from
          "(compare.py resumes interrupted runs itself)")
 max_iters = train_config['max_iters']
 runs = [(a, s, os.path.join(out_dir, 'runs', f'{a}-seed{s}')) for a in attn_types for s in seeds]
+CHANGES_NAME = 'settings_changes.jsonl'  # in out_dir: each run continued with other settings, and from when
+
+
+def settings_changes():
+    """[(attn_type, seed, the checkpoint's iter, {key: (trained with, this sweep's)})] for the runs in out_dir
+    that have a checkpoint whose training settings differ from what this sweep gives them."""
+    found = []
+    for attn_type, seed, run_dir in runs:
+        if not os.path.exists(os.path.join(run_dir, 'ckpt.pt')):
+            continue
+        try:
+            ckpt = load_checkpoint(run_dir, metadata_only=True)
+        except CheckpointError as e:
+            fail(e)
+        want = {**train_config, 'attn_type': attn_type, 'seed': seed}
+        differ = {k: (ckpt['config'][k], v) for k, v in want.items()
+                  if k not in NOT_RESUMED + ('wandb_run_name',) and k in ckpt['config'] and ckpt['config'][k] != v}
+        if differ:
+            found.append((attn_type, seed, ckpt['iter_num'], differ))
+    return found
+
+
+def check_settings_unchanged():
+    """A sweep continues its runs only with the settings they were trained with, unless told otherwise."""
+    changes = settings_changes()
+    if not changes:
+        return
+    keys = sorted({k for *_, differ in changes for k in differ})
+    lines = []
+    for k in keys:
+        olds, new = sorted({repr(d[k][0]) for *_, d in changes if k in d}), next(d[k][1] for *_, d in changes if k in d)
+        n = sum(k in d for *_, d in changes)
+        lines.append(f"  {k}: {' / '.join(olds)} in {n} run{'s' if n > 1 else ''}, this sweep {new!r}")
+    if not continue_changed:
+        fail(f"the runs in {out_dir}/runs were trained with other settings than this sweep gives them:\n"
+             + "\n".join(lines) + "\nChoose a new --out_dir for a sweep with these settings, or continue these "
+             "runs with them with --continue_changed=True (the report then lists the change)")
+    print("continuing runs with changed settings (listed in the report):\n" + "\n".join(lines))
+    with open(os.path.join(out_dir, CHANGES_NAME), 'a') as f:
+        for attn_type, seed, it, differ in changes:
+            f.write(json.dumps(dict(attn_type=attn_type, seed=seed, from_iter=it,
+                                    changes={k: list(v) for k, v in differ.items()})) + '\n')
+
+
+def recorded_changes():
+    path = os.path.join(out_dir, CHANGES_NAME)
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
 
 
 # -----------------------------------------------------------------------------
@@ -147,7 +201,7 @@ def train_all():
             print(f"\ninterrupted: run the same command again to continue from {run_dir}", file=sys.stderr)
             sys.exit(130)
         if rc != 0 or not finished(run_dir):
-            failures[(attn_type, seed)] = rc
+            failures[(attn_type, seed)] = f"exit code {rc} (see its train.log)"
             with open(os.path.join(run_dir, 'train.log')) as f:
                 tail = f.read().strip().splitlines()[-3:]
             bar.write(f"run {attn_type} seed {seed} failed (exit {rc}); see {run_dir}/train.log:\n  "
@@ -162,11 +216,10 @@ def train_all():
 # results
 
 def count_params(run_dir):
-    """get_num_params of the run's model, built on the meta device from the checkpoint's model_args
-    (mmap: no tensor data is read)."""
-    ckpt = torch.load(os.path.join(run_dir, 'ckpt.pt'), map_location='cpu', mmap=True, weights_only=True)
+    """get_num_params of the run's model, built on the meta device from its checkpoint's model_args.
+    CheckpointError when the checkpoint cannot be read."""
     with torch.device('meta'):
-        model = GPT(GPTConfig(**full_model_args(ckpt)))
+        model = GPT(GPTConfig(**load_checkpoint(run_dir, metadata_only=True)['model_args']))
     return model.get_num_params()
 
 
@@ -228,11 +281,21 @@ try:  # one sweep per out_dir at a time (its train.py runs each lock their own f
     sweep_lock = lock_out_dir(out_dir)
 except ValueError as e:
     fail(e)
+if not report_only:
+    check_settings_unchanged()
 failures = {} if report_only else train_all()
 done = [(a, s, d) for a, s, d in runs if finished(d)]
 if not done:
     fail(f"no finished run in {out_dir}/runs: nothing to report")
-results = [run_results(*r) for r in done]
+results = []
+for attn_type, seed, run_dir in done:
+    try:
+        results.append(run_results(attn_type, seed, run_dir))
+    except CheckpointError as e:  # a damaged or foreign ckpt.pt among the runs
+        failures[(attn_type, seed)] = f"its checkpoint cannot be read: {e}"
+if not results:
+    fail(f"no readable finished run in {out_dir}/runs: nothing to report ({'; '.join(failures.values())})")
+done = [run for run in done if run[:2] not in failures]
 summary = summarize(results)
 report_dir = os.path.join(out_dir, 'report')
 os.makedirs(report_dir, exist_ok=True)
@@ -244,10 +307,10 @@ from denoised_gpt.compare_report import write_plots, write_report  # noqa: E402 
 plots = write_plots(results, report_dir)
 write_report(report_dir, summary, results, failures, texts, plots, reading,
              dict(base_config=base_config, overrides=overrides, seeds=seeds, max_iters=max_iters,
-                  command=shlex.join(['python3', 'compare.py', *sys.argv[1:]])))
+                  command=shlex.join(['python3', 'compare.py', *sys.argv[1:]]), changes=recorded_changes()))
 with open(os.path.join(report_dir, 'results.json'), 'w') as f:
     json.dump({'summary': summary, 'runs': results,
-               'failed': [{'attn_type': a, 'seed': s, 'exit_code': rc} for (a, s), rc in failures.items()]},
+               'failed': [{'attn_type': a, 'seed': s, 'reason': why} for (a, s), why in failures.items()]},
               f, indent=1)
 print(f"report: {os.path.join(report_dir, 'report.md')} ({len(done)} of {len(runs)} runs"
       f"{f', {len(failures)} failed' if failures else ''})")

@@ -43,8 +43,8 @@ from denoised_gpt.device import (autocast_context, compile_model, ddp_backend, d
 from denoised_gpt.finetune import (apply_trainable, is_checkpoint, model_from_checkpoint, start_model_args,
                                    trainable_summary, write_merged_checkpoint)
 from denoised_gpt.lr_schedule import get_lr
-from denoised_gpt.run_dir import (StopRequest, clear_for_new_run, lock_out_dir, log_metrics, peak_memory_mib,
-                                  start_wandb, trim_metrics, wandb_learned_values)
+from denoised_gpt.run_dir import (StopRequest, checkpoint_note, clear_for_new_run, lock_out_dir, log_metrics,
+                                  peak_memory_mib, restart_advice, start_wandb, trim_metrics, wandb_learned_values)
 from denoised_gpt.training import (MODEL_KEYS, batch_seed, check_training_settings, compile_training_step,
                                    resumed_config, resumed_model_args)
 from model import GPT, GPTConfig
@@ -382,11 +382,11 @@ if master_process and decay_lr and max_iters < warmup_iters:
           f"of learning_rate={learning_rate:g}")
 
 
-def restart_advice():
-    if saved_iter is None:
-        return "No checkpoint was written yet: start the run again with a lower learning_rate"
-    return (f"Resume from the last checkpoint ({os.path.join(out_dir, 'ckpt.pt')}, iter {saved_iter}) with a "
-            f"lower learning_rate: --init_from=resume --learning_rate=...")
+def log_row(row):
+    try:
+        log_metrics(out_dir, row)
+    except OSError as e:  # disk full: the checkpoints are intact, and so is the log (whole rows only)
+        fail(e.strerror)
 
 
 def stop_diverged(message):
@@ -428,7 +428,7 @@ while True:
                    "time": train_time, "peak_memory_mib": peak_memory_mib(device)}
             learned = raw_model.learned_values()  # e.g. {'sigma': [[per head] per layer]}
             if not eval_only:
-                log_metrics(out_dir, {**row, **learned})
+                log_row({**row, **learned})
             if wandb_log:
                 wandb.log({**row, **wandb_learned_values(learned)})
         t0 = time.time()  # evaluation time is not training time
@@ -489,12 +489,12 @@ while True:
                   file=sys.stderr)
         if nonfinite == 'stop':
             stop_diverged(f"stopping at iter {iter_num}: non-finite loss or gradient (nonfinite='stop'). "
-                          f"{restart_advice()}, or set --nonfinite=skip to skip such steps.")
+                          f"{restart_advice(out_dir, saved_iter)}, or set --nonfinite=skip to skip such steps.")
         skipped_in_a_row += 1
         if skipped_in_a_row >= max_skipped_steps:
             stop_diverged(f"stopping at iter {iter_num}: {skipped_in_a_row} steps in a row had a non-finite loss "
                           f"or gradient (max_skipped_steps={max_skipped_steps}): the run has diverged. "
-                          f"{restart_advice()}.")
+                          f"{restart_advice(out_dir, saved_iter)}.")
         if master_process:
             print(f"iter {iter_num}: skipping the update (non-finite loss or gradient, nonfinite='skip')")
         scaler.update()
@@ -521,7 +521,7 @@ while True:
               f"{dt * 1000:.2f}ms/iter, {tokens_per_iter / dt:,.0f} tok/s{mfu_text}")
         row = {"iter": iter_num, "loss": loss_mean, "ce": ce_mean, "kl": kl_mean, "lr": lr, "ms": dt * 1000, "time": train_time,
                "tokens_per_s": tokens_per_iter / dt, **({"mfu": running_mfu * 100} if running_mfu >= 0 else {})}
-        log_metrics(out_dir, row)
+        log_row(row)
         if wandb_log:
             wandb.log(row)
     iter_num += 1
@@ -532,13 +532,7 @@ while True:
             print(f"{stop_request.signal or 'stop signal'} received: stopping after iter {iter_num - 1}")
 
 if master_process and not eval_only:
-    ckpt_path = os.path.join(out_dir, 'ckpt.pt')
-    if saved_val_loss is not None and saved_val_loss > best_val_loss:  # always_save_checkpoint, or SIGTERM
-        print(f"checkpoint: {ckpt_path} holds the last state (iter {saved_iter}, val loss {saved_val_loss:.4f}); "
-              f"the best val loss, {best_val_loss:.4f}, was an earlier state that it replaced "
-              f"(always_save_checkpoint=False keeps the best instead)")
-    else:
-        print(f"checkpoint: {ckpt_path} (best val loss {best_val_loss:.4f})")
+    print(checkpoint_note(out_dir, saved_iter, saved_val_loss, best_val_loss))
     if trainable == 'lora':  # sample.py / eval.py read plain checkpoints: merge the adapters first
         print(f"merge its LoRA adapters (for sample.py, eval.py) with: python3 train.py --out_dir={out_dir} --merge_lora=True")
     else:

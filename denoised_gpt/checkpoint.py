@@ -170,9 +170,11 @@ def checkpoint_path(out_dir_or_file):
     return out_dir_or_file if os.path.isfile(out_dir_or_file) else os.path.join(out_dir_or_file, CKPT_NAME)
 
 
-def load_checkpoint(out_dir_or_file, map_location='cpu'):
+def load_checkpoint(out_dir_or_file, map_location='cpu', metadata_only=False):
     """Load out_dir/ckpt.pt (or the given file). Raises FileNotFoundError when there is none and
-    CheckpointError when it is unreadable, naming ckpt.prev.pt as the fallback where it exists."""
+    CheckpointError when it is unreadable, naming ckpt.prev.pt as the fallback where it exists.
+    metadata_only: for the settings, counters and model_args alone: the file is memory-mapped, so its
+    tensors are not read (nor checked against their CRC-32s)."""
     path = checkpoint_path(out_dir_or_file)
     prev = os.path.join(os.path.dirname(path), PREV_NAME)
     has_fallback = os.path.basename(path) == CKPT_NAME and os.path.isfile(prev)
@@ -185,8 +187,16 @@ def load_checkpoint(out_dir_or_file, map_location='cpu'):
         raise FileNotFoundError(f"no checkpoint at {path}: train one first (init_from='scratch'), "
                                 f"or point out_dir at the directory that holds ckpt.pt")
     try:
-        ckpt = torch.load(path, map_location=map_location, weights_only=True)
-        damaged = _first_damaged_record(path)
+        with open(path, 'rb') as f:
+            head = f.read(2)
+    except OSError as e:
+        raise CheckpointError(f"cannot read {path}: {e.strerror or e}") from e
+    if head not in (b'PK', b'\x80\x02'):  # torch.save's zip; its legacy pickle format
+        raise CheckpointError(f"checkpoint {path} is truncated or corrupt, or not a checkpoint: it does not "
+                              f"begin as a file written by torch.save does. {use_prev}")
+    try:
+        ckpt = torch.load(path, map_location=map_location, weights_only=True, mmap=metadata_only)
+        damaged = None if metadata_only else _first_damaged_record(path)
     except pickle.UnpicklingError as e:
         weights_only_refusal = 'weights_only' in str(e).lower() or 'weights only' in str(e).lower()
         if not weights_only_refusal or _is_damaged(path):  # damaged bytes read as garbage, not as code
@@ -195,7 +205,7 @@ def load_checkpoint(out_dir_or_file, map_location='cpu'):
         raise CheckpointError(f"checkpoint {path} holds Python objects other than tensors and plain "
                               f"values, which are not loaded because unpickling them can run code "
                               f"({_first_line(e)})") from e
-    except (RuntimeError, EOFError, OSError, ValueError, zipfile.BadZipFile) as e:  # short reads, bad zips
+    except Exception as e:  # short reads, bad zips, damaged records: torch raises many kinds
         raise CheckpointError(f"checkpoint {path} is truncated or corrupt ({type(e).__name__}: "
                               f"{_first_line(e)}). {use_prev}") from e
     if damaged:

@@ -1,6 +1,8 @@
 """What every script does the same way: read its settings, refuse bad input in one line, load a model
 to run (a checkpoint or GPT-2's weights) and GPT-2's tokenizer."""
 import contextlib
+import difflib
+import math
 import os
 import sys
 
@@ -30,6 +32,42 @@ def read_config(script, defaults, given=None, optional_bools=()):
         return {**config, **{k: optional_bool(k, config[k]) for k in optional_bools}}
     except ConfigError as e:
         fail(e)
+
+
+def check_attn_types(names, all_allowed=False):
+    """A list of attn_type names (compare.py's, bench.py's attn_types): ValueError naming each unknown one,
+    with the closest valid name. all_allowed: the setting may also be 'all' (bench.py)."""
+    from model import ATTENTION_TYPES
+    unknown = []
+    for name in names:
+        if name not in ATTENTION_TYPES:
+            close = difflib.get_close_matches(str(name), ATTENTION_TYPES, n=1, cutoff=0.5)
+            unknown.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    if unknown or not names:
+        choose = "use 'all' or a comma-separated list of" if all_allowed else "choose from"
+        raise ValueError(f"attn_types={names!r}: {'unknown ' + ', '.join(unknown) if unknown else 'empty'}; "
+                         f"{choose} {', '.join(ATTENTION_TYPES)}")
+
+
+def check_ranges(config, at_least_one=(), non_negative=(), unit_interval=(), positive=()):
+    """Numeric settings that cannot work: ValueError naming the first one. Every float must be finite
+    too (a typed 1e309 is inf)."""
+    for key, value in config.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"{key}={value} must be a finite number")
+    for key in at_least_one:
+        if config[key] < 1:
+            raise ValueError(f"{key}={config[key]} must be at least 1")
+    for key in non_negative:
+        if not config[key] >= 0:
+            raise ValueError(f"{key}={config[key]} must not be negative" +
+                             (" (0 turns clipping off)" if key == 'grad_clip' else ""))
+    for key in unit_interval:
+        if not 0 <= config[key] < 1:
+            raise ValueError(f"{key}={config[key]} must be in [0, 1)")
+    for key in positive:
+        if not config[key] > 0:
+            raise ValueError(f"{key}={config[key]} must be positive")
 
 
 def prepare_device(device, dtype):

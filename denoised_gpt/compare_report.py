@@ -106,6 +106,13 @@ def write_report(report_dir, summary, results, failures, samples, plots, reading
     lines += ["", "Tokens/s: the median over logged iterations. Peak memory: tensors on CUDA/Gaudi, the "
               "process's peak resident size on CPU. A difference from base no larger than the larger of the "
               "two seed standard deviations is marked as within the spread: more seeds are needed to call it.", ""]
+    if setup.get('changes'):
+        lines += ["## Settings changed during the sweep", "",
+                  "These runs were continued (compare.py --continue_changed=True) with other settings than they "
+                  "started with, from the iteration of their checkpoint then:", ""]
+        lines += [f"- `{c['attn_type']}` seed {c['seed']}, from iter {c['from_iter']}: " +
+                  ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in c['changes'].items())
+                  for c in setup['changes']] + [""]
     if 'val_loss' in plots:
         lines += ["## Val loss", "", f"![val loss against iterations and training time]({plots['val_loss']})", ""]
     if 'learned' in plots:
@@ -119,7 +126,6 @@ def write_report(report_dir, summary, results, failures, samples, plots, reading
             fence = '`' * max(3, 1 + max((len(run) for run in text.split('\n') if set(run) == {'`'}), default=0))
             lines += [f"### `{attn_type}`", "", f"{fence}text", text, fence, ""]
     if failures:
-        lines += ["## Failed runs", ""] + [f"- `{a}` seed {s}: exit code {rc} (see its train.log)"
-                                          for (a, s), rc in failures.items()] + [""]
+        lines += ["## Failed runs", ""] + [f"- `{a}` seed {s}: {why}" for (a, s), why in failures.items()] + [""]
     with open(os.path.join(report_dir, 'report.md'), 'w') as f:
         f.write('\n'.join(lines))

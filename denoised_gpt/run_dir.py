@@ -1,5 +1,6 @@
 """A training run's directory (out_dir) and what it records: preparing the folder, metrics.jsonl,
 wandb, and the peak memory figure logged at each evaluation."""
+import contextlib
 import json
 import netrc
 import os
@@ -71,8 +72,19 @@ def clear_for_new_run(out_dir, overwrite):
 
 
 def log_metrics(out_dir, row):
-    with open(os.path.join(out_dir, METRICS_NAME), 'a') as f:
-        f.write(json.dumps(row) + '\n')
+    """Append one JSON line to out_dir/metrics.jsonl. A failed write (disk full, ...) is undone, so the
+    file keeps only whole rows, and raises OSError with a message that says what to do."""
+    path = os.path.join(out_dir, METRICS_NAME)
+    with open(path, 'ab') as f:
+        size = f.tell()
+        try:
+            f.write((json.dumps(row) + '\n').encode())
+            f.flush()
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                f.truncate(size)
+            raise OSError(e.errno, f"cannot append to {path} ({e.strerror or e}); the checkpoints in {out_dir} "
+                                   f"are intact: free some space and resume with --init_from=resume") from e
 
 
 def trim_metrics(out_dir, resumed_iter):
@@ -93,6 +105,25 @@ def trim_metrics(out_dir, resumed_iter):
     with open(path + '.tmp', 'w') as f:
         f.write(''.join(line + '\n' for line in keep))
     os.replace(path + '.tmp', path)
+
+
+def restart_advice(out_dir, saved_iter):
+    """What to do after a divergence, given the iteration of the checkpoint on disk (None: none yet)."""
+    if saved_iter is None:
+        return "No checkpoint was written yet: start the run again with a lower learning_rate"
+    return (f"Resume from the last checkpoint ({os.path.join(out_dir, CKPT_NAME)}, iter {saved_iter}) with a "
+            f"lower learning_rate: --init_from=resume --learning_rate=...")
+
+
+def checkpoint_note(out_dir, saved_iter, saved_val_loss, best_val_loss):
+    """The last line of a run: which state ckpt.pt holds. saved_val_loss: the val loss of the state this
+    process saved last (None: not evaluated, or nothing saved by this process)."""
+    path = os.path.join(out_dir, CKPT_NAME)
+    if saved_val_loss is not None and saved_val_loss > best_val_loss:  # always_save_checkpoint, or SIGTERM
+        return (f"checkpoint: {path} holds the last state (iter {saved_iter}, val loss {saved_val_loss:.4f}); "
+                f"the best val loss, {best_val_loss:.4f}, was an earlier state that it replaced "
+                f"(always_save_checkpoint=False keeps the best instead)")
+    return f"checkpoint: {path} (best val loss {best_val_loss:.4f})"
 
 
 def peak_memory_mib(device):

@@ -1,7 +1,6 @@
 """What train.py decides and prepares around its loop: which settings cannot work, what a resumed run
 takes from its checkpoint, the seeds its batches and noise are drawn from, and the compile warm-up."""
 import dataclasses
-import math
 import os
 import time
 
@@ -9,6 +8,7 @@ import numpy as np
 import torch
 
 from denoised_gpt.checkpoint import checkpoint_path
+from denoised_gpt.cli import check_ranges
 from denoised_gpt.device import mark_step
 from denoised_gpt.finetune import LORA_KEYS, check_finetune_settings, is_checkpoint
 from denoised_gpt.lr_schedule import check_schedule
@@ -29,24 +29,12 @@ ARCHITECTURE_KEYS = set(MODEL_KEYS) - set(RUNTIME_MODEL_ARGS)
 def check_training_settings(config, given):
     """Settings that cannot work (or would silently train nonsense): ValueError before any work."""
     c = config
-    for key, value in c.items():
-        if isinstance(value, float) and not math.isfinite(value):
-            raise ValueError(f"{key}={value} must be a finite number")
+    check_ranges(c, at_least_one=('eval_interval', 'log_interval', 'eval_iters', 'gradient_accumulation_steps',
+                                  'batch_size', 'block_size', 'n_layer', 'n_head', 'n_embd', 'max_skipped_steps'),
+                 non_negative=('max_iters', 'grad_clip', 'weight_decay', 'kl_weight', 'warmup_iters'),
+                 unit_interval=('beta1', 'beta2', 'dropout'), positive=('learning_rate',))
     if c['decay_lr']:
         check_schedule(c['learning_rate'], c['warmup_iters'], c['lr_decay_iters'], c['min_lr'])
-    for key in ('eval_interval', 'log_interval', 'eval_iters', 'gradient_accumulation_steps', 'batch_size',
-                'block_size', 'n_layer', 'n_head', 'n_embd', 'max_skipped_steps'):
-        if c[key] < 1:
-            raise ValueError(f"{key}={c[key]} must be at least 1")
-    for key in ('max_iters', 'grad_clip', 'weight_decay', 'kl_weight', 'warmup_iters'):
-        if not c[key] >= 0:  # also catches nan
-            raise ValueError(f"{key}={c[key]} must not be negative" +
-                             (" (0 turns clipping off)" if key == 'grad_clip' else ""))
-    if not c['learning_rate'] > 0:
-        raise ValueError(f"learning_rate={c['learning_rate']} must be positive")
-    for key in ('beta1', 'beta2', 'dropout'):
-        if not 0 <= c[key] < 1:
-            raise ValueError(f"{key}={c[key]} must be in [0, 1)")
     if not 0 <= c['seed'] < 2 ** 63:
         raise ValueError(f"seed={c['seed']} must be a non-negative integer below 2**63")
     if not c['out_dir'].strip():

@@ -114,3 +114,58 @@ def test_killed_sweep_started_again_gives_the_same_numbers(sweep):
     steps_b, _ = metrics(run_dir)
     assert [s['iter'] for s in steps_b] == list(range(ITERS))  # one row per iteration after the resume
     assert [s['loss'] for s in steps_a] == [s['loss'] for s in steps_b]
+
+
+def copy_sweep(tmp, name, runs=('base-seed1',)):
+    """A new sweep folder holding copies of some of the module sweep's finished runs."""
+    import shutil
+    out = tmp / name
+    for run in runs:
+        shutil.copytree(tmp / 'out' / 'runs' / run, out / 'runs' / run)
+    return out
+
+
+def test_a_sweep_with_other_settings_is_refused_unless_told_to_continue(sweep):
+    tmp, data, _ = sweep
+    out = copy_sweep(tmp, 'changed')
+    ckpt = out / 'runs' / 'base-seed1' / 'ckpt.pt'
+    before = ckpt.read_bytes()
+    longer = [f'--overrides=--dataset={data} --max_iters={ITERS + 2} --lr_decay_iters={ITERS + 2} --eval_interval=8 '
+              f'--eval_iters=2', '--samples=False']
+    command = sweep_command(out, data, attn_types='base', seeds='1')
+    proc = subprocess.run(command + longer, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert f"max_iters: {ITERS} in 1 run, this sweep {ITERS + 2}" in proc.stderr
+    assert "lr_decay_iters" in proc.stderr and "--continue_changed=True" in proc.stderr
+    assert ckpt.read_bytes() == before  # nothing trained
+    proc = subprocess.run(command + longer + ['--continue_changed=True'], cwd=ROOT, env=subprocess_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = (out / 'report' / 'report.md').read_text()
+    assert "## Settings changed during the sweep" in report
+    assert f"- `base` seed 1, from iter {ITERS}: " in report and f"max_iters {ITERS} -> {ITERS + 2}" in report
+
+
+def test_report_only_names_an_unreadable_checkpoint(sweep):
+    tmp, data, _ = sweep
+    out = copy_sweep(tmp, 'damaged', runs=('base-seed1', 'base-seed2'))
+    ckpt = out / 'runs' / 'base-seed2' / 'ckpt.pt'
+    ckpt.write_bytes(b'not a checkpoint' + ckpt.read_bytes()[16:])
+    proc = subprocess.run(sweep_command(out, data, '--report_only=True', '--samples=False', attn_types='base'),
+                          cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and 'Traceback' not in proc.stderr, proc.stderr  # 1: a run failed
+    assert "(1 of 2 runs, 1 failed)" in proc.stdout
+    failed = json.loads((out / 'report' / 'results.json').read_text())['failed']
+    assert [(f['attn_type'], f['seed']) for f in failed] == [('base', 2)]
+    assert "its checkpoint cannot be read" in failed[0]['reason'] and "or not a checkpoint" in failed[0]['reason']
+
+
+@pytest.mark.parametrize('args,message', [
+    (['--attn_types=base,noiseformer2'], "unknown 'noiseformer2' (did you mean 'noiseformer_v2'?)"),
+    (['--nproc=99999999999'], "nproc=99999999999 must be between 1 and this machine's"),
+])
+def test_bad_sweep_settings_are_one_line(args, message, tmp_path):
+    from helpers import run_script_in_process
+    proc = run_script_in_process('compare.py', [f'--out_dir={tmp_path / "out"}', *args])
+    assert proc.returncode == 2 and message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / 'out').exists()
