@@ -118,7 +118,7 @@ try:
                  at_least_one=('batch_size', 'block_size', 'n_layer', 'n_head', 'n_embd', 'warmup_iters', 'bench_iters',
                                'rounds', 'max_new_tokens', 'gen_prompt_len'),
                  non_negative=('grad_clip', 'weight_decay', 'kl_weight'), unit_interval=('beta1', 'beta2', 'dropout'),
-                 positive=('learning_rate',))
+                 positive=('learning_rate',), seeds=('seed',))
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     if device_type(device) in ('cpu', 'mps'):

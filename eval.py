@@ -32,7 +32,7 @@ import os
 import time
 
 from denoised_gpt.batches import TokenBatches, load_meta
-from denoised_gpt.cli import (check_inference_source, fail, gpt2_encoding, load_model, log, noise_on,
+from denoised_gpt.cli import (check_inference_source, check_ranges, fail, gpt2_encoding, load_model, log, noise_on,
                               prepare_device, read_config)
 from denoised_gpt.device import autocast_context, manual_seed
 
@@ -78,15 +78,17 @@ if not (val_loss or entropy or glue or lm_eval):
     fail("nothing to evaluate: pass one or more of --val_loss=True, --entropy=True, --glue=all (or a list "
          "of tasks), --lm_eval=TASK[,TASK]")
 check_inference_source(init_from)
-for key in ('batch_size', 'entropy_batches', 'glue_epochs', 'glue_noise_draws', 'max_gen_toks'):
-    if globals()[key] < 1:
-        fail(f"{key}={globals()[key]} must be at least 1")
+try:
+    check_ranges({k: globals()[k] for k in config_keys}, seeds=('seed',),
+                 at_least_one=('batch_size', 'entropy_batches', 'glue_epochs', 'glue_noise_draws', 'max_gen_toks'))
+except ValueError as e:
+    fail(e)
 for key in ('entropy_block_size', 'glue_batch_size', 'glue_max_examples', 'lm_eval_limit'):
     if globals()[key] < 0:
         fail(f"{key}={globals()[key]} must not be negative (0 means the default)")
 seed_list = seeds
-if not all(type(s) is int for s in seed_list):
-    fail(f"seeds={seeds!r} must be integers, e.g. --seeds=0,1,2")
+if not all(type(s) is int and 0 <= s < 2 ** 63 for s in seed_list):
+    fail(f"seeds={seeds!r} must be non-negative integers, e.g. --seeds=0,1,2")
 if not seed_list:
     fail("seeds is empty: give at least one probe seed, e.g. --seeds=0")
 if compare_to and not entropy:

@@ -27,7 +27,7 @@ import torch
 from denoised_gpt import growth
 from denoised_gpt.batches import TokenBatches, load_meta
 from denoised_gpt.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from denoised_gpt.cli import fail, read_config
+from denoised_gpt.cli import check_ranges, fail, read_config
 from denoised_gpt.device import manual_seed, resolve_device, setup, synchronize
 from denoised_gpt.run_dir import peak_memory_mib
 from model import GPT, GPTConfig
@@ -108,6 +108,7 @@ def main():
         fail(e)
     model_args = dict(ckpt['model_args'])
     try:
+        check_ranges({k: globals()[k] for k in config_keys}, seeds=('seed',))
         d_old = check_request(model_args)
         chosen = parse_layers(layers, model_args['n_layer'])
         device = resolve_device(device)

@@ -52,7 +52,7 @@ import time
 import torch
 
 from denoised_gpt.batches import load_meta, read_meta_pkl
-from denoised_gpt.cli import (check_inference_source, fail, gpt2_encoding, load_model, log, noise_on,
+from denoised_gpt.cli import (check_inference_source, check_ranges, fail, gpt2_encoding, load_model, log, noise_on,
                               prepare_device, read_config)
 from denoised_gpt.device import autocast_context, manual_seed, torch_dtype
 from model import ATTENTION_TYPES
@@ -77,12 +77,14 @@ dataset = ''  # char-level models: the data/ folder with meta.pkl (default: the 
 config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str, type(None)))]
 FORMATS = ('text', 'markdown', 'latex', 'jsonl')
 
-globals().update(read_config(__file__, {k: globals()[k] for k in config_keys}, optional_bools=('noise_at_eval',)))
+config = read_config(__file__, {k: globals()[k] for k in config_keys}, optional_bools=('noise_at_eval',))
+globals().update(config)
 if format not in FORMATS:
     fail(f"format={format!r} is not one of {', '.join(FORMATS)}")
-for key in ('num_samples', 'max_new_tokens'):
-    if globals()[key] < 1:
-        fail(f"{key}={globals()[key]} must be at least 1")
+try:
+    check_ranges(config, at_least_one=('num_samples', 'max_new_tokens'), seeds=('seed',))
+except ValueError as e:
+    fail(e)
 if temperature < 0 or top_k < 0:
     fail(f"temperature={temperature} and top_k={top_k} must not be negative (top_k=0 keeps all tokens)")
 check_inference_source(init_from)

@@ -49,9 +49,9 @@ def check_attn_types(names, all_allowed=False):
                          f"{choose} {', '.join(ATTENTION_TYPES)}")
 
 
-def check_ranges(config, at_least_one=(), non_negative=(), unit_interval=(), positive=()):
+def check_ranges(config, at_least_one=(), non_negative=(), unit_interval=(), positive=(), seeds=()):
     """Numeric settings that cannot work: ValueError naming the first one. Every float must be finite
-    too (a typed 1e309 is inf)."""
+    too (a typed 1e309 is inf); seeds are non-negative integers below 2**63 (torch's generators)."""
     for key, value in config.items():
         if isinstance(value, float) and not math.isfinite(value):
             raise ValueError(f"{key}={value} must be a finite number")
@@ -68,6 +68,9 @@ def check_ranges(config, at_least_one=(), non_negative=(), unit_interval=(), pos
     for key in positive:
         if not config[key] > 0:
             raise ValueError(f"{key}={config[key]} must be positive")
+    for key in seeds:
+        if not 0 <= config[key] < 2 ** 63:
+            raise ValueError(f"{key}={config[key]} must be a non-negative integer below 2**63")
 
 
 def prepare_device(device, dtype):

@@ -1,6 +1,7 @@
 """A training run's directory (out_dir) and what it records: preparing the folder, metrics.jsonl,
 wandb, and the peak memory figure logged at each evaluation."""
 import contextlib
+import errno
 import json
 import netrc
 import os
@@ -75,11 +76,12 @@ def log_metrics(out_dir, row):
     """Append one JSON line to out_dir/metrics.jsonl. A failed write (disk full, ...) is undone, so the
     file keeps only whole rows, and raises OSError with a message that says what to do."""
     path = os.path.join(out_dir, METRICS_NAME)
-    with open(path, 'ab') as f:
+    line = (json.dumps(row) + '\n').encode()
+    with open(path, 'ab', buffering=0) as f:  # unbuffered: a failed write fails here, not at close
         size = f.tell()
         try:
-            f.write((json.dumps(row) + '\n').encode())
-            f.flush()
+            if f.write(line) != len(line):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         except OSError as e:
             with contextlib.suppress(OSError):
                 f.truncate(size)

@@ -32,11 +32,9 @@ def check_training_settings(config, given):
     check_ranges(c, at_least_one=('eval_interval', 'log_interval', 'eval_iters', 'gradient_accumulation_steps',
                                   'batch_size', 'block_size', 'n_layer', 'n_head', 'n_embd', 'max_skipped_steps'),
                  non_negative=('max_iters', 'grad_clip', 'weight_decay', 'kl_weight', 'warmup_iters'),
-                 unit_interval=('beta1', 'beta2', 'dropout'), positive=('learning_rate',))
+                 unit_interval=('beta1', 'beta2', 'dropout'), positive=('learning_rate',), seeds=('seed',))
     if c['decay_lr']:
         check_schedule(c['learning_rate'], c['warmup_iters'], c['lr_decay_iters'], c['min_lr'])
-    if not 0 <= c['seed'] < 2 ** 63:
-        raise ValueError(f"seed={c['seed']} must be a non-negative integer below 2**63")
     if not c['out_dir'].strip():
         raise ValueError("out_dir='' is empty: name a directory for the checkpoints, e.g. --out_dir=out")
     if c['nonfinite'] not in ('stop', 'skip'):

@@ -149,3 +149,33 @@ def test_a_checkpoint_damaged_at_its_start_points_to_the_previous_one(tmp_path, 
     with pytest.raises(CheckpointError, match="truncated or corrupt") as e:
         load_checkpoint(out)
     assert 'ckpt.prev.pt' in str(e.value) and 'unpickling them can run code' not in str(e.value)
+
+
+@pytest.mark.parametrize('script,args', [
+    ('sample.py', ['--out_dir={file}']),
+    ('eval.py', ['--out_dir={file}', '--val_loss=True']),
+    ('grow.py', ['--out_dir={file}', '--grow_to=8', '--out={tmp}/grown']),
+    ('train.py', ['--init_from={file}', '--out_dir={tmp}/out']),
+    ('train.py', ['--init_from=resume', '--out_dir={file}']),
+])
+def test_a_file_that_is_not_a_checkpoint_is_one_line(script, args, tmp_path):
+    text = tmp_path / 'notes.txt'
+    text.write_text('hello\n')
+    proc = run_script_in_process(script, [a.format(file=text, tmp=tmp_path) for a in args])
+    assert proc.returncode == 2 and 'Traceback' not in proc.stderr, proc.stderr
+    assert f"{script}: error: " in proc.stderr and "not a checkpoint" in proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['notes.txt']  # nothing written
+
+
+def test_a_full_disk_while_logging_is_one_clear_error(tmp_path):
+    from denoised_gpt.run_dir import METRICS_NAME, log_metrics
+    (tmp_path / METRICS_NAME).symlink_to('/dev/full')  # every write: ENOSPC
+    with pytest.raises(OSError) as e:
+        log_metrics(tmp_path, {'iter': 0, 'loss': 1.0})
+    assert e.value.errno == 28 and "free some space and resume with --init_from=resume" in e.value.strerror
+    assert "checkpoints in" in e.value.strerror
+
+
+def test_bench_refuses_an_impossible_optimizer_setting():
+    proc = run_script_in_process('bench.py', ['--beta2=-1', '--attn_types=base'])
+    assert proc.returncode == 2 and proc.stderr.strip() == "bench.py: error: beta2=-1.0 must be in [0, 1)"
