@@ -115,8 +115,8 @@ variants = list(dict.fromkeys(variants))  # drop repeats, keep the order
 try:
     # warm-up at least 1: the first step pays for allocation, kernel selection, compiling
     check_ranges({k: globals()[k] for k in config_keys},
-                 at_least_one=('batch_size', 'block_size', 'n_layer', 'n_head', 'n_embd', 'warmup_iters', 'bench_iters',
-                               'rounds', 'max_new_tokens', 'gen_prompt_len'),
+                 at_least_one=('batch_size', 'block_size', 'n_layer', 'n_head', 'n_embd', 'vocab_size', 'warmup_iters',
+                               'bench_iters', 'rounds', 'max_new_tokens', 'gen_prompt_len'),
                  non_negative=('grad_clip', 'weight_decay', 'kl_weight'), unit_interval=('beta1', 'beta2', 'dropout'),
                  positive=('learning_rate',), seeds=('seed',))
     device = resolve_device(device)

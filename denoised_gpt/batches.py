@@ -81,13 +81,15 @@ class TokenBatches:
         # this very file (same token count), its {split}_max_id settles the check without reading
         # the whole file again (OpenWebText: 18 GB per rank, up to a minute when not in the page
         # cache). Its vocab_size alone proves nothing: a file from another tokenizer may sit there.
+        # The fields are type-checked as load_meta checks them: `"train_max_id": false` (a bool, so an
+        # int to isinstance) would otherwise vouch for any file and let an id >= vocab_size through to
+        # the embedding lookup, mid-training. A wrong-typed field is named here rather than scanned past.
         try:
-            with open(os.path.join(data_dir, "meta.json")) as f:
-                meta = json.load(f)
-        except (OSError, ValueError):
-            return False
+            meta = _read_meta_json(os.path.join(data_dir, "meta.json"))
+        except OSError:
+            return False  # no meta.json (or none we may read): the scan decides
         top = meta.get(f"{split}_max_id")
-        if meta.get(f"{split}_tokens") != self.num_tokens or not isinstance(top, int):
+        if meta.get(f"{split}_tokens") != self.num_tokens or top is None or top < 0:
             return False  # another file, or a meta.json from before max ids were stored: scan
         if top >= vocab_size:
             raise ValueError(f"{self.path} holds token ids up to {top} (its meta.json's {split}_max_id), but "
@@ -134,9 +136,23 @@ class _PlainDataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"refusing to load {module}.{name}: only plain data is read")
 
 
+def _require_regular_file(path):
+    """ValueError unless path is a regular file: open() on a folder raises IsADirectoryError (a
+    traceback in the scripts), and on a FIFO blocks for ever."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return  # open() names it (missing, permission denied)
+    if not stat.S_ISREG(mode):
+        kind = "folder" if stat.S_ISDIR(mode) else "FIFO" if stat.S_ISFIFO(mode) else "special file"
+        raise ValueError(f"cannot read {path}: it is a {kind}, not a file; remove it and run that dataset's "
+                         f"prepare.py again")
+
+
 def read_meta_pkl(path):
     """nanoGPT's meta.pkl (vocab_size, itos, stoi) read safely: a file that references any class or
     function (a crafted pickle that would run code) raises ValueError instead of being executed."""
+    _require_regular_file(path)
     try:
         with open(path, "rb") as f:
             meta = _PlainDataUnpickler(f).load()
@@ -163,30 +179,89 @@ def _exists(path):
     return True
 
 
+# What load_meta and its callers read from the metadata, and what each must be. Absent optional
+# fields are fine (a meta.json from before they were stored); keys not named here are not checked.
+# A *_max_id of -1 is what prepare.py's max_id() writes for an empty split. vocab_size is bounded
+# by the token files' uint16 ids: a larger one describes no file here, and a huge one would only
+# fail later, allocating the embedding table.
+MAX_VOCAB = 1 << 16
+_FIELDS = {
+    "vocab_size": (f"a positive integer, at most {MAX_VOCAB} (the token files hold uint16 ids)",
+                   lambda v: _is_int(v) and 0 < v <= MAX_VOCAB),
+    "tokenizer": ("a string ('gpt2' or 'char')", lambda v: isinstance(v, str)),
+    "train_tokens": ("a non-negative integer", lambda v: _is_int(v) and v >= 0),
+    "val_tokens": ("a non-negative integer", lambda v: _is_int(v) and v >= 0),
+    "train_max_id": ("a non-negative integer (or -1 for an empty split)", lambda v: _is_int(v) and v >= -1),
+    "val_max_id": ("a non-negative integer (or -1 for an empty split)", lambda v: _is_int(v) and v >= -1),
+    "chars": ("a string (the vocabulary in id order) or a list of strings",
+              lambda v: isinstance(v, str) or (isinstance(v, list) and all(isinstance(c, str) for c in v))),
+}
+
+
+def _is_int(v):
+    return isinstance(v, int) and not isinstance(v, bool)  # JSON true/false load as bool, a subclass of int
+
+
+def _shown(value):
+    """A field's value as it reads in the file (JSON spelling: true, "65"), kept to one short line."""
+    try:
+        text = json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):  # meta.pkl can hold what JSON cannot (bytes, sets, int keys)
+        try:
+            text = repr(value)
+        except ValueError:  # an int of more digits than Python converts to text
+            text = f"(a {type(value).__name__} too long to show)"
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _check_fields(meta, path):
+    """ValueError naming path, the field, its value and the fix for the first known field of the
+    wrong type or range."""
+    for field, (expected, ok) in _FIELDS.items():
+        if field in meta and not ok(meta[field]):
+            raise ValueError(f"{path}: {field} is {_shown(meta[field])}, but it must be {expected}; prepare the "
+                             f"dataset again with its prepare.py, or correct {field} in that file")
+
+
+def _read_meta_json(json_path):
+    """meta.json as a dict whose known fields have their types: ValueError for a file that is not a
+    JSON object or holds a wrong-typed field; OSError (FileNotFoundError, PermissionError) when it
+    cannot be read."""
+    _require_regular_file(json_path)
+    try:
+        with open(json_path) as f:
+            meta = json.load(f)
+    except (ValueError, RecursionError) as e:  # ValueError: bad syntax, not UTF-8, an int of too many digits
+        reason = "nested too deeply" if isinstance(e, RecursionError) else e
+        raise ValueError(f"{json_path} is not valid JSON ({reason}); run that dataset's prepare.py again") from e
+    if not isinstance(meta, dict):
+        raise ValueError(f"{json_path} holds a JSON {type(meta).__name__}, not an object; run that dataset's "
+                         f"prepare.py again")
+    _check_fields(meta, json_path)
+    return meta
+
+
 def load_meta(data_dir):
     """The dataset's metadata: meta.json (prepare.py here) if present, else nanoGPT's meta.pkl, else None.
-    Always has 'vocab_size' and 'tokenizer' ('gpt2' or 'char'); char datasets also get 'stoi'/'itos'."""
+    Always has 'vocab_size' (a positive int) and 'tokenizer' ('gpt2' or 'char'); char datasets also get
+    'stoi'/'itos'. A field of the wrong type is a ValueError naming the file, the field and the fix."""
     json_path, pkl_path = os.path.join(data_dir, "meta.json"), os.path.join(data_dir, "meta.pkl")
-    if _exists(json_path):  # meta.json wins: a meta.pkl beside it is never unpickled
+    from_json = _exists(json_path)
+    if from_json:  # meta.json wins: a meta.pkl beside it is never unpickled
         try:
-            with open(json_path) as f:
-                meta = json.load(f)
+            meta = _read_meta_json(json_path)
         except PermissionError:
             raise _permission_denied(json_path) from None
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{json_path} is not valid JSON ({e}); run that dataset's prepare.py again") from e
-        if not isinstance(meta, dict):
-            raise ValueError(f"{json_path} holds a JSON {type(meta).__name__}, not an object; run that dataset's "
-                             f"prepare.py again")
-        if meta.get("tokenizer") == "char" and "chars" in meta:
-            meta["stoi"] = {ch: i for i, ch in enumerate(meta["chars"])}
-            meta["itos"] = dict(enumerate(meta["chars"]))
     elif _exists(pkl_path):
         meta = read_meta_pkl(pkl_path)
         meta.setdefault("tokenizer", "char")  # nanoGPT writes meta.pkl only for its character-level datasets
+        _check_fields(meta, pkl_path)
     else:
         return None
     missing = {"vocab_size", "tokenizer"} - set(meta)
     if missing:
         raise ValueError(f"the metadata in {data_dir} lacks {sorted(missing)}; run that dataset's prepare.py again")
+    if from_json and meta["tokenizer"] == "char" and "chars" in meta:
+        meta["stoi"] = {ch: i for i, ch in enumerate(meta["chars"])}
+        meta["itos"] = dict(enumerate(meta["chars"]))
     return meta

@@ -4,7 +4,9 @@ import contextlib
 import difflib
 import math
 import os
+import socket
 import sys
+import urllib.parse
 
 from configurator import ConfigError, apply_config, optional_bool
 
@@ -131,17 +133,37 @@ def load_model(init_from, out_dir, noise_at_eval=None, model_overrides=None):
     return model.eval(), checkpoint
 
 
+def hub_reachable(seconds=3.0):
+    """Whether the Hugging Face hub (HF_ENDPOINT, else huggingface.co) answers a TCP connection within
+    `seconds`. Without this check an unreachable hub costs ~50 s of the hub client's retries."""
+    url = urllib.parse.urlparse(os.environ.get('HF_ENDPOINT') or 'https://huggingface.co')
+    try:
+        socket.create_connection((url.hostname, url.port or (80 if url.scheme == 'http' else 443)),
+                                 timeout=seconds).close()
+        return True
+    except OSError:
+        return False
+
+
 def load_gpt2(name, override_args):
     """GPT.from_pretrained(name, override_args): OpenAI's GPT-2 weights from the Hugging Face hub (or a
-    folder saved by transformers), failing with what to do when they cannot be had."""
+    folder saved by transformers), failing with what to do when they cannot be had. When the hub cannot
+    be reached the weights come from the local cache only (HF_HUB_OFFLINE=1), at once."""
     from model import GPT
+    offline = os.environ.get('HF_HUB_OFFLINE', '0').lower() not in ('0', 'false', 'no', '')
+    if not os.path.isdir(name) and not offline and not hub_reachable():
+        os.environ['HF_HUB_OFFLINE'] = '1'  # read when the hub client is imported, which comes later
+        if 'huggingface_hub.constants' in sys.modules:  # already imported: tell it directly
+            sys.modules['huggingface_hub.constants'].HF_HUB_OFFLINE = True
+        offline = True
     try:
         return GPT.from_pretrained(name, override_args)
     except ImportError:
         fail(f"init_from={name!r} needs the transformers package: pip install transformers")
     except OSError as e:  # offline, or a name the hub does not know
-        fail(f"could not fetch the {name!r} weights from the Hugging Face hub "
-             f"({str(e).strip().splitlines()[0][:200]}): connect to the network once (they are cached), "
+        where = "not in the local cache, and the Hugging Face hub is offline or unreachable" if offline else \
+            f"could not be fetched from the Hugging Face hub ({str(e).strip().splitlines()[0][:200]})"
+        fail(f"could not fetch the {name!r} weights: {where}. Connect to the network once (they are cached), "
              f"or pass --init_from=/path/to/a/folder/saved/by/transformers/save_pretrained")
     except ValueError as e:  # weights that do not fit the attn_type asked for
         fail(f"cannot load the {name!r} weights: {e}")

@@ -12,6 +12,8 @@ torch.compile(backend="hpu_backend"). bf16 autocast needs no GradScaler there.
 import contextlib
 import functools
 import importlib.util
+import os
+import sys
 import time
 
 import torch
@@ -234,6 +236,25 @@ def max_memory_allocated(device):
     return None
 
 
+@contextlib.contextmanager
+def _quiet_native_stderr():
+    """Silence what C++ code writes to the process's stderr (torch.profiler's Kineto prints a
+    'profiler_start' / 'profiler_stop' line at each use); Python's own messages are not affected."""
+    sys.stderr.flush()
+    try:
+        saved = os.dup(2)
+    except OSError:  # no file descriptor 2 (an embedded interpreter): nothing to silence
+        yield
+        return
+    try:
+        with open(os.devnull, 'w') as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
 def cpu_tensor_peak(fn, live_tensors=()):
     """Run fn() on CPU and return the most bytes its tensors held at once, plus the bytes of
     live_tensors (the model's parameters and optimizer state, already allocated): what
@@ -246,7 +267,7 @@ def cpu_tensor_peak(fn, live_tensors=()):
         from torch.profiler import ProfilerActivity, profile
     except ImportError:
         return None
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with _quiet_native_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
 
     def walk(nodes):

@@ -29,6 +29,8 @@ BAD_STR = ['', '   ', 'no/such/thing', '../../..', 'x' * 300, '\\t', 'None', '-1
 BAD_NONE = ['abc', '-5', '1e309', 'nan', '', '[]']
 BAD_LIST = ['', 'a,b', '-1', '[1, "a"]', 'nan', '[]']
 CASE_SECONDS = 60
+# settings that name a file to write: any text is a valid name there, and the case would write it
+WRITES = {'json_out'}
 
 
 def fail_fast_args(script, tmp):
@@ -71,7 +73,7 @@ def on_alarm(signum, frame):
 def main(script, cases, seed):
     rng = random.Random(seed)
     defaults = script_defaults(str(ROOT / script))
-    keys = sorted(defaults)
+    keys = sorted(set(defaults) - WRITES)
     failures, codes = [], {}
     signal.signal(signal.SIGALRM, on_alarm)
     with tempfile.TemporaryDirectory() as tmp:

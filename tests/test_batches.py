@@ -115,6 +115,87 @@ def test_load_meta_json_pkl_or_none(tmp_path):
         load_meta(tmp_path)
 
 
+# A meta.json as prepare.py writes it; each case below spoils one field of it.
+GOOD_META = {"tokenizer": "char", "vocab_size": 65, "chars": "".join(chr(48 + i) for i in range(65)),
+             "train_tokens": 5000, "val_tokens": 1000, "train_max_id": 64, "val_max_id": 64, "source": "tests"}
+
+
+@pytest.mark.parametrize("field, value", [
+    # each of these reached the scripts unchecked: a TypeError or RuntimeError building the model,
+    # or (a bool being an int to Python) an id check skipped and an IndexError mid-training
+    ("vocab_size", "sixty"), ("vocab_size", 65.5), ("vocab_size", True), ("vocab_size", "65"),
+    ("vocab_size", -1), ("vocab_size", 0), ("vocab_size", None), ("vocab_size", 10 ** 12),
+    ("tokenizer", 7), ("tokenizer", None), ("tokenizer", ["char"]),
+    ("train_tokens", "5000"), ("train_tokens", 5000.0), ("train_tokens", -1), ("val_tokens", False),
+    ("train_max_id", False), ("train_max_id", "64"), ("train_max_id", 64.0), ("val_max_id", -2),
+    ("val_max_id", True), ("chars", 7), ("chars", [1, 2]),
+])
+def test_wrong_typed_meta_json_field_is_named(tmp_path, field, value):
+    (tmp_path / "meta.json").write_text(json.dumps({**GOOD_META, field: value}))
+    with pytest.raises(ValueError) as e:
+        load_meta(tmp_path)
+    message = str(e.value)
+    assert message.startswith(f"{tmp_path / 'meta.json'}: {field} is {json.dumps(value)}, but it must be ")
+    assert message.endswith(f"prepare the dataset again with its prepare.py, or correct {field} in that file")
+    assert "\n" not in message  # the scripts print it as one `<script>: error:` line
+
+
+@pytest.mark.parametrize("split", ["train", "val"])
+def test_bool_max_id_never_vouches_for_a_token_file(tmp_path, split):
+    # false == 0 < vocab_size: trusted, it would skip the scan and let the id 200 below through to
+    # the embedding lookup, mid-training. TokenBatches reads meta.json itself, so it checks too.
+    tokens = np.zeros(500, dtype=np.uint16)
+    tokens[123] = 200
+    write_tokens(tmp_path / f"{split}.bin", tokens)
+    meta = {**GOOD_META, f"{split}_tokens": 500, f"{split}_max_id": False}
+    (tmp_path / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match=rf"meta.json: {split}_max_id is false, but it must be a non-negative"):
+        TokenBatches(tmp_path, split, 8, 2, vocab_size=65)
+    # -1 (what prepare.py writes for an empty split) describes no file of 500 tokens: scanned, not trusted
+    (tmp_path / "meta.json").write_text(json.dumps({**meta, f"{split}_max_id": -1}))
+    with pytest.raises(ValueError, match=r"token id 200 at position 123, but vocab_size is 65"):
+        TokenBatches(tmp_path, split, 8, 2, vocab_size=65)
+
+
+@pytest.mark.parametrize("write, expected", [
+    # these raised RecursionError, a ValueError naming no file, or IsADirectoryError
+    (lambda p: p.write_text("[" * 100_000 + "]" * 100_000), "is not valid JSON (nested too deeply)"),
+    (lambda p: p.write_text('{"vocab_size": ' + "9" * 5000 + "}"), "is not valid JSON (Exceeds the limit"),
+    (lambda p: p.write_bytes(b'{"tokenizer": "\xff"}'), "is not valid JSON ('utf-8' codec can't decode"),
+    (lambda p: p.mkdir(), ": it is a folder, not a file; remove it"),
+], ids=["deeply nested", "too many digits", "not UTF-8", "a folder"])
+def test_unreadable_meta_json_is_a_value_error(tmp_path, write, expected):
+    write(tmp_path / "meta.json")
+    with pytest.raises(ValueError) as e:
+        load_meta(tmp_path)
+    assert expected in str(e.value) and str(tmp_path / "meta.json") in str(e.value)
+
+
+@pytest.mark.parametrize("field, value", [("vocab_size", "65"), ("vocab_size", True), ("vocab_size", -1),
+                                          ("tokenizer", 3)])
+def test_wrong_typed_meta_pkl_field_is_named(tmp_path, field, value):
+    # nanoGPT's meta.pkl feeds vocab_size to the same callers: checked the same way
+    meta = {"vocab_size": 3, "itos": {0: "a", 1: "b", 2: "c"}, "stoi": {"a": 0, "b": 1, "c": 2}}
+    with open(tmp_path / "meta.pkl", "wb") as f:
+        pickle.dump({**meta, field: value}, f)
+    with pytest.raises(ValueError, match=rf"^{tmp_path / 'meta.pkl'}: {field} is .*, but it must be "):
+        load_meta(tmp_path)
+
+
+def test_good_meta_json_with_extra_keys_loads(tmp_path):
+    # keys load_meta does not know (prepare_common's eot_token and dtype, anything a user adds) are
+    # allowed and kept; an empty split's max id of -1 is what prepare.py writes
+    meta = {**GOOD_META, "val_tokens": 0, "val_max_id": -1, "eot_token": 50256, "dtype": "uint16",
+            "notes": {"by": "me", "tags": [1, None, True]}}
+    (tmp_path / "meta.json").write_text(json.dumps(meta))
+    loaded = load_meta(tmp_path)
+    assert {k: loaded[k] for k in meta} == meta
+    assert loaded["stoi"]["0"] == 0 and loaded["itos"][64] == GOOD_META["chars"][64] and len(loaded["itos"]) == 65
+    # a list of characters is a vocabulary too; the largest vocabulary uint16 ids allow passes
+    (tmp_path / "meta.json").write_text(json.dumps({**meta, "chars": list("abc"), "vocab_size": 1 << 16}))
+    assert load_meta(tmp_path)["itos"] == {0: "a", 1: "b", 2: "c"}
+
+
 # ------------------------------------------------------------------------- missing or unreadable data
 
 def test_missing_data_names_the_prepare_script_to_run(tmp_path, monkeypatch):

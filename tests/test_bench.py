@@ -43,11 +43,17 @@ def all_variants(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "bench.json"
     proc = bench("--attn_types=all", "--generate=True", "--max_new_tokens=8", f"--json_out={out}")
     assert proc.returncode == 0, proc.stderr
-    return proc.stdout, json.loads(out.read_text())
+    return proc.stdout, json.loads(out.read_text()), proc.stderr
+
+
+def test_no_profiler_chatter_on_stderr(all_variants):
+    """The CPU memory figure comes from torch.profiler, whose native code announces every start and stop."""
+    stderr = all_variants[2]
+    assert 'profiler_start' not in stderr and 'profiler_stop' not in stderr and 'USDT' not in stderr, stderr
 
 
 def test_table_has_every_variant_and_base_ratio_one(all_variants):
-    stdout, _ = all_variants
+    stdout, _, _ = all_variants
     rows = table_rows(stdout, "vs base")
     assert list(rows) == list(ATTENTION_TYPES)
     for name, (compiled, params, ms, tokens_s, mfu, mem, mem_unit, first, ratio, vs_eager) in rows.items():
@@ -69,7 +75,7 @@ def test_table_has_every_variant_and_base_ratio_one(all_variants):
 
 
 def test_json_report(all_variants):
-    stdout, report = all_variants
+    stdout, report, _ = all_variants
     for key in ("device", "device_name", "dtype", "torch", "peak_flops", "peak_flops_source", "memory_method",
                 "tokens_per_iter", "command", "config", "results"):
         assert key in report, key

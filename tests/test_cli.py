@@ -1,0 +1,48 @@
+"""denoised_gpt/cli.py: what every script does the same way (settings checks, loading GPT-2's weights)."""
+import subprocess
+import sys
+
+import pytest
+
+from denoised_gpt.cli import check_attn_types, check_ranges
+from helpers import ROOT, subprocess_env
+
+
+def test_unreachable_hub_fails_at_once_without_retries(tmp_path):
+    """An endpoint that refuses connections (port 9 on this machine) and an empty cache: the hub client
+    alone would retry for about 50 s; the script must give its one-line error well inside the timeout."""
+    env = {k: v for k, v in subprocess_env(HF_HOME=str(tmp_path / 'hf'), HF_ENDPOINT='http://127.0.0.1:9').items()
+           if k != 'HF_HUB_OFFLINE'}
+    proc = subprocess.run([sys.executable, 'sample.py', '--init_from=gpt2', '--device=cpu'], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=25)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "sample.py: error: could not fetch the 'gpt2' weights: not in the local cache, and the Hugging Face hub "
+        "is offline or unreachable. Connect to the network once (they are cached), or pass "
+        "--init_from=/path/to/a/folder/saved/by/transformers/save_pretrained")
+
+
+def test_attn_types_name_the_closest_valid_one():
+    with pytest.raises(ValueError, match=r"unknown 'noiseformer2' \(did you mean 'noiseformer_v2'\?\), 'zzz'; "
+                                         r"choose from base, symmetric"):
+        check_attn_types(['base', 'noiseformer2', 'zzz'])
+    with pytest.raises(ValueError, match="empty; use 'all' or a comma-separated list of base"):
+        check_attn_types([], all_allowed=True)
+    check_attn_types(['base', 'dint_lowrank'])
+
+
+@pytest.mark.parametrize('config,kind,message', [
+    (dict(lr=float('inf')), {}, "lr=inf must be a finite number"),
+    (dict(n=0), dict(at_least_one=('n',)), "n=0 must be at least 1"),
+    (dict(grad_clip=-1.0), dict(non_negative=('grad_clip',)), "grad_clip=-1.0 must not be negative (0 turns"),
+    (dict(beta2=1.0), dict(unit_interval=('beta2',)), "beta2=1.0 must be in [0, 1)"),
+    (dict(learning_rate=0.0), dict(positive=('learning_rate',)), "learning_rate=0.0 must be positive"),
+    (dict(seed=2 ** 63), dict(seeds=('seed',)), "must be a non-negative integer below 2**63"),
+    (dict(seed=-1), dict(seeds=('seed',)), "seed=-1 must be a non-negative integer"),
+])
+def test_check_ranges_names_the_setting(config, kind, message):
+    with pytest.raises(ValueError) as e:
+        check_ranges(config, **kind)
+    assert message in str(e.value)
+    ok = {k: (1 if isinstance(v, int) else 0.5) for k, v in config.items()}
+    check_ranges(ok, **kind)  # a good value of the same setting passes
