@@ -18,8 +18,10 @@ runs' metrics.jsonl (train.py writes one row per logged iteration and per evalua
 best val loss (train.py's fixed eval_iters batches) as mean +- std over seeds, each seed listed;
 parameters; tokens/s (median over logged iterations); peak memory; training time; val loss against
 iterations and against training time; what the variants learn (NoiseFormer's sigma, DIFF/DINT's
-lambda) over training; one sample per variant (sample.py). A difference from base smaller than the
-seed-to-seed spread is marked as such.
+lambda) over training; one sample per variant (sample.py). Each variant is also compared with base
+seed by seed (runs with the same seed share data order and evaluation batches): the differences in
+final val loss, their mean +- std, and whether every seed agrees in sign; the report calls a variant
+lower or higher than base only when they all do.
 """
 
 import json
@@ -192,22 +194,26 @@ def train_all():
         bar.n = done_before
         if finished(run_dir):
             bar.n = done_before + max_iters
-            bar.refresh()
+            bar.set_postfix_str(f"{attn_type} seed {seed}: already done")
             continue
+        bar.set_postfix_str(f"{attn_type} seed {seed}: starting")  # not the previous run's last words
         try:
             rc = train(attn_type, seed, run_dir, bar, done_before)
         except KeyboardInterrupt:
             bar.close()
             print(f"\ninterrupted: run the same command again to continue from {run_dir}", file=sys.stderr)
             sys.exit(130)
-        if rc != 0 or not finished(run_dir):
+        ok = rc == 0 and finished(run_dir)
+        if not ok:
             failures[(attn_type, seed)] = f"exit code {rc} (see its train.log)"
             with open(os.path.join(run_dir, 'train.log')) as f:
                 tail = f.read().strip().splitlines()[-3:]
             bar.write(f"run {attn_type} seed {seed} failed (exit {rc}); see {run_dir}/train.log:\n  "
                       + "\n  ".join(tail))
+        # train.py logs every log_interval iterations, so its last line is not the run's last iteration:
+        # the bar counts the run in full and says how it ended
         bar.n = done_before + max_iters
-        bar.refresh()
+        bar.set_postfix_str(f"{attn_type} seed {seed}: {'done' if ok else 'failed'}")
     bar.close()
     return failures
 
@@ -239,7 +245,8 @@ def run_results(attn_type, seed, run_dir):
 
 
 def summarize(results):
-    """Per attn_type: the seeds' numbers and their mean / std."""
+    """Per attn_type: the seeds' numbers and their mean / std, and for each variant but base its
+    seed-by-seed difference from base (paired_vs_base)."""
     summary = {}
     for attn_type in attn_types:
         rs = [r for r in results if r['attn_type'] == attn_type]
@@ -250,21 +257,11 @@ def summarize(results):
             values = [r[key] for r in rs if r[key] is not None]
             s[key] = mean_std(values)
         summary[attn_type] = s
+    if 'base' in summary:
+        for attn_type in summary:
+            if attn_type != 'base':
+                summary[attn_type]['paired_vs_base'] = paired_vs_base(results, attn_type)
     return summary
-
-
-def reading(summary, attn_type):
-    """Honest words for a variant's final val loss against base's."""
-    if attn_type == 'base' or 'base' not in summary:
-        return ''
-    a, b = summary[attn_type]['final_val_loss'], summary['base']['final_val_loss']
-    delta = a['mean'] - b['mean']
-    if a['std'] is None or b['std'] is None:
-        return f"{delta:+.4f} vs base, one seed: no spread to judge it against"
-    spread = max(a['std'], b['std'])
-    if abs(delta) <= spread:
-        return f"{delta:+.4f} vs base: within the seed-to-seed spread ({spread:.4f}), not a difference"
-    return f"{delta:+.4f} vs base: {'lower' if delta < 0 else 'higher'}, larger than the seed spread ({spread:.4f})"
 
 
 def sample_text(run_dir):
@@ -296,6 +293,8 @@ for attn_type, seed, run_dir in done:
 if not results:
     fail(f"no readable finished run in {out_dir}/runs: nothing to report ({'; '.join(failures.values())})")
 done = [run for run in done if run[:2] not in failures]
+# matplotlib only when reporting
+from denoised_gpt.compare_report import paired_vs_base, write_plots, write_report  # noqa: E402
 summary = summarize(results)
 report_dir = os.path.join(out_dir, 'report')
 os.makedirs(report_dir, exist_ok=True)
@@ -303,9 +302,8 @@ first_run = {}  # attn_type -> the run of its first seed: the one sampled
 for a, s, d in done:
     first_run.setdefault(a, d)
 texts = {a: sample_text(d) for a, d in first_run.items()} if samples else {}
-from denoised_gpt.compare_report import write_plots, write_report  # noqa: E402  (matplotlib: only when reporting)
 plots = write_plots(results, report_dir)
-write_report(report_dir, summary, results, failures, texts, plots, reading,
+write_report(report_dir, summary, results, failures, texts, plots,
              dict(base_config=base_config, overrides=overrides, seeds=seeds, max_iters=max_iters,
                   command=shlex.join(['python3', 'compare.py', *sys.argv[1:]]), changes=recorded_changes()))
 with open(os.path.join(report_dir, 'results.json'), 'w') as f:

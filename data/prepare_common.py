@@ -63,6 +63,31 @@ class PrepareError(Exception):
     """Bad input or arguments: printed as one line, without a traceback."""
 
 
+@contextmanager
+def one_line_errors():
+    """Bad input or arguments (PrepareError) end the script with one line on stderr and exit status
+    2, as argparse's own errors do: a traceback would read as a bug in the script."""
+    try:
+        yield
+    except PrepareError as e:
+        print(f"{os.path.basename(sys.argv[0])}: error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+def check_out_dir(out_dir):
+    """Refuse, before any work, an --out_dir that cannot become a folder we write in: otherwise
+    os.makedirs or the final renames fail only after the download and the tokenising."""
+    path = os.path.abspath(out_dir)
+    while not os.path.lexists(path):  # the nearest part of the path that exists
+        path = os.path.dirname(path)
+    if not os.path.isdir(path):
+        where = "is" if path == os.path.abspath(out_dir) else f"goes through {path}, which is"
+        raise PrepareError(f"--out_dir {out_dir} {where} a file, not a folder; give a folder (it is made if "
+                           f"missing) or move that file away")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise PrepareError(f"--out_dir {out_dir}: no permission to write in {path}; give a folder you can write in")
+
+
 def make_parser(description, out_dir):
     p = argparse.ArgumentParser(description=description, epilog=RESTART_HINT,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -171,7 +196,18 @@ def input_files(patterns):
         if not found:
             raise PrepareError(f"--input {pattern!r} matches no file; check the path "
                                f"(quote globs so that the shell passes them on)")
-        files += [f for f in found if os.path.isfile(f)]
+        matched = [f for f in found if os.path.isfile(f)]
+        if not matched:  # say so, rather than "the input holds no documents" later
+            what = ("is a folder" if len(found) == 1 and os.path.isdir(found[0])
+                    else "matches only folders or special files")
+            raise PrepareError(f"--input {pattern!r} {what}, not files; name the files themselves, e.g. "
+                               f"'{os.path.join(found[0], '*.jsonl')}'")
+        files += matched
+    for f in files:  # unreadable files are found here, before any worker or output starts
+        try:
+            open(f, "rb").close()
+        except OSError as e:
+            raise PrepareError(f"{f}: cannot read it ({e.strerror or e}); check its permissions") from e
     return files
 
 
@@ -190,8 +226,9 @@ def input_kind(path):
 def parquet_text_column(path, column):
     import pyarrow as pa
     import pyarrow.parquet as pq
-    pf = pq.ParquetFile(path)
-    schema = pf.schema_arrow
+    with parquet_errors(path):
+        pf = pq.ParquetFile(path)
+        schema = pf.schema_arrow
     if column not in schema.names:
         raise PrepareError(f"{path} has no {column!r} column (it has {schema.names}); "
                            f"name the one holding the text with --text_column")
@@ -199,6 +236,18 @@ def parquet_text_column(path, column):
         raise PrepareError(f"{path}: column {column!r} holds {schema.field(column).type}, not text; "
                            f"name the one holding the text with --text_column")
     return pf
+
+
+@contextmanager
+def parquet_errors(path):
+    """pyarrow's errors on a file that is not parquet (random bytes, a renamed text file, a cut-off
+    download) or whose data is damaged, as bad input naming the file."""
+    import pyarrow as pa
+    try:
+        yield
+    except (pa.ArrowException, OSError) as e:
+        raise PrepareError(f"{path}: not a readable parquet file ({e}); check that it is a whole, undamaged "
+                           f".parquet file") from e
 
 
 def next_boundary(path, pos, pattern, size):
@@ -274,15 +323,20 @@ def read_piece(piece):
             f.seek(piece.start)
             return f.read(piece.end - piece.start)
     ext = os.path.splitext(piece.path.lower())[1]
-    if ext in {".gz", ".bz2", ".xz"}:
+    if ext not in COMPRESSED:
+        with open(piece.path, "rb") as f:
+            return f.read()
+    try:
+        if ext in {".zst", ".lz4"}:
+            import pyarrow as pa
+            with pa.input_stream(piece.path, compression="detect") as f:
+                return f.read()
         with {".gz": gzip, ".bz2": bz2, ".xz": lzma}[ext].open(piece.path, "rb") as f:
             return f.read()
-    if ext in {".zst", ".lz4"}:
-        import pyarrow as pa
-        with pa.input_stream(piece.path, compression="detect") as f:
-            return f.read()
-    with open(piece.path, "rb") as f:
-        return f.read()
+    # gzip/bz2/pyarrow raise OSError on data that is not theirs, lzma LZMAError, a cut-off stream EOFError
+    except (OSError, EOFError, lzma.LZMAError) as e:
+        raise PrepareError(f"{piece.path}: not a readable {ext} file ({e}); check that it is whole and "
+                           f"{ext}-compressed") from e
 
 
 def line_number(piece, data, pos):
@@ -348,7 +402,9 @@ def text_documents(piece, data, text_unit):
 
 def piece_documents(piece, column, text_unit):
     if piece.kind == "parquet":
-        texts = parquet_text_column(piece.path, column).read_row_group(piece.start, columns=[column]).column(0)
+        pf = parquet_text_column(piece.path, column)
+        with parquet_errors(piece.path):
+            texts = pf.read_row_group(piece.start, columns=[column]).column(0)
         if texts.null_count:
             row = texts.is_null().to_pylist().index(True)
             raise PrepareError(f"{piece.path}, row group {piece.start}, row {row}: {column!r} is null, not text; "
@@ -601,6 +657,7 @@ def run(args, hub_path, hub_name):
         raise PrepareError(f"--num_proc must be at least 1, got {args.num_proc}")
     if args.max_tokens is not None and args.max_tokens < 1:
         raise PrepareError(f"--max_tokens must be positive, got {args.max_tokens}")
+    check_out_dir(args.out_dir)
     if args.input is None:
         train_tokens, val_tokens, train_docs, val_docs = prepare_hub(args, hub_path, hub_name)
     else:
@@ -611,12 +668,12 @@ def run(args, hub_path, hub_name):
 
 def main(description, hub_path, hub_name=None, out_dir="."):
     args = make_parser(description, out_dir).parse_args()
-    try:
-        run(args, hub_path, hub_name)
-    except PrepareError as e:  # bad input or arguments: one line and exit 2, as argparse does
-        print(f"{os.path.basename(sys.argv[0])}: error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except BaseException:
-        print("\nprepare.py stopped before finishing; this run wrote no train.bin/val.bin.\n" + RESTART_HINT,
-              file=sys.stderr)
-        raise
+    with one_line_errors():
+        try:
+            run(args, hub_path, hub_name)
+        except PrepareError:
+            raise
+        except BaseException:
+            print("\nprepare.py stopped before finishing; this run wrote no train.bin/val.bin.\n" + RESTART_HINT,
+                  file=sys.stderr)
+            raise

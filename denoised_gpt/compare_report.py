@@ -1,14 +1,53 @@
 """
 compare.py's report: report.md and its plots, from the per-run results compare.py reads out of the
-runs' metrics.jsonl. Kept apart so that compare.py reads as the sweep it runs.
+runs' metrics.jsonl, and the paired comparison of each variant with base that the report's reading
+rests on. Kept apart so that compare.py reads as the sweep it runs.
 """
 
 import os
 
 import matplotlib
 
+from denoised_gpt.evaluation import mean_std
+
 matplotlib.use('Agg')  # files only, no display needed
 import matplotlib.pyplot as plt  # noqa: E402
+
+
+def paired_vs_base(results, attn_type, base='base'):
+    """attn_type's final val loss minus base's, seed by seed, over the seeds both finished.
+
+    Runs with the same seed share their data order and evaluation batches, so much of the seed-to-seed
+    variation is common to both and cancels in the difference: a small difference that holds on every
+    seed can hide inside the unpaired spreads, and a mean difference can come from seeds that disagree.
+    Returns {'seeds', 'differences', 'mean', 'std', 'same_sign'}: mean and sample std as mean_std
+    gives them (std None for one seed, both None for none); same_sign is whether every difference is
+    non-zero and of one sign (trivially so for one seed, False for none)."""
+    base_loss = {r['seed']: r['final_val_loss'] for r in results if r['attn_type'] == base}
+    seeds = [r['seed'] for r in results if r['attn_type'] == attn_type and r['seed'] in base_loss]
+    differences = [next(r['final_val_loss'] for r in results if (r['attn_type'], r['seed']) == (attn_type, s))
+                   - base_loss[s] for s in seeds]
+    stat = mean_std(differences)
+    same_sign = bool(differences) and (all(d < 0 for d in differences) or all(d > 0 for d in differences))
+    return {'seeds': seeds, 'differences': differences, 'mean': stat['mean'], 'std': stat['std'],
+            'same_sign': same_sign}
+
+
+def reading(paired):
+    """Plain words for a paired_vs_base result. A difference is only called lower or higher when every
+    seed agrees in sign; the mean alone never decides it, since seeds that disagree mean no consistent
+    difference whatever the mean is."""
+    n = len(paired['differences'])
+    if n == 0:
+        return "no seed finished by both it and base: nothing to compare"
+    if n == 1:
+        return (f"{paired['mean']:+.4f} vs base (seed {paired['seeds'][0]}), one seed: "
+                f"no spread to judge it against")
+    stat = f"{paired['mean']:+.4f} ± {paired['std']:.4f}"
+    if not paired['same_sign']:
+        lower = sum(d < 0 for d in paired['differences'])
+        return f"no consistent difference: signs differ across seeds (lower on {lower}/{n}; {stat})"
+    return f"{'lower' if paired['mean'] < 0 else 'higher'} than base on every seed ({n}/{n}): {stat}"
 
 
 def by_variant(results):
@@ -83,7 +122,7 @@ def fmt(stat, digits=4):
     return f"{stat['mean']:.{digits}f}" + (f" ± {stat['std']:.{digits}f}" if stat['std'] is not None else '')
 
 
-def write_report(report_dir, summary, results, failures, samples, plots, reading, setup):
+def write_report(report_dir, summary, results, failures, samples, plots, setup):
     base_params = summary.get('base', {}).get('params')
     lines = [
         "# Attention variants compared", "",
@@ -102,10 +141,30 @@ def write_report(report_dir, summary, results, failures, samples, plots, reading
         per_seed = ', '.join(f"{v:.4f}" for v in s['final_val_loss']['values'])
         lines.append(f"| `{attn_type}` | {s['params']:,} | {delta} | {fmt(s['final_val_loss'])} | {per_seed} | "
                      f"{fmt(s['best_val_loss'])} | {fmt(s['tokens_per_s'], 0)} | {fmt(s['peak_memory_mib'], 0)} | "
-                     f"{fmt(s['train_time_s'], 1)} | {reading(summary, attn_type)} |")
+                     f"{fmt(s['train_time_s'], 1)} | "
+                     f"{reading(s['paired_vs_base']) if 'paired_vs_base' in s else ''} |")
     lines += ["", "Tokens/s: the median over logged iterations. Peak memory: tensors on CUDA/Gaudi, the "
-              "process's peak resident size on CPU. A difference from base no larger than the larger of the "
-              "two seed standard deviations is marked as within the spread: more seeds are needed to call it.", ""]
+              "process's peak resident size on CPU. Reading: runs with the same seed share data order and "
+              "evaluation batches, so each variant is compared with base seed by seed (its final val loss "
+              "minus base's, over the seeds both finished; below). It is called lower or higher than base only "
+              "when every seed's difference has the same sign; when the signs differ there is no consistent "
+              "difference, whatever the mean; one seed has no spread to judge it against. Even with no real "
+              "difference, n seeds agree in sign by chance with probability 1/2^(n-1) (1/2 for 2 seeds, 1/4 "
+              "for 3): agreement over few seeds is weak evidence.", ""]
+    paired = {a: s['paired_vs_base'] for a, s in summary.items() if 'paired_vs_base' in s}
+    if paired:
+        lines += ["## Final val loss against base, seed by seed", "",
+                  "d = final val loss of the variant minus that of base with the same seed; mean ± sample "
+                  "standard deviation of d over the seeds both finished.", "",
+                  "| attn_type | seeds | d per seed | mean ± std | same sign on every seed |",
+                  "|---|---|---|---|---|"]
+        for attn_type, p in paired.items():
+            stat = ('' if p['mean'] is None else f"{p['mean']:+.4f}"
+                    + (f" ± {p['std']:.4f}" if p['std'] is not None else ''))
+            lines.append(f"| `{attn_type}` | {', '.join(map(str, p['seeds']))} | "
+                         f"{', '.join(f'{d:+.4f}' for d in p['differences'])} | {stat} | "
+                         f"{'one seed' if len(p['seeds']) == 1 else 'yes' if p['same_sign'] else 'no'} |")
+        lines.append("")
     if setup.get('changes'):
         lines += ["## Settings changed during the sweep", "",
                   "These runs were continued (compare.py --continue_changed=True) with other settings than they "

@@ -76,6 +76,77 @@ def test_report_numbers_are_the_metrics_rows(sweep):
     assert "### `base`" in report and "### `noiseformer_v2`" in report  # one sample each
 
 
+def test_paired_differences_are_the_metrics_rows(sweep):
+    """Each variant against base, seed by seed: the final evaluation rows' differences, their mean and
+    sample std, sign agreement and the reading, in results.json and report.md."""
+    tmp, _, _ = sweep
+    report_dir = tmp / 'out' / 'report'
+    summary = json.loads((report_dir / 'results.json').read_text())['summary']
+    report = (report_dir / 'report.md').read_text()
+    final = {(a, s): metrics(tmp / 'out' / 'runs' / f'{a}-seed{s}')[1][-1]['val_loss']
+             for a in ('base', 'noiseformer_v2') for s in (1, 2)}
+    d = [final[('noiseformer_v2', s)] - final[('base', s)] for s in (1, 2)]
+    same_sign = all(x < 0 for x in d) or all(x > 0 for x in d)
+    assert 'paired_vs_base' not in summary['base']
+    assert summary['noiseformer_v2']['paired_vs_base'] == {
+        'seeds': [1, 2], 'differences': d, 'mean': statistics.mean(d), 'std': statistics.stdev(d),
+        'same_sign': same_sign}
+    stat = f"{statistics.mean(d):+.4f} ± {statistics.stdev(d):.4f}"
+    row = next(line for line in report.split('## Final val loss against base, seed by seed')[1].splitlines()
+               if line.startswith("| `noiseformer_v2` |"))
+    assert row == f"| `noiseformer_v2` | 1, 2 | {d[0]:+.4f}, {d[1]:+.4f} | {stat} | {'yes' if same_sign else 'no'} |"
+    reading = next(line for line in report.splitlines() if line.startswith("| `noiseformer_v2` |")).split(' | ')[-1]
+    if same_sign:
+        assert reading == f"{'lower' if d[0] < 0 else 'higher'} than base on every seed (2/2): {stat} |"
+    else:
+        assert reading.startswith("no consistent difference: signs differ across seeds")
+    assert next(line for line in report.splitlines() if line.startswith("| `base` |")).endswith(" |  |")
+    assert "only when every seed's difference has the same sign" in report and "seed spread" not in report
+
+
+def test_reading_calls_a_difference_only_when_every_seed_agrees():
+    """The held-out sweep that unpaired spreads misread: symmetric was higher than base on every seed,
+    noiseformer_v2 against symmetric had no consistent difference at all."""
+    from denoised_gpt.compare_report import paired_vs_base, reading
+    per_seed = {'base': [2.000, 2.100, 2.050], 'symmetric': [2.043, 2.133, 2.081],
+                'noiseformer_v2': [2.017, 2.159, 2.071]}
+    results = [{'attn_type': a, 'seed': s, 'final_val_loss': v}
+               for a, values in per_seed.items() for s, v in zip((1, 2, 3), values)]
+    sym = paired_vs_base(results, 'symmetric')
+    assert sym['seeds'] == [1, 2, 3] and sym['same_sign']
+    assert sym['differences'] == pytest.approx([0.043, 0.033, 0.031])
+    assert reading(sym) == "higher than base on every seed (3/3): +0.0357 ± 0.0064"
+    v2 = paired_vs_base(results, 'noiseformer_v2', base='symmetric')
+    assert v2['differences'] == pytest.approx([-0.026, 0.026, -0.010]) and not v2['same_sign']
+    assert reading(v2).startswith("no consistent difference: signs differ across seeds (lower on 2/3;")
+    lower = paired_vs_base(results, 'base', base='symmetric')
+    assert reading(lower) == "lower than base on every seed (3/3): -0.0357 ± 0.0064"
+    # only the seeds both finished are paired; a zero difference agrees with no sign
+    partial = [r for r in results if (r['attn_type'], r['seed']) not in {('base', 1), ('symmetric', 3)}]
+    one = paired_vs_base(partial, 'symmetric')
+    assert one['seeds'] == [2] and one['std'] is None
+    assert reading(one) == "+0.0330 vs base (seed 2), one seed: no spread to judge it against"
+    none = paired_vs_base([r for r in partial if r['seed'] != 2], 'symmetric')
+    assert none == {'seeds': [], 'differences': [], 'mean': None, 'std': None, 'same_sign': False}
+    assert reading(none).startswith("no seed finished by both")
+    tied = [{**r, 'final_val_loss': 2.0 + 0.01 * (r['seed'] == 2 and r['attn_type'] == 'symmetric')}
+            for r in results if r['attn_type'] in ('base', 'symmetric')]
+    assert not paired_vs_base(tied, 'symmetric')['same_sign']
+    assert reading(paired_vs_base(tied, 'symmetric')).startswith("no consistent difference")
+
+
+def test_progress_bar_ends_each_run_done(sweep):
+    """train.py logs only every log_interval iterations, so the bar's last 'iter' text is not the end of
+    a run: once a run finishes, the bar counts it in full and says it is done."""
+    _, _, proc = sweep
+    updates = [u for u in proc.stderr.replace('\n', '\r').split('\r') if '4 runs' in u]
+    assert updates and f"{4 * ITERS}/{4 * ITERS}" in updates[-1], updates[-3:]
+    assert updates[-1].rstrip().endswith("noiseformer_v2 seed 2: done]"), updates[-1]  # ] closes tqdm's postfix
+    for i, (attn_type, seed) in enumerate([('base', 1), ('base', 2), ('noiseformer_v2', 1)]):
+        assert any(f"{(i + 1) * ITERS}/{4 * ITERS}" in u and u.rstrip().endswith(f"{attn_type} seed {seed}: done]")
+                   for u in updates), (attn_type, seed)
+
+
 def test_finished_runs_are_skipped(sweep):
     tmp, data, _ = sweep
     before = {p: p.stat().st_mtime_ns for p in (tmp / 'out' / 'runs').glob('*/ckpt.pt')}

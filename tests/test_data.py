@@ -334,6 +334,32 @@ def test_prepare_bad_inputs(tmp_path):
     pq.write_table(pa.table({"text": [1, 2]}), tmp_path / "ints.parquet")
     with pytest.raises(PrepareError, match=r"column 'text' holds int64, not text"):
         run_local("--input", tmp_path / "ints.parquet", *out)
+    (tmp_path / "text.parquet").write_text("text\nhello\n")  # a text file renamed .parquet
+    with pytest.raises(PrepareError, match=r"text.parquet: not a readable parquet file \(Parquet magic bytes"):
+        run_local("--input", tmp_path / "text.parquet", *out)
+    # a parquet file whose footer is whole but whose data pages are damaged: found by the worker reading them
+    pq.write_table(pa.table({"text": [f"doc {i} " * 50 for i in range(200)]}), tmp_path / "damaged.parquet")
+    damaged = bytearray((tmp_path / "damaged.parquet").read_bytes())
+    damaged[200:2000] = b"\xab" * 1800
+    (tmp_path / "damaged.parquet").write_bytes(damaged)
+    with pytest.raises(PrepareError, match=r"damaged.parquet: not a readable parquet file"):
+        run_local("--input", tmp_path / "damaged.parquet", *out)
+    # compressed inputs that are not what their names say, or were cut off
+    import gzip
+    for ext in [".gz", ".bz2", ".xz", ".zst", ".lz4"]:
+        (tmp_path / f"plain.jsonl{ext}").write_text('{"text": "not compressed"}\n' * 10)
+        with pytest.raises(PrepareError, match=rf"plain.jsonl\{ext}: not a readable \{ext} file"):
+            run_local("--input", tmp_path / f"plain.jsonl{ext}", *out)
+    (tmp_path / "cut.jsonl.gz").write_bytes(gzip.compress(b'{"text": "a"}\n' * 100)[:-20])
+    with pytest.raises(PrepareError, match=r"cut.jsonl.gz: not a readable \.gz file \(Compressed file ended"):
+        run_local("--input", tmp_path / "cut.jsonl.gz", *out)
+    (tmp_path / "folder").mkdir()
+    with pytest.raises(PrepareError, match=r"--input '.*folder' is a folder, not files; name the files themselves"):
+        run_local("--input", tmp_path / "folder", *out)
+    with pytest.raises(PrepareError, match=r"--out_dir .*docs.csv.out goes through .*docs.csv, which is a file, "
+                                           r"not a folder"):
+        run_local("--input", tmp_path / "content.jsonl", "--text_column", "content", "--num_proc", 1,
+                  "--out_dir", tmp_path / "docs.csv" / "out")
     (tmp_path / "latin1.txt").write_bytes("ok\ncaf\xe9\n".encode("latin-1"))
     with pytest.raises(PrepareError, match=r"latin1.txt: not UTF-8 text \(byte 6\)"):
         run_local("--input", tmp_path / "latin1.txt", "--text_unit", "line", *out)
@@ -374,6 +400,74 @@ def test_input_without_documents_says_so(tmp_path):
     with pytest.raises(PrepareError, match=r"^the input holds no documents"):
         run_local("--input", tmp_path / "blank.jsonl", tmp_path / "empty.jsonl", "--out_dir", tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def assert_bad_input(r, phrase):
+    """How a prepare.py refuses bad input: exit status 2 and a single stderr line 'prepare.py: error:
+    ...' naming the problem, no traceback."""
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("prepare.py: error: ") and phrase in lines[0], r.stderr
+
+
+def test_out_dir_file_and_garbage_parquet_are_one_line_errors(tmp_path):
+    """An --out_dir that is a file is refused before any work (os.makedirs would fail only at the end
+    of a hub download); a .parquet input that is no parquet file is named. Both scripts share the
+    code, so each case runs through one of them."""
+    write_jsonl(tmp_path / "docs.jsonl", ["a", "b"])
+    (tmp_path / "taken").write_text("a file\n")
+    r = prepare(OWT, "--input", tmp_path / "docs.jsonl", "--out_dir", tmp_path / "taken", check=False)
+    assert_bad_input(r, "--out_dir " + str(tmp_path / "taken") + " is a file, not a folder")
+    assert (tmp_path / "taken").read_text() == "a file\n"
+    assert sorted(os.listdir(tmp_path)) == ["docs.jsonl", "taken"]
+    (tmp_path / "random.parquet").write_bytes(random.Random(7).randbytes(3000))
+    r = prepare(FINEWEB, "--input", tmp_path / "random.parquet", "--out_dir", tmp_path / "out", check=False)
+    assert_bad_input(r, "random.parquet: not a readable parquet file")
+    assert not (tmp_path / "out").exists()
+
+
+def _without_root_file_access():
+    """preexec_fn for a script that must meet file permissions: root reads and writes any file
+    whatever its mode (capabilities CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH), so when the tests run
+    as root the script is started with those two dropped from its capability bounding set."""
+    if os.geteuid() != 0:
+        return None
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def drop():
+        for cap in (1, 2):  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH
+            if libc.prctl(24, cap, 0, 0, 0) != 0:  # PR_CAPBSET_DROP
+                raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
+    return drop
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="file modes and capabilities as on Linux")
+def test_unreadable_input_and_unwritable_out_dir_are_one_line_errors(tmp_path):
+    (tmp_path / "locked.jsonl").write_text('{"text": "a"}\n{"text": "b"}\n')
+    (tmp_path / "locked.txt").write_text("First Citizen:\nBefore we proceed any further, hear me speak.\n")
+    write_jsonl(tmp_path / "docs.jsonl", ["a", "b"])
+    (tmp_path / "readonly").mkdir()
+    for path, mode in [("locked.jsonl", 0o000), ("locked.txt", 0o000), ("readonly", 0o555)]:
+        (tmp_path / path).chmod(mode)
+    try:
+        cases = [(OWT, ["--input", tmp_path / "locked.jsonl", "--out_dir", tmp_path / "out"],
+                  "locked.jsonl: cannot read it (Permission denied)"),
+                 (OWT, ["--input", tmp_path / "docs.jsonl", "--out_dir", tmp_path / "readonly" / "out"],
+                  f"no permission to write in {tmp_path / 'readonly'}"),
+                 (SHAKESPEARE, ["--input", tmp_path / "locked.txt", "--out_dir", tmp_path / "out"],
+                  "locked.txt: cannot read it (Permission denied)")]
+        for script, args, phrase in cases:
+            try:
+                r = prepare(script, *args, check=False, preexec_fn=_without_root_file_access())
+            except subprocess.SubprocessError as e:  # prctl refused (a container without CAP_SETPCAP)
+                pytest.skip(f"cannot run the script without root's file access: {e}")
+            assert_bad_input(r, phrase)
+        assert not (tmp_path / "out").exists() and os.listdir(tmp_path / "readonly") == []
+    finally:
+        for path in ["locked.jsonl", "locked.txt", "readonly"]:
+            (tmp_path / path).chmod(0o755)
 
 
 def test_without_the_bpe_files_the_error_says_how_to_supply_them(tmp_path):
@@ -484,6 +578,27 @@ def test_shakespeare_char_without_network_says_how_to_supply_the_file(tmp_path):
     assert r.returncode == 1 and "could not download" in r.stderr
     assert "pass --input path/to/input.txt" in r.stderr and "Traceback" not in r.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_shakespeare_char_bad_input_is_one_line(tmp_path):
+    (tmp_path / "empty.txt").write_bytes(b"")
+    (tmp_path / "one.txt").write_text("O")
+    (tmp_path / "binary.txt").write_bytes(bytes(range(256)) * 4)  # not UTF-8 from byte 128 on
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "taken").write_text("a file\n")
+    good = shakespeare_text(tmp_path)
+    before = sorted(os.listdir(tmp_path))
+    for args, phrase in [(["--input", tmp_path / "empty.txt"], "empty.txt holds no text (the file is empty)"),
+                         (["--input", tmp_path / "one.txt"], "one.txt holds only 1 character"),
+                         (["--input", tmp_path / "binary.txt"], "binary.txt: not UTF-8 text (byte 128)"),
+                         (["--input", tmp_path / "folder"], "folder is a folder, not a text file"),
+                         (["--input", good, "--out_dir", tmp_path / "taken"], "taken is a file, not a folder")]:
+        r = prepare(SHAKESPEARE, "--out_dir", tmp_path / "out", *args, check=False)
+        assert_bad_input(r, phrase)
+        assert r.stdout == ""
+    # nothing written: no out folder, the file given as --out_dir unchanged
+    assert sorted(os.listdir(tmp_path)) == before and os.listdir(tmp_path / "folder") == []
+    assert (tmp_path / "taken").read_text() == "a file\n"
 
 
 def test_prepared_max_ids_checked_against_the_model_vocab(owt_jsonl):

@@ -16,7 +16,7 @@ import urllib.request
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # data/, for prepare_common
-from prepare_common import atomic_outputs, max_id, write_json
+from prepare_common import PrepareError, atomic_outputs, check_out_dir, max_id, one_line_errors, write_json
 
 URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -35,17 +35,27 @@ def read_text(path):
         with atomic_outputs(os.path.dirname(path), [os.path.basename(path)]) as tmp:
             with open(tmp[os.path.basename(path)], "wb") as f:
                 f.write(data)
-    with open(path, encoding="utf-8") as f:
-        return f.read()
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError as e:
+        raise PrepareError(f"{path}: not UTF-8 text (byte {e.start}); give the Tiny Shakespeare input.txt or "
+                           f"convert the file to UTF-8") from e
+    except OSError as e:
+        raise PrepareError(f"{path}: cannot read it ({e.strerror or e}); give a text file you can read") from e
+    if len(text) < 2:  # 90% of fewer than 2 characters leaves train.bin empty, nothing to train on
+        what = "holds no text (the file is empty)" if not text else "holds only 1 character, none left for train.bin"
+        raise PrepareError(f"{path} {what}; give the Tiny Shakespeare input.txt or another text file")
+    return text
 
 
-if __name__ == "__main__":
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--input", help="a local Tiny Shakespeare input.txt (default: OUT_DIR/input.txt, downloaded if missing)")
-    p.add_argument("--out_dir", default=HERE, help="where train.bin, val.bin, meta.pkl, meta.json go (default: %(default)s)")
-    args = p.parse_args()
-    if args.input and not os.path.isfile(args.input):
-        sys.exit(f"error: --input {args.input} does not exist; give the path of the Tiny Shakespeare input.txt")
+def prepare(args):
+    if args.input is not None and os.path.isdir(args.input):
+        raise PrepareError(f"--input {args.input} is a folder, not a text file; give the path of the Tiny "
+                           f"Shakespeare input.txt")
+    if args.input is not None and not os.path.exists(args.input):
+        raise PrepareError(f"--input {args.input} does not exist; give the path of the Tiny Shakespeare input.txt")
+    check_out_dir(args.out_dir)
 
     data = read_text(args.input or os.path.join(args.out_dir, "input.txt"))
     chars = sorted(set(data))
@@ -66,3 +76,12 @@ if __name__ == "__main__":
                                       "train_max_id": max_id(train_ids), "val_max_id": max_id(val_ids),
                                       "source": args.input or URL})
     print(f"vocab size {len(chars)}; train {len(train_ids):,} tokens, val {len(val_ids):,} tokens; wrote {args.out_dir}")
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--input", help="a local Tiny Shakespeare input.txt (default: OUT_DIR/input.txt, downloaded if missing)")
+    p.add_argument("--out_dir", default=HERE, help="where train.bin, val.bin, meta.pkl, meta.json go (default: %(default)s)")
+    args = p.parse_args()
+    with one_line_errors():
+        prepare(args)
