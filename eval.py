@@ -32,9 +32,11 @@ import os
 import time
 
 from denoised_gpt.batches import TokenBatches, load_meta
+from denoised_gpt.checkpoint import CheckpointError, checkpoint_path, load_checkpoint
 from denoised_gpt.cli import (check_inference_source, check_ranges, fail, gpt2_encoding, load_model, log, noise_on,
                               prepare_device, read_config)
 from denoised_gpt.device import autocast_context, manual_seed
+from model import ATTENTION_TYPES
 
 # -----------------------------------------------------------------------------
 init_from = 'resume'  # 'resume' (the checkpoint in out_dir) or a GPT-2 model name (gpt2, gpt2-medium, ...)
@@ -107,20 +109,20 @@ device, dtype = prepare_device(device, dtype)
 ctx = autocast_context(device, dtype)
 
 
-def load(source, from_dir):
-    """-> (model in eval mode on device, info dict). source: 'resume' (from_dir/ckpt.pt) or a gpt2 name."""
-    model, ckpt = load_model(source, from_dir, noise_at_eval)
+def load(source, from_dir, noise=noise_at_eval):
+    """-> (model in eval mode on the CPU, info dict). source: 'resume' (from_dir/ckpt.pt) or a gpt2 name."""
+    from denoised_gpt.evaluation.entropy import run_name
+    model, ckpt = load_model(source, from_dir, noise)
     if ckpt is None:
         info = dict(name=source, attn_type='base', checkpoint=source, dataset=dataset or None, identity=source)
     else:
-        path = os.path.join(from_dir, 'ckpt.pt') if os.path.isdir(from_dir) else from_dir
+        path = checkpoint_path(from_dir)
         stat = os.stat(path)
-        info = dict(name=os.path.basename(os.path.normpath(from_dir)), attn_type=model.config.attn_type,
+        info = dict(name=run_name(from_dir), attn_type=model.config.attn_type,
                     checkpoint=path, iter=int(ckpt['iter_num']),
                     dataset=dataset or ckpt.get('config', {}).get('dataset'),
                     # the feature cache key: this file, as it is now
                     identity=f"{os.path.abspath(path)}:{stat.st_size}:{stat.st_mtime_ns}")
-    model.to(device)
     info['params'] = model.get_num_params()
     info['noise_on'] = noise_on(model)
     data_dir = os.path.join('data', info['dataset']) if info['dataset'] else None
@@ -133,7 +135,26 @@ def load(source, from_dir):
     return model, info
 
 
+def load_compare_to():
+    """compare_to's model and info, loaded before anything is computed: a wrong path fails in seconds,
+    not after the first model's entropy, and names compare_to (load_model's messages name out_dir)."""
+    try:
+        other = load_checkpoint(compare_to, metadata_only=True)  # settings only: the tensors are read next
+    except FileNotFoundError:
+        fail(f"compare_to={compare_to!r}: no checkpoint at {checkpoint_path(compare_to)}; give the out_dir "
+             f"of the run to compare with")
+    except CheckpointError as e:
+        fail(f"compare_to={compare_to!r}: {e}")
+    # noise_at_eval is about the NoiseFormer model(s) of the two; a model without noise has none to turn off
+    noisy = 'noise_at_eval' in getattr(ATTENTION_TYPES.get(other['model_args'].get('attn_type', 'base')),
+                                       'config_fields', ())
+    return load('resume', compare_to, noise_at_eval if noisy else None)
+
+
 model, info = load(init_from, out_dir)
+model.to(device)
+if compare_to:
+    other_model, other_info = load_compare_to()  # on the CPU until its turn comes
 if not eval_dir:
     eval_dir = out_dir if init_from == 'resume' else f"eval-{init_from}"
 os.makedirs(eval_dir, exist_ok=True)
@@ -174,6 +195,22 @@ if val_loss or entropy:
     val_path = val_bin(info)
     if not os.path.isfile(val_path):
         fail(f"{val_path} not found: run that dataset's prepare.py first, or pass --dataset=<name>")
+if entropy:
+    def entropy_data(which_model, which_info, what):
+        """The validation windows which_model's entropy is averaged over (what: the model, in messages)."""
+        T = entropy_block_size or which_model.config.block_size
+        if T > which_model.config.block_size:
+            fail(f"entropy_block_size={T} is larger than {what}'s block_size {which_model.config.block_size}")
+        try:
+            return TokenBatches(which_info['data_dir'], 'val', T, batch_size, device=device, seed=seed,
+                                vocab_size=which_model.config.vocab_size)
+        except (FileNotFoundError, ValueError) as e:
+            fail(e)
+
+    mine_data = entropy_data(model, info, 'the model')
+    if compare_to:
+        val_bin(other_info)
+        other_data = entropy_data(other_model, other_info, f"compare_to's model ({other_info['checkpoint']})")
 
 # -----------------------------------------------------------------------------
 # exact validation loss
@@ -196,25 +233,17 @@ if val_loss:
 # attention entropy
 
 if entropy:
-    from denoised_gpt.evaluation.entropy import attention_entropy, entropy_summary, plot_entropy
+    from denoised_gpt.evaluation.entropy import attention_entropy, entropy_summary, file_name_part, plot_entropy
 
-    def entropy_of(which_model, which_info):
-        T = entropy_block_size or which_model.config.block_size
-        if T > which_model.config.block_size:
-            fail(f"entropy_block_size={T} is larger than the model's block_size {which_model.config.block_size}")
-        try:
-            data = TokenBatches(which_info['data_dir'], 'val', T, batch_size, device=device, seed=seed,
-                                vocab_size=which_model.config.vocab_size)
-        except (FileNotFoundError, ValueError) as e:
-            fail(e)
+    def entropy_of(which_model, which_info, data):
         manual_seed(seed)  # NoiseFormer's noise draws
         batches = (data.get_batch()[0] for _ in range(entropy_batches))
         ent = attention_entropy(which_model, batches, ctx)
-        return dict(entropy=ent, layer_mean=entropy_summary(ent), block_size=T, batches=entropy_batches,
-                    batch_size=batch_size, seed=seed, attn_type=which_info['attn_type'],
+        return dict(entropy=ent, layer_mean=entropy_summary(ent), block_size=data.block_size,
+                    batches=entropy_batches, batch_size=batch_size, seed=seed, attn_type=which_info['attn_type'],
                     checkpoint=which_info['checkpoint'], noise_on=which_info['noise_on'])
 
-    mine = entropy_of(model, info)
+    mine = entropy_of(model, info, mine_data)
     for name, means in mine['layer_mean'].items():
         print(f"attention entropy ({name}), mean over heads per layer: " + ' '.join(f"{m:.3f}" for m in means))
     results['entropy'] = mine
@@ -222,14 +251,12 @@ if entropy:
     plot_entropy([(info['name'], mine['entropy'])], os.path.join(eval_dir, 'entropy.png'))
     log(f"wrote {os.path.join(eval_dir, 'entropy.png')}")
     if compare_to:
-        other_model, other_info = load('resume', compare_to)
-        val_bin(other_info)
-        theirs = entropy_of(other_model, other_info)
+        theirs = entropy_of(other_model.to(device), other_info, other_data)
         del other_model
         for name, means in theirs['layer_mean'].items():
             print(f"compare_to {other_info['name']} ({name}): " + ' '.join(f"{m:.3f}" for m in means))
-        write_json(f"entropy_{other_info['name']}.json", theirs)
-        png = os.path.join(eval_dir, f"entropy_vs_{other_info['name']}.png")
+        write_json(f"entropy_{file_name_part(other_info['name'])}.json", theirs)
+        png = os.path.join(eval_dir, f"entropy_vs_{file_name_part(other_info['name'])}.png")
         plot_entropy([(info['name'], mine['entropy']), (other_info['name'], theirs['entropy'])], png)
         log(f"wrote {png}")
 

@@ -222,7 +222,8 @@ def encode(s):
         unknown = sorted(set(c for c in s if c not in stoi))
         if unknown:
             fail(f"the prompt {s[:60]!r} has characters the model's vocabulary ({len(stoi)} characters, "
-                 f"{meta_dir}) does not contain: {''.join(unknown)!r}")
+                 f"{meta_dir}) does not contain: {''.join(unknown)!r} (for the quickstart's Tiny Shakespeare "
+                 f"model, prompts/shakespeare_char.txt holds prompts in its characters)")
         return [stoi[c] for c in s]
     return enc.encode(s, allowed_special={"<|endoftext|>"})
 

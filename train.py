@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from denoised_gpt.batches import TokenBatches, load_meta
+from denoised_gpt.batches import TokenBatches, check_token_files, load_meta
 from denoised_gpt.checkpoint import (CheckpointError, capture_rng_state, load_checkpoint, optimizer_param_names,
                                      restore_training_state, save_checkpoint)
 from denoised_gpt.cli import fail, load_gpt2, read_config
@@ -45,7 +45,7 @@ from denoised_gpt.finetune import (apply_trainable, is_checkpoint, model_from_ch
 from denoised_gpt.lr_schedule import get_lr
 from denoised_gpt.run_dir import (StopRequest, checkpoint_note, clear_for_new_run, lock_out_dir, log_metrics,
                                   peak_memory_mib, restart_advice, start_wandb, trim_metrics, wandb_learned_values)
-from denoised_gpt.training import (MODEL_KEYS, batch_seed, check_training_settings, compile_training_step,
+from denoised_gpt.training import (MODEL_KEYS, StepSpeed, batch_seed, check_training_settings, compile_training_step,
                                    resumed_config, resumed_model_args)
 from model import GPT, GPTConfig
 
@@ -183,7 +183,8 @@ ctx = autocast_context(device, dtype)
 data_dir = os.path.join('data', dataset)
 try:
     meta = load_meta(data_dir)
-except ValueError as e:
+    check_token_files(data_dir)  # a missing dataset is said before a model is built
+except (FileNotFoundError, ValueError) as e:
     fail(e)
 meta_vocab_size = meta['vocab_size'] if meta else None
 data_generator = torch.Generator()
@@ -375,7 +376,8 @@ def checkpoint_reason(val_loss, improved, done):
 stop_request = StopRequest()  # SIGTERM or Ctrl-C: finish the step, checkpoint, exit 0
 if wandb_log and master_process:
     wandb = start_wandb(wandb_project, wandb_run_name, config, out_dir)
-peak = peak_flops(device, dtype) if master_process else None  # MFU denominator (measured on CPU)
+speed = StepSpeed(raw_model, batch_size * gradient_accumulation_steps, peak_flops(device, dtype),
+                  on_cpu=device_type(device) == 'cpu') if master_process else None
 if master_process and decay_lr and max_iters < warmup_iters:
     print(f"note: max_iters={max_iters} ends during the warmup (warmup_iters={warmup_iters}): the learning "
           f"rate only reaches {get_lr(max_iters, learning_rate, warmup_iters, lr_decay_iters, min_lr):.3g} "
@@ -402,7 +404,6 @@ def stop_diverged(message):
 # training loop
 t0 = time.time()
 local_iter_num = 0  # number of iterations in the lifetime of this process
-running_mfu = -1.0  # measured after a few iterations; not shown until then
 # the iteration of the checkpoint on disk: a resumed run evaluates and saves only after training further
 saved_iter = iter_num if init_from == 'resume' else None
 saved_val_loss = None  # the val loss of the state saved in this process, None before (or not evaluated)
@@ -513,14 +514,12 @@ while True:
     t0 = t1
     train_time += dt
     if iter_num % log_interval == 0 and master_process:
-        if local_iter_num >= 5:  # let the training loop settle a bit
-            mfu = raw_model.estimate_mfu(batch_size * gradient_accumulation_steps, dt, peak)
-            running_mfu = mfu if running_mfu == -1.0 else 0.9 * running_mfu + 0.1 * mfu
-        mfu_text = f", mfu {running_mfu * 100:.2f}%" if running_mfu >= 0 else ""
+        mfu = speed.update(dt, settled=local_iter_num >= 5)  # None until measured from settled steps
+        mfu_text = f", mfu {mfu * 100:.2f}%" if mfu is not None else ""
         print(f"iter {iter_num}: loss {loss_mean:.6f}, ce {ce_mean:.6f}, kl {kl_mean:.4g}, lr {lr:.3e}, "
               f"{dt * 1000:.2f}ms/iter, {tokens_per_iter / dt:,.0f} tok/s{mfu_text}")
         row = {"iter": iter_num, "loss": loss_mean, "ce": ce_mean, "kl": kl_mean, "lr": lr, "ms": dt * 1000, "time": train_time,
-               "tokens_per_s": tokens_per_iter / dt, **({"mfu": running_mfu * 100} if running_mfu >= 0 else {})}
+               "tokens_per_s": tokens_per_iter / dt, **({"mfu": mfu * 100} if mfu is not None else {})}
         log_row(row)
         if wandb_log:
             wandb.log(row)

@@ -55,6 +55,13 @@ def _token_file_size(data_dir, path):
     return st.st_size
 
 
+def check_token_files(data_dir):
+    """data_dir's train.bin and val.bin exist and can be read: checked before a model is built, so that a
+    missing dataset is said at once (their sizes and ids are checked when TokenBatches opens them)."""
+    for split in ("train", "val"):
+        _token_file_size(data_dir, os.path.join(data_dir, f"{split}.bin"))
+
+
 class TokenBatches:
     """Random (x, y) windows from data_dir/{split}.bin (flat uint16 memmap); y is x shifted by one."""
 

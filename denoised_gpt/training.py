@@ -2,6 +2,7 @@
 takes from its checkpoint, the seeds its batches and noise are drawn from, and the compile warm-up."""
 import dataclasses
 import os
+import statistics
 import time
 
 import numpy as np
@@ -107,3 +108,44 @@ def compile_training_step(model, batch_size, block_size, device, ctx):
     mark_step()
     model.zero_grad(set_to_none=True)
     return time.time() - t0
+
+
+class StepSpeed:
+    """What the log line says about speed. MFU (GPT.estimate_mfu against `peak_flops`) is shown once it
+    rests on settled steps: the median of the first MFU_START measurements, so one slow step (a cold
+    cache, another process) does not set it, then a moving average. On CPU, a note once when step times
+    swing: torch's OpenMP threads spin-wait for each other, so another busy process slows every step."""
+    MFU_START = 5
+    SWING = 3.0  # a step this many times the median of the recent ones counts as slowed down
+
+    def __init__(self, model, fwdbwd_per_iter, peak_flops, on_cpu):
+        self.model, self.fwdbwd_per_iter, self.peak_flops, self.on_cpu = model, fwdbwd_per_iter, peak_flops, on_cpu
+        self.first, self.mfu, self.recent, self.warned = [], None, [], False
+
+    def update(self, dt, settled):
+        """Record a step of dt seconds; returns the MFU to show (None until it is measured)."""
+        if not settled:
+            return self.mfu
+        mfu = self.model.estimate_mfu(self.fwdbwd_per_iter, dt, self.peak_flops)
+        if self.mfu is not None:
+            self.mfu = 0.9 * self.mfu + 0.1 * mfu
+        else:
+            self.first.append(mfu)
+            self.mfu = statistics.median(self.first) if len(self.first) == self.MFU_START else None
+        self.recent = (self.recent + [dt])[-20:]
+        note = self.swing_note()
+        if note:
+            print(note)
+        return self.mfu
+
+    def swing_note(self):
+        if not self.on_cpu or self.warned or len(self.recent) < 10:
+            return None
+        typical = statistics.median(self.recent)
+        slow = [t for t in self.recent if t > self.SWING * typical]
+        if len(slow) < 2:
+            return None
+        self.warned = True
+        return (f"note: step times swing from {typical * 1000:.0f} ms to {max(slow) * 1000:.0f} ms: other processes "
+                f"are competing for the CPU cores, and torch's {torch.get_num_threads()} threads wait for each other. "
+                f"Set OMP_NUM_THREADS to the number of idle cores (e.g. OMP_NUM_THREADS=1) for steady steps")

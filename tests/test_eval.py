@@ -13,8 +13,10 @@ import torch
 import torch.nn.functional as F
 
 from denoised_gpt.evaluation import exact_val_loss
-from denoised_gpt.evaluation.entropy import attention_entropy, normalised_row_entropy
-from helpers import NO_AUTOCAST, ROOT, subprocess_env, tiny_checkpoint, tiny_gpt, write_tokens
+from denoised_gpt.evaluation.entropy import (attention_entropy, file_name_part, normalised_row_entropy, plot_entropy,
+                                             run_name)
+from helpers import (NO_AUTOCAST, ROOT, run_script_in_process, subprocess_env, tiny_checkpoint, tiny_gpt,
+                     write_tokens)
 from model import ATTENTION_TYPES, GPT, GPTConfig, split_heads
 
 # one xdist worker runs this whole file, so its module-scoped fixtures are built once (-n 2 --dist loadgroup)
@@ -146,6 +148,40 @@ def _merge(t):
     return t.transpose(1, 2).reshape(B, T, H * d)
 
 
+def test_side_by_side_figure_shows_only_the_maps_that_exist_each_titled_by_run_and_map(tmp_path):
+    def layers(value):
+        return [[value, value / 2], [value / 3, value / 4]]  # 2 layers x 2 heads
+    dint = {'branch1': layers(0.9), 'branch2': layers(0.8), 'combined': layers(0.7)}
+    base = {'attn': layers(0.6)}
+    fig = plot_entropy([('out-x/merged', dint), ('out-base', base)], tmp_path / 'vs.png')
+    assert (tmp_path / 'vs.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
+    panels = [ax for ax in fig.axes if ax.images]
+    expected = [('out-x/merged', 'branch1'), ('out-x/merged', 'branch2'), ('out-x/merged', 'combined'),
+                ('out-base', 'attn')]
+    assert len(panels) == len(expected)  # no panel for a map a run does not have
+    for ax, (run, name), values in zip(panels, expected, [dint['branch1'], dint['branch2'], dint['combined'],
+                                                           base['attn']]):
+        run_line, map_line = ax.get_title().split('\n')
+        assert run_line == run and map_line.startswith(f"{name} (mean ")
+        assert ax.images[0].get_clim() == (0, 1)
+        assert ax.images[0].get_array().ravel().tolist() == pytest.approx(sum(values, []))  # rows: layers
+    texts = [t.get_text() for t in fig.findobj(lambda a: hasattr(a, 'get_text'))]
+    assert not any('has no' in t for t in texts)  # no placeholder panels
+    assert len(fig.axes) == len(panels) + 1  # and nothing else but the colour bar
+
+
+def test_run_name_identifies_a_run_whose_directory_name_is_generic(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert run_name('out-x/merged') == run_name('out-x/merged/') == 'out-x/merged'
+    assert run_name(tmp_path / 'out-finetune-linear-lora' / 'merged') == 'out-finetune-linear-lora/merged'
+    assert run_name('out-x') == run_name('./out-x/') == 'out-x'
+    assert run_name('out-x/ckpt.prev.pt') == 'out-x/ckpt.prev.pt'  # a checkpoint file: its run too
+    (tmp_path / 'merged').mkdir()
+    monkeypatch.chdir(tmp_path / 'merged')
+    assert run_name('.') == f"{tmp_path.name}/merged"
+    assert file_name_part('out-x/merged') == 'out-x_merged' and file_name_part('out-x') == 'out-x'
+
+
 # ----------------------------------------------------------------------------- eval.py as a user runs it
 
 def launch(*args, cwd=ROOT):
@@ -206,3 +242,38 @@ def test_eval_script_bad_settings_fail_in_one_line(char_run):
         r = launch(f"--out_dir={char_run['base_dir']}", '--device=cpu', *args)
         assert r.returncode == 2, args
         assert message in r.stderr and 'Traceback' not in r.stderr, (args, r.stderr)
+
+
+@pytest.mark.parametrize('wrong', ['missing', 'no_checkpoint_inside', 'not_a_checkpoint'])
+def test_eval_script_a_wrong_compare_to_fails_before_any_entropy_is_computed(char_run, tmp_path, wrong):
+    compare_to = {'missing': tmp_path / 'out-bsae', 'no_checkpoint_inside': char_run['root'],
+                  'not_a_checkpoint': tmp_path / 'notes.txt'}[wrong]
+    (tmp_path / 'notes.txt').write_text('not a checkpoint\n')
+    eval_dir = tmp_path / 'eval'
+    r = run_script_in_process('eval.py', [f"--out_dir={char_run['diff_dir']}", f"--eval_dir={eval_dir}",
+                                          '--entropy=True', '--val_loss=True', f"--compare_to={compare_to}",
+                                          '--device=cpu', '--entropy_batches=1', '--batch_size=2'])
+    assert r.returncode == 2
+    assert r.stdout == ''  # no val loss, no entropy printed
+    assert not (eval_dir / 'entropy.json').exists() and not (eval_dir / 'val_loss.json').exists()
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith(f"eval.py: error: compare_to={str(compare_to)!r}: ")
+    assert 'out_dir at' not in lines[0]  # load_checkpoint's advice for out_dir, the wrong flag here
+    if wrong != 'not_a_checkpoint':
+        assert f"no checkpoint at {compare_to / 'ckpt.pt'}; give the out_dir of the run to compare with" in lines[0]
+
+
+def test_eval_script_names_a_merged_run_by_its_run_directory_too(char_run, tmp_path):
+    merged = tmp_path / 'out-x' / 'merged'
+    tiny_checkpoint(merged, 'base', char_run['data'], seed=2, **{**SHAPE, 'block_size': 32,
+                                                              'vocab_size': char_run['base'].config.vocab_size})
+    eval_dir = tmp_path / 'eval'
+    r = run_script_in_process('eval.py', [f"--out_dir={char_run['diff_dir']}", f"--eval_dir={eval_dir}",
+                                          '--entropy=True', f"--compare_to={merged}", '--device=cpu',
+                                          '--dtype=float32', '--entropy_batches=1', '--batch_size=2'])
+    assert r.returncode == 0, r.stderr
+    theirs = json.loads((eval_dir / 'entropy_out-x_merged.json').read_text())
+    assert list(theirs['entropy']) == ['attn'] and theirs['checkpoint'] == str(merged / 'ckpt.pt')
+    assert (eval_dir / 'entropy_vs_out-x_merged.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
+    assert 'compare_to out-x/merged (attn):' in r.stdout

@@ -155,13 +155,13 @@ def test_a_checkpoint_damaged_at_its_start_points_to_the_previous_one(tmp_path, 
     ('sample.py', ['--out_dir={file}']),
     ('eval.py', ['--out_dir={file}', '--val_loss=True']),
     ('grow.py', ['--out_dir={file}', '--grow_to=8', '--out={tmp}/grown']),
-    ('train.py', ['--init_from={file}', '--out_dir={tmp}/out']),
+    ('train.py', ['--init_from={file}', '--out_dir={tmp}/out', '--dataset={data}']),
     ('train.py', ['--init_from=resume', '--out_dir={file}']),
 ])
-def test_a_file_that_is_not_a_checkpoint_is_one_line(script, args, tmp_path):
+def test_a_file_that_is_not_a_checkpoint_is_one_line(script, args, tmp_path, data):
     text = tmp_path / 'notes.txt'
     text.write_text('hello\n')
-    proc = run_script_in_process(script, [a.format(file=text, tmp=tmp_path) for a in args])
+    proc = run_script_in_process(script, [a.format(file=text, tmp=tmp_path, data=data) for a in args])
     assert proc.returncode == 2 and 'Traceback' not in proc.stderr, proc.stderr
     assert f"{script}: error: " in proc.stderr and "not a checkpoint" in proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ['notes.txt']  # nothing written
@@ -179,3 +179,12 @@ def test_a_full_disk_while_logging_is_one_clear_error(tmp_path):
 def test_bench_refuses_an_impossible_optimizer_setting():
     proc = run_script_in_process('bench.py', ['--beta2=-1', '--attn_types=base'])
     assert proc.returncode == 2 and proc.stderr.strip() == "bench.py: error: beta2=-1.0 must be in [0, 1)"
+
+
+def test_a_missing_dataset_is_said_before_the_model_is_built(tmp_path):
+    """config/noiseformer_v2.py builds a 116M-parameter model: a missing OpenWebText must be said first."""
+    proc = run_script_in_process('train.py', ['config/noiseformer_v2.py', '--dataset=no-such-dataset',
+                                              f'--out_dir={tmp_path / "out"}', '--device=cpu'])
+    assert proc.returncode == 2 and "data/no-such-dataset/train.bin not found" in proc.stderr, proc.stderr
+    assert "Initializing" not in proc.stdout and "number of parameters" not in proc.stdout
+    assert not (tmp_path / 'out').exists()

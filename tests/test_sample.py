@@ -10,6 +10,7 @@ the batched greedy completions equal unbatched greedy generation; NoiseFormer no
 a crafted meta.pkl never runs; bad inputs exit non-zero with a message that names the problem.
 """
 import json
+import os
 import pickle
 import re
 import subprocess
@@ -360,9 +361,22 @@ def test_readme_sampling_example_prompts_file_exists(runs):
     readme = (ROOT / "README.md").read_text()
     section = readme.split("## Sampling", 1)[1].split("\n## ", 1)[0]
     named = re.findall(r"--prompts_file=(\S+)", section)
-    assert named == [APPENDIX_PROMPTS], named
+    assert named == ['prompts/shakespeare_char.txt', APPENDIX_PROMPTS], named
+    assert all((ROOT / name).is_file() for name in named)
     prompts = [line for line in (ROOT / APPENDIX_PROMPTS).read_text().splitlines() if line.strip()]
     assert len(prompts) >= 3
     assert f"--prompts_file={APPENDIX_PROMPTS}" in (ROOT / "sample.py").read_text()  # the docstring's example
     if 'appendix_file' in runs:  # and sample.py reads it: one record per prompt, in order
         assert [r['prompt'] for r in records_of(runs, 'appendix_file')] == prompts
+
+
+def test_char_prompts_file_fits_the_quickstart_vocabulary():
+    """prompts/shakespeare_char.txt, the README's appendix prompts for the quickstart model, uses only
+    characters that data/shakespeare_char/prepare.py puts in its vocabulary (every character of the text)."""
+    text = os.environ.get('TINY_SHAKESPEARE')
+    if not text or not os.path.isfile(text):
+        pytest.skip('set TINY_SHAKESPEARE to Tiny Shakespeare\'s input.txt (CI does) to check its vocabulary')
+    vocabulary = set(open(text, encoding='utf-8').read())
+    prompts = [line for line in (ROOT / 'prompts' / 'shakespeare_char.txt').read_text().splitlines() if line.strip()]
+    assert len(prompts) >= 3 and all(set(p) <= vocabulary for p in prompts)
+    assert not set((ROOT / 'prompts' / 'appendix.txt').read_text()) <= vocabulary  # why the char set exists

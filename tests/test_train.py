@@ -368,3 +368,32 @@ def test_ctrl_c_finishes_the_step_and_checkpoints(tmp_path):
     k = load_checkpoint(out)['iter_num']
     assert k >= 4 and f"SIGINT received: stopping after iter {k - 1}" in stdout
     assert "Ctrl-C again to quit at once" in err
+
+
+class ConstantFlops:
+    """estimate_mfu of a model doing 1e9 FLOPs per iteration, against a 1e10 FLOP/s peak."""
+    @staticmethod
+    def estimate_mfu(fwdbwd_per_iter, dt, peak_flops):
+        return 1e9 / dt / peak_flops
+
+
+def test_mfu_starts_from_the_median_of_settled_steps_not_one_slow_one(capsys):
+    from denoised_gpt.training import StepSpeed
+    speed = StepSpeed(ConstantFlops(), 1, 1e10, on_cpu=False)
+    assert speed.update(10.0, settled=False) is None  # warm-up steps are not measured
+    shown = [speed.update(dt, settled=True) for dt in (1.0, 0.1, 0.1, 0.1, 0.1)]  # one slow step first
+    assert shown[:4] == [None] * 4 and shown[4] == pytest.approx(1.0)  # the median: 1e9 / 0.1 / 1e10
+    assert speed.update(0.05, settled=True) == pytest.approx(0.9 * 1.0 + 0.1 * 2.0)  # then a moving average
+    assert capsys.readouterr().out == ''  # not on a CPU: no note
+
+
+def test_swinging_cpu_steps_get_one_note_naming_omp_num_threads(capsys):
+    from denoised_gpt.training import StepSpeed
+    speed = StepSpeed(ConstantFlops(), 1, 1e10, on_cpu=True)
+    for dt in [0.1] * 12:
+        speed.update(dt, settled=True)
+    assert capsys.readouterr().out == ''  # steady steps: nothing to say
+    for dt in (0.5, 0.1, 0.6, 0.1, 0.7):
+        speed.update(dt, settled=True)
+    out = capsys.readouterr().out
+    assert out.count('note: step times swing from 100 ms to') == 1 and 'OMP_NUM_THREADS' in out

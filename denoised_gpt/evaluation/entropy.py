@@ -15,6 +15,8 @@ the distribution of attention *magnitude* over keys: 1 when every key gets the s
 attention) this is the ordinary entropy of the row.
 """
 
+import os
+
 import torch
 
 
@@ -49,37 +51,49 @@ def entropy_summary(entropy):
     return {name: [sum(h) / len(h) for h in layers] for name, layers in entropy.items()}
 
 
-def plot_entropy(results, path):
-    """results: [(label, {map name: [[per head] per layer]})], one row of heatmaps per checkpoint and
-    one column per map name; colours fixed to [0, 1] so rows and columns compare. Writes a PNG."""
-    import matplotlib
-    matplotlib.use('Agg')  # files only: no display needed
-    import matplotlib.pyplot as plt
+def plot_entropy(results, path=None):
+    """results: [(run name, {map name: [[per head] per layer]})] -> a matplotlib Figure with one row of
+    heatmaps (layers x heads), one per map that exists: the first run's maps in their order, then the
+    next run's, so that dint compared with base reads branch1, branch2, combined, attn, the combined
+    map next to the one it replaces. Each panel is titled with its run and map; colours are fixed to
+    [0, 1] so that panels compare. Writes a PNG to path when given. The figure is returned for
+    inspection (fig.axes: the panels in that order, then the colour bar)."""
+    from matplotlib.figure import Figure  # no pyplot: no backend to choose, no global figure to close
 
-    names = []
-    for _, entropy in results:
-        names += [n for n in entropy if n not in names]
-    fig, axes = plt.subplots(len(results), len(names), squeeze=False,
-                             figsize=(3.2 * len(names) + 1, 2.8 * len(results) + 0.6), layout='constrained')
-    image = None
-    for r, (label, entropy) in enumerate(results):
-        for c, name in enumerate(names):
-            ax = axes[r][c]
-            if name not in entropy:
-                ax.axis('off')  # e.g. base has no branch maps: say so in the empty cell
-                ax.text(0.5, 0.5, f"{label}\nhas no {name} map", ha='center', va='center', fontsize=8,
-                        transform=ax.transAxes)
-                continue
-            image = ax.imshow(torch.tensor(entropy[name]).numpy(), vmin=0, vmax=1, cmap='viridis',
-                              aspect='auto', interpolation='nearest')
-            mean = sum(map(sum, entropy[name])) / sum(map(len, entropy[name]))
-            ax.set_title(f"{label}\n{name} (mean {mean:.3f})", fontsize=8)
-            n_layers, n_heads = len(entropy[name]), len(entropy[name][0])
-            ax.set_xticks(range(n_heads))  # whole heads and layers, not fractional ticks
-            ax.set_yticks(range(n_layers))
-            ax.set_xlabel('head', fontsize=8)
-            ax.set_ylabel('layer', fontsize=8)
-    if image is not None:
-        fig.colorbar(image, ax=axes.ravel().tolist(), label='normalised entropy H / log(keys)')
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    panels = [(label, name, layers) for label, entropy in results for name, layers in entropy.items()]
+    if not panels:
+        raise ValueError("plot_entropy: no attention maps to plot")
+    fig = Figure(figsize=(3.2 * len(panels) + 1, 3.4), layout='constrained')
+    axes = fig.subplots(1, len(panels), squeeze=False)[0]
+    for ax, (label, name, layers) in zip(axes, panels):
+        image = ax.imshow(torch.tensor(layers).numpy(), vmin=0, vmax=1, cmap='viridis', aspect='auto',
+                          interpolation='nearest')
+        mean = sum(map(sum, layers)) / sum(map(len, layers))
+        ax.set_title(f"{label}\n{name} (mean {mean:.3f})", fontsize=8)
+        ax.set_xticks(range(len(layers[0])))  # whole heads and layers, not fractional ticks
+        ax.set_yticks(range(len(layers)))
+        ax.set_xlabel('head', fontsize=8)
+        ax.set_ylabel('layer', fontsize=8)
+    fig.colorbar(image, ax=list(axes), label='normalised entropy H / log(keys)')
+    if path is not None:
+        fig.savefig(path, dpi=100)
+    return fig
+
+
+def run_name(out_dir):
+    """How eval.py names a run (figure titles, entropy_<name>.json): out_dir's last part, or its last
+    two when the last one is a name that many runs' directories share, e.g. 'out-x/merged' (where
+    train.py --merge_lora writes a LoRA run's merged model) rather than 'merged', or
+    'out-x/ckpt.prev.pt' for a checkpoint file. May hold a '/': see file_name_part."""
+    from denoised_gpt.finetune import MERGED_DIR
+    parent, last = os.path.split(os.path.abspath(out_dir))  # abspath: '.' and '..' become real names
+    if last in (MERGED_DIR, 'out') or last.endswith('.pt'):  # 'out': nanoGPT's default out_dir
+        above = os.path.basename(parent)
+        if above:
+            return f"{above}/{last}"
+    return last
+
+
+def file_name_part(name):
+    """A run name as part of a file name: path separators become '_' ('out-x/merged' -> 'out-x_merged')."""
+    return name.replace('/', '_').replace(os.sep, '_')
