@@ -8,6 +8,8 @@ import socket
 import sys
 import urllib.parse
 
+import torch
+
 from configurator import ConfigError, apply_config, optional_bool
 
 GPT2_NAMES = ('gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl')
@@ -100,7 +102,7 @@ def load_model(init_from, out_dir, noise_at_eval=None, model_overrides=None):
     noise_at_eval: None keeps the checkpoint's setting; True / False is refused for a model without
     NoiseFormer noise. model_overrides: model_args replaced where the model has that setting (e.g.
     noise_per_sample for NoiseFormer)."""
-    from model import ATTENTION_TYPES, GPT, GPTConfig
+    from model import ATTENTION_TYPES, GPTConfig
     from denoised_gpt.checkpoint import CheckpointError, load_checkpoint
     script = os.path.basename(sys.argv[0])
     if init_from != 'resume':
@@ -126,8 +128,7 @@ def load_model(init_from, out_dir, noise_at_eval=None, model_overrides=None):
         model_args['noise_at_eval'] = noise_at_eval
     model_args.update({k: v for k, v in (model_overrides or {}).items() if k in fields})
     try:
-        model = GPT(GPTConfig(**model_args))
-        model.load_state_dict(checkpoint['model'])
+        model = model_with_weights(GPTConfig(**model_args), checkpoint['model'])
     except (TypeError, ValueError, RuntimeError) as e:
         fail(f"the checkpoint in {out_dir} does not build a model: {e}")
     return model.eval(), checkpoint
@@ -143,6 +144,20 @@ def hub_reachable(seconds=3.0):
         return True
     except OSError:
         return False
+
+
+def model_with_weights(config, state_dict):
+    """GPT(config) holding state_dict, built on the meta device: no random initialisation for the weights
+    to overwrite (a second or more at GPT-2 size), and the state_dict's tensors become the parameters
+    themselves, not copies. Raises RuntimeError (load_state_dict's) when a tensor is missing or does
+    not fit."""
+    from model import GPT
+    with torch.device('meta'):
+        model = GPT(config)
+    model.load_state_dict(state_dict, assign=True)
+    # assign gives each key its own Parameter: tie lm_head to the token embedding again, as GPT does
+    model.lm_head.weight = model.transformer.wte.weight
+    return model
 
 
 def load_gpt2(name, override_args):

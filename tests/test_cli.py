@@ -46,3 +46,27 @@ def test_check_ranges_names_the_setting(config, kind, message):
     assert message in str(e.value)
     ok = {k: (1 if isinstance(v, int) else 0.5) for k, v in config.items()}
     check_ranges(ok, **kind)  # a good value of the same setting passes
+
+
+@pytest.mark.parametrize('attn_type', ['base', 'noiseformer_v2', 'dint_lowrank', 'linear'])
+def test_model_built_on_meta_with_weights_equals_the_loaded_model(attn_type):
+    import torch
+    from denoised_gpt.cli import model_with_weights
+    from helpers import tiny_gpt
+    trained = tiny_gpt(attn_type, seed=3)
+    state = {k: v.clone() for k, v in trained.state_dict().items()}
+    model = model_with_weights(trained.config, state)
+    assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+    assert model.lm_head.weight is model.transformer.wte.weight  # tied, as GPT ties them
+    assert model.get_num_params() == trained.get_num_params()
+    for k, v in trained.state_dict().items():
+        assert torch.equal(model.state_dict()[k], v), k
+    idx = torch.randint(0, trained.config.vocab_size, (2, 16))
+    trained.eval(), model.eval()
+    torch.manual_seed(0)
+    a = trained(idx)[0]
+    torch.manual_seed(0)
+    b = model(idx)[0]
+    assert torch.equal(a, b)
+    with pytest.raises(RuntimeError, match='Missing key'):
+        model_with_weights(trained.config, {k: v for k, v in state.items() if 'ln_f' not in k})
