@@ -891,60 +891,77 @@ def chunked_linear_attention(q, k, v, chunk, eps, state=None):
     return y, S_before[:, :, -1] + kv[:, :, -1], z_before[:, :, -1] + kz[:, :, -1]
 
 
-class LMHeadCrossEntropy(torch.autograd.Function):
+@torch.library.custom_op("denoised_gpt::lm_head_cross_entropy", mutates_args=())
+def _lm_head_ce(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, compute_dtype: torch.dtype,
+                chunk: int, needs_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean cross-entropy of x @ weight^T against targets (-1 ignored), the same numbers as
     F.cross_entropy(lm_head(x)) (log-softmax in float32 on the matmul-dtype logits), but the float32
     log-probabilities exist for `chunk` rows at a time only, and d loss / d logits = softmax - onehot
     is written over the logits in the same pass: no (N, V) float32 tensors, no separate backward
-    pass over them. At vocab 50304 that was most of a small model's step on CPU."""
+    pass over them. At vocab 50304 that was most of a small model's step on CPU. Returns (loss, that
+    gradient, unscaled; an empty tensor when needs_grad is False), which the backward below uses.
 
-    @staticmethod
-    def forward(ctx, x, weight, targets, compute_dtype, chunk, needs_grad):
-        xc, wc = x.to(compute_dtype), weight.to(compute_dtype)
-        logits = xc @ wc.t()  # (N, V) in the matmul dtype; becomes the gradient below
-        valid = targets != -1
-        n_valid = valid.sum().clamp_min(1)
-        safe = targets.clamp_min(0)
-        total = torch.zeros((), dtype=upcast(logits[:1, :1]).dtype, device=x.device)  # float32 at least
-        for s in range(0, logits.size(0), chunk):
-            g, t, v = logits[s:s + chunk], safe[s:s + chunk], valid[s:s + chunk]
-            rows = torch.arange(t.size(0), device=x.device)
-            logp = torch.log_softmax(upcast(g), dim=-1)
-            logp_t = logp[rows, t]
-            total -= (logp_t * v).sum()
-            if needs_grad:
-                torch.exp(logp, out=g)  # softmax
-                g[rows, t] = (logp_t.exp() - 1).to(g.dtype)  # minus the one-hot, in float32
+    A custom op, so torch.compile keeps it whole, as one node of its graph: traced, the Python chunk
+    loop would unroll into hundreds of small kernels (a compiled CPU step 15x slower than eager), and
+    eager this is already a few large matmuls and in-place passes, which a compiler has little to fuse."""
+    xc, wc = x.to(compute_dtype), weight.to(compute_dtype)
+    logits = xc @ wc.t()  # (N, V) in the matmul dtype; becomes the gradient below
+    valid = targets != -1
+    n_valid = valid.sum().clamp_min(1)
+    safe = targets.clamp_min(0)
+    total = torch.zeros((), dtype=upcast(logits[:1, :1]).dtype, device=x.device)  # float32 at least
+    for s in range(0, logits.size(0), chunk):
+        g, t, v = logits[s:s + chunk], safe[s:s + chunk], valid[s:s + chunk]
+        rows = torch.arange(t.size(0), device=x.device)
+        logp = torch.log_softmax(upcast(g), dim=-1)
+        logp_t = logp[rows, t]
+        total -= (logp_t * v).sum()
         if needs_grad:
-            if not bool(valid.all()):
-                logits[~valid] = 0
-            ctx.save_for_backward(logits, xc, wc, n_valid)
-            ctx.dtypes = (x.dtype, weight.dtype)
-        return total / n_valid
-
-    @staticmethod
-    def backward(ctx, grad_loss):
-        grad, xc, wc, n_valid = ctx.saved_tensors
-        scale = grad_loss / n_valid
-        gx = gw = None
-        if ctx.needs_input_grad[0]:
-            gx = (grad @ wc).to(ctx.dtypes[0]) * scale
-        if ctx.needs_input_grad[1]:
-            gw = (grad.t() @ (xc * scale.to(xc.dtype))).to(ctx.dtypes[1])
-        return gx, gw, None, None, None, None
+            torch.exp(logp, out=g)  # softmax
+            g[rows, t] = (logp_t.exp() - 1).to(g.dtype)  # minus the one-hot, in float32
+    if not needs_grad:
+        return total / n_valid, logits.new_empty(0)
+    if not bool(valid.all()):
+        logits[~valid] = 0
+    return total / n_valid, logits
 
 
-@torch.compiler.disable
+@_lm_head_ce.register_fake
+def _lm_head_ce_shapes(x, weight, targets, compute_dtype, chunk, needs_grad):
+    loss_dtype = torch.float32 if compute_dtype in (torch.float16, torch.bfloat16) else compute_dtype
+    grad_shape = (x.size(0), weight.size(0)) if needs_grad else (0,)
+    return x.new_empty((), dtype=loss_dtype), x.new_empty(grad_shape, dtype=compute_dtype)
+
+
+def _lm_head_ce_save(ctx, inputs, output):
+    x, weight, targets, compute_dtype, chunk, needs_grad = inputs
+    ctx.save_for_backward(output[1], x, weight, (targets != -1).sum().clamp_min(1))
+    ctx.compute_dtype = compute_dtype
+    ctx.set_materialize_grads(False)  # no (N, V) zeros for the gradient output, which nothing differentiates
+
+
+def _lm_head_ce_backward(ctx, grad_loss, _):  # the second output is the forward's own gradient
+    grad, x, weight, n_valid = ctx.saved_tensors
+    if grad_loss is None:  # the loss took no part in what is differentiated
+        return None, None, None, None, None, None
+    xc, wc = x.to(ctx.compute_dtype), weight.to(ctx.compute_dtype)
+    scale = grad_loss / n_valid
+    gx = gw = None
+    if ctx.needs_input_grad[0]:
+        gx = (grad @ wc).to(x.dtype) * scale
+    if ctx.needs_input_grad[1]:
+        gw = (grad.t() @ (xc * scale.to(xc.dtype))).to(weight.dtype)
+    return gx, gw, None, None, None, None
+
+
+_lm_head_ce.register_autograd(_lm_head_ce_backward, setup_context=_lm_head_ce_save)
+
+
 def lm_head_cross_entropy(x, weight, targets, chunk=32):
     """(B, T, C) activations, the (V, C) lm_head weight, (B, T) targets -> mean CE (float32 scalar).
-    Under autocast the matmuls run in the autocast dtype, as lm_head would.
-
-    Kept out of torch.compile's graph (the blocks before it still compile into one graph): traced,
-    the Python chunk loop unrolls into hundreds of small kernels and `valid.all()` breaks the graph,
-    which made a compiled CPU step 15x slower than eager; eager, this is already a few
-    large matmuls and in-place passes, which a compiler has little to fuse in."""
+    Under autocast the matmuls run in the autocast dtype, as lm_head would (see _lm_head_ce)."""
     kind = x.device.type
     compute_dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
     needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-    return LMHeadCrossEntropy.apply(x.reshape(-1, x.size(-1)), weight, targets.reshape(-1),
-                                    compute_dtype, chunk, needs_grad)
+    loss, _ = _lm_head_ce(x.reshape(-1, x.size(-1)), weight, targets.reshape(-1), compute_dtype, chunk, needs_grad)
+    return loss
