@@ -32,6 +32,10 @@ back first), an upper bound that also counts allocator slack and oneDNN scratch 
 with them (1.24x to 1.36x base for the same variant in different runs, measured on CPU). Elsewhere: n/a.
 """
 
+from configurator import answer_help
+
+answer_help(__file__)  # --help before the heavy imports below
+
 import contextlib
 import ctypes
 import dataclasses

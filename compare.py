@@ -24,6 +24,10 @@ final val loss, their mean +- std, and whether every seed agrees in sign; the re
 lower or higher than base only when they all do.
 """
 
+from configurator import answer_help
+
+answer_help(__file__)  # --help before the heavy imports below
+
 import json
 import os
 import shlex

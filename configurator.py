@@ -61,6 +61,14 @@ def apply_config(argv, defaults, script=None, given=None):
     return config
 
 
+def answer_help(script):
+    """`SCRIPT --help` (or -h) printed from the script's source and exit 0: the scripts call this before
+    importing torch, so that the question costs a fraction of a second, not torch's import."""
+    if '-h' in sys.argv[1:] or '--help' in sys.argv[1:]:
+        print(help_text(script, script_defaults(script)))
+        sys.exit(0)
+
+
 def optional_bool(key, value):
     """A setting whose default None means "keep what the checkpoint says" (noise_at_eval): None,
     True or False, also as typed on a command line in any case ('false'). Else ConfigError."""

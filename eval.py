@@ -27,6 +27,10 @@ one draw per example, seeded); --glue_noise_draws=k averages the feature over k 
 need the GPT-2 vocabulary. See docs/eval.md.
 """
 
+from configurator import answer_help
+
+answer_help(__file__)  # --help before the heavy imports below
+
 import json
 import os
 import time

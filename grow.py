@@ -19,6 +19,10 @@ it and the measured one, the val loss before and after, and the growth step's ti
 the same figures go into the checkpoint under 'grow'.
 """
 
+from configurator import answer_help
+
+answer_help(__file__)  # --help before the heavy imports below
+
 import os
 import time
 

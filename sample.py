@@ -43,6 +43,10 @@ plain data only: a meta.pkl that would run code is refused). When a checkpoint's
 outside data/, a note names the folder the vocabulary is read from.
 """
 
+from configurator import answer_help
+
+answer_help(__file__)  # --help before the heavy imports below
+
 import contextlib
 import json
 import os

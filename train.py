@@ -24,6 +24,10 @@ Evaluation uses a fixed set of eval_iters batches per split (seeded the same way
 over the ranks, so val losses compare across evals, runs and attention variants.
 """
 
+from configurator import answer_help
+
+answer_help(__file__)  # --help before the heavy imports below
+
 import dataclasses
 import os
 import sys

@@ -245,3 +245,25 @@ def test_optional_bool_keeps_none_and_reads_true_false_in_any_case():
     for bad in ('maybe', 1, 0.0):  # 1 == True, but a number is not an on/off answer
         with pytest.raises(ConfigError, match=r"noise_at_eval=.* must be True or False"):
             optional_bool('noise_at_eval', bad)
+
+
+def test_help_is_answered_before_torch_is_imported():
+    """--help costs a fraction of a second: every script answers it from its source, before its heavy
+    imports (torch alone takes 1.5-2 s to import here), with the same text as before."""
+    import subprocess
+    import sys
+    code = '''
+import contextlib, io, runpy, sys
+for script in ('train.py', 'sample.py', 'bench.py', 'eval.py', 'compare.py', 'grow.py'):
+    sys.argv = [script, '--help']
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        try:
+            runpy.run_path(script, run_name='__main__')
+        except SystemExit as e:
+            assert e.code in (0, None), (script, e.code)
+    assert f"usage: python3 {script}" in out.getvalue(), script
+    assert 'torch' not in sys.modules, f"{script} imported torch before answering --help"
+'''
+    r = subprocess.run([sys.executable, '-c', code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
