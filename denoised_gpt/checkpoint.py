@@ -41,6 +41,7 @@ import random
 import re
 import shutil
 import zipfile
+import zlib
 
 import numpy as np
 import torch
@@ -170,11 +171,13 @@ def checkpoint_path(out_dir_or_file):
     return out_dir_or_file if os.path.isfile(out_dir_or_file) else os.path.join(out_dir_or_file, CKPT_NAME)
 
 
-def load_checkpoint(out_dir_or_file, map_location='cpu', metadata_only=False):
+def load_checkpoint(out_dir_or_file, map_location='cpu', metadata_only=False, model_only=False):
     """Load out_dir/ckpt.pt (or the given file). Raises FileNotFoundError when there is none and
     CheckpointError when it is unreadable, naming ckpt.prev.pt as the fallback where it exists.
     metadata_only: for the settings, counters and model_args alone: the file is memory-mapped, so its
-    tensors are not read (nor checked against their CRC-32s)."""
+    tensors are not read (nor checked against their CRC-32s).
+    model_only: for running the model (sample.py, eval.py): memory-mapped too, and only the model's
+    tensors are read and checked against their records' CRC-32s; the optimizer state is never read."""
     path = checkpoint_path(out_dir_or_file)
     prev = os.path.join(os.path.dirname(path), PREV_NAME)
     has_fallback = os.path.basename(path) == CKPT_NAME and os.path.isfile(prev)
@@ -195,8 +198,12 @@ def load_checkpoint(out_dir_or_file, map_location='cpu', metadata_only=False):
         raise CheckpointError(f"checkpoint {path} is truncated or corrupt, or not a checkpoint: it does not "
                               f"begin as a file written by torch.save does. {use_prev}")
     try:
-        ckpt = torch.load(path, map_location=map_location, weights_only=True, mmap=metadata_only)
-        damaged = None if metadata_only else _first_damaged_record(path)
+        mmap = (metadata_only or model_only) and zipfile.is_zipfile(path)  # torch maps only its zip format
+        ckpt = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+        if mmap and not metadata_only and isinstance(ckpt, dict) and isinstance(ckpt.get('model'), dict):
+            damaged = _first_damaged_tensor(path, ckpt['model'])
+        else:
+            damaged = None if metadata_only else _first_damaged_record(path)
     except pickle.UnpicklingError as e:
         weights_only_refusal = 'weights_only' in str(e).lower() or 'weights only' in str(e).lower()
         if not weights_only_refusal or _is_damaged(path):  # damaged bytes read as garbage, not as code
@@ -209,7 +216,7 @@ def load_checkpoint(out_dir_or_file, map_location='cpu', metadata_only=False):
         raise CheckpointError(f"checkpoint {path} is truncated or corrupt ({type(e).__name__}: "
                               f"{_first_line(e)}). {use_prev}") from e
     if damaged:
-        raise CheckpointError(f"checkpoint {path} is truncated or corrupt (record {damaged} does not "
+        raise CheckpointError(f"checkpoint {path} is truncated or corrupt ({damaged} does not "
                               f"match its CRC-32). {use_prev}")
     missing = [k for k in REQUIRED_KEYS if not isinstance(ckpt, dict) or k not in ckpt]
     if missing:
@@ -240,7 +247,28 @@ def _first_damaged_record(path):
     with zipfile.ZipFile(path) as archive:
         if all(info.CRC == 0 for info in archive.infolist()):
             return None
-        return archive.testzip()  # reads every record: about as long as torch.load's own read
+        bad = archive.testzip()  # reads every record: about as long as torch.load's own read
+        return None if bad is None else f"record {bad}"
+
+
+def _first_damaged_tensor(path, tensors):
+    """The name of the first of `tensors` (loaded from path with mmap) whose bytes match no data record
+    of the file by size and CRC-32, or None. Reads those tensors' bytes, and only those. A file that
+    carries no CRCs (see _first_damaged_record) cannot be checked and passes."""
+    with zipfile.ZipFile(path) as archive:
+        records = {(info.file_size, info.CRC) for info in archive.infolist() if '/data/' in info.filename}
+    if all(crc == 0 for _, crc in records):
+        return None
+    seen = set()
+    for name, t in tensors.items():
+        storage = t.untyped_storage()
+        if storage.data_ptr() in seen:
+            continue  # tied weights share one record
+        seen.add(storage.data_ptr())
+        data = torch.empty(0, dtype=torch.uint8).set_(storage).numpy()
+        if (storage.nbytes(), zlib.crc32(data)) not in records:
+            return f"the bytes of {name}"
+    return None
 
 
 # ----------------------------------------------------------------------------------------------

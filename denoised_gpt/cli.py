@@ -111,7 +111,7 @@ def load_model(init_from, out_dir, noise_at_eval=None, model_overrides=None):
         with contextlib.redirect_stdout(sys.stderr):  # from_pretrained prints progress
             return load_gpt2(init_from, dict(dropout=0.0)).eval(), None
     try:
-        checkpoint = load_checkpoint(out_dir, map_location='cpu')
+        checkpoint = load_checkpoint(out_dir, map_location='cpu', model_only=True)  # no optimizer state read
     except FileNotFoundError as e:
         fail(f"{e}\n({script} loads out_dir/ckpt.pt with init_from='resume'; for OpenAI's weights use "
              f"--init_from=gpt2)")

@@ -338,3 +338,38 @@ def test_optimizer_state_that_does_not_fit_the_model_is_refused_clearly(tmp_path
     with pytest.raises(CheckpointError, match=r"param groups of \[10, 18\] tensors but nanoGPT's grouping of "
                                               r"its model gives \[10, 17\]"):
         load_optimizer_state(optimizer, model, ckpt)
+
+
+def flip_byte_in(path, tensor):
+    """Flip one byte inside the zip record that holds `tensor`'s bytes (found by content)."""
+    raw = bytearray(path.read_bytes())
+    needle = tensor.detach().contiguous().numpy().tobytes()
+    at = raw.find(needle)
+    assert at > 0 and raw.find(needle, at + 1) < 0, "the tensor's bytes must occur once in the file"
+    raw[at + len(needle) // 2] ^= 0xFF
+    path.write_bytes(bytes(raw))
+
+
+def test_running_the_model_reads_only_its_tensors_and_still_refuses_a_damaged_one(tmp_path):
+    from helpers import tiny_gpt
+    model = tiny_gpt('noiseformer_v2', seed=1)
+    optimizer = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), 'cpu')
+    model(torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8, dtype=torch.long))[1].backward()
+    optimizer.step()  # AdamW state to damage
+    state = {'model': model.state_dict(), 'optimizer': optimizer.state_dict(), 'model_args': {}, 'iter_num': 1,
+             'best_val_loss': 1.0, 'config': {}}
+    for name in ('opt', 'weights'):
+        save_checkpoint(state, tmp_path / name)
+    # a flipped byte in the optimizer state: sample.py / eval.py never read it; a resume does
+    flip_byte_in(tmp_path / 'opt' / 'ckpt.pt', optimizer.state_dict()['state'][0]['exp_avg_sq'])
+    loaded = load_checkpoint(tmp_path / 'opt', model_only=True)
+    for k, v in model.state_dict().items():
+        assert torch.equal(loaded['model'][k], v), k
+    with pytest.raises(CheckpointError, match="truncated or corrupt"):
+        load_checkpoint(tmp_path / 'opt')
+    # a flipped byte inside a model tensor: refused either way, naming the tensor
+    flip_byte_in(tmp_path / 'weights' / 'ckpt.pt', model.state_dict()['transformer.h.1.mlp.c_fc.weight'])
+    with pytest.raises(CheckpointError, match=r"truncated or corrupt \(the bytes of transformer.h.1.mlp.c_fc.weight"):
+        load_checkpoint(tmp_path / 'weights', model_only=True)
+    with pytest.raises(CheckpointError, match="truncated or corrupt"):
+        load_checkpoint(tmp_path / 'weights')
