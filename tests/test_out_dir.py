@@ -1,8 +1,8 @@
 """What a run does to its out_dir: one writer at a time, nothing touched by a run that is refused, the
 settings a resume says it applies applied, and messages that name what is really on disk."""
+import json
 import signal
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -30,32 +30,34 @@ def snapshot(folder):
 
 
 def test_a_second_run_on_a_busy_out_dir_is_refused_and_the_first_is_untouched(tmp_path, data):
-    args = ['--max_iters=40', '--eval_interval=20']
-    lone = tmp_path / 'lone'
-    train(*train_command(lone, data, *args)[2:])
     out = tmp_path / 'out'
-    first = subprocess.Popen(train_command(out, data, *args), cwd=ROOT, env=subprocess_env(),
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    for line in first.stdout:  # the first run trains...
+    first = subprocess.Popen(train_command(out, data, '--max_iters=100000', '--eval_interval=20'), cwd=ROOT,
+                             env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in first.stdout:  # the first run trains (for as long as it is let)...
         if ITER_LINE.match(line):
             break
     # ... when the same command is launched again, and a scratch run with another seed
     for extra in ([], ['--seed=2']):
-        second = train(*train_command(out, data, *args, *extra)[2:], expect_rc=2)
+        second = train(*train_command(out, data, '--max_iters=100000', '--eval_interval=20', *extra)[2:],
+                       expect_rc=2)
         assert f"out_dir='{out}' is in use by another run (train.py, pid {first.pid} on " in second.stderr
         assert 'iter 0' not in second.stdout
+    first.send_signal(signal.SIGTERM)  # then stops, saving where it is
     first.communicate(timeout=120)
     assert first.returncode == 0
     assert not [p for p in out.iterdir() if p.name.startswith('replaced-')]
-    # the first run's files are exactly those of the same run alone
+    # the first run's files are exactly those of the same run alone, trained as far
+    k = load_checkpoint(out)['iter_num']
+    lone = tmp_path / 'lone'
+    train(*train_command(lone, data, f'--max_iters={k}', '--eval_interval=20')[2:])
     a, b = load_checkpoint(lone), load_checkpoint(out)
-    assert a['iter_num'] == b['iter_num'] == 40
     for name in a['model']:
         assert torch.equal(a['model'][name], b['model'][name]), name
-    strip = lambda text: [line.split(', "ms"')[0].split(', "time"')[0] for line in text.splitlines()]  # noqa: E731
+    strip = lambda text: [line.split(', "ms"')[0].split(', "time"')[0] for line in text.splitlines()  # noqa: E731
+                          if json.loads(line)['iter'] < k]
     assert strip((out / 'metrics.jsonl').read_text()) == strip((lone / 'metrics.jsonl').read_text())
     # the lock died with its process: the next run goes ahead
-    train(*train_command(out, data, '--init_from=resume', '--max_iters=41')[2:])
+    train(*train_command(out, data, '--init_from=resume', f'--max_iters={k + 1}')[2:])
 
 
 def test_a_run_killed_with_sigkill_leaves_no_lock_behind(tmp_path, data):
