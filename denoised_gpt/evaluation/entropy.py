@@ -47,7 +47,7 @@ def attention_entropy(model, batches, ctx):
 
 
 def entropy_summary(entropy):
-    """{map name: [mean over heads, per layer]} and the overall mean, for the console and JSON."""
+    """{map name: [mean over heads, per layer]}, for the console and JSON."""
     return {name: [sum(h) / len(h) for h in layers] for name, layers in entropy.items()}
 
 
