@@ -9,7 +9,9 @@ $ python3 compare.py config/compare_paper.py              # the NoiseFormer reci
 Every (attn_type, seed) pair is one train.py process: `base_config`, then `overrides`, then
 --attn_type, --seed and --out_dir=<out_dir>/runs/<attn_type>-seed<seed>; its output goes to
 train.log in that folder. Only attn_type and seed differ between runs: same data, batches, schedule
-and evaluation batches. Running the command again skips finished runs and resumes interrupted ones
+and evaluation batches. `grid` adds one more axis: each of its entries (train.py settings, e.g.
+'--n_embd=64') is a point every (attn_type, seed) is trained at, in runs/<attn_type>-<point>-seed<seed>,
+and each variant is compared with base at the same point. Running the command again skips finished runs and resumes interrupted ones
 (train.py's resume is exact, so the numbers equal those of an uninterrupted sweep); a run that fails
 is reported and the others go on. Killing compare.py kills its train.py too (Linux), to be resumed.
 
@@ -21,7 +23,10 @@ iterations and against training time; what the variants learn (NoiseFormer's sig
 lambda) over training; one sample per variant (sample.py). Each variant is also compared with base
 seed by seed (runs with the same seed share data order and evaluation batches): the differences in
 final val loss, their mean +- std, and whether every seed agrees in sign; the report calls a variant
-lower or higher than base only when they all do.
+lower or higher than base only when they all do. On a recall dataset (data/mqar: its meta.json marks
+the answers), eval.py --recall=True scores each finished run, and the report adds answer accuracy:
+overall and by number of key-value pairs, its paired reading against base, and a plot of accuracy
+against pairs per variant.
 """
 
 from configurator import answer_help
@@ -40,6 +45,7 @@ import torch
 from tqdm import tqdm
 
 from configurator import ConfigError, apply_config, script_defaults
+from denoised_gpt.batches import ExampleLayout
 from denoised_gpt.checkpoint import CheckpointError, load_checkpoint
 from denoised_gpt.cli import check_attn_types, fail, read_config
 from denoised_gpt.evaluation import mean_std
@@ -52,6 +58,7 @@ attn_types = ['base', 'symmetric', 'noiseformer_v1', 'noiseformer_v2', 'diff', '
 seeds = [1337, 1338]  # one run per variant and seed: train.py's seed sets initial weights, data order and noise
 base_config = 'config/train_shakespeare_char.py'  # the train.py config file every run starts from
 overrides = ''  # extra train.py settings for every run, e.g. '--max_iters=500 --eval_interval=100'
+grid = []  # settings to sweep besides attn_type and seed: each entry is one point, e.g. ['--n_embd=64', '--n_embd=128']
 out_dir = 'out-compare'  # runs in out_dir/runs/<attn_type>-seed<seed>/, the report in out_dir/report/
 nproc = 1  # processes per run; more than 1 launches train.py with torchrun --standalone
 samples = True  # put one sample per variant (sample.py on its first seed's checkpoint) in the report
@@ -80,8 +87,42 @@ except ConfigError as e:
 if train_config['init_from'] not in ('scratch',) and not train_config['init_from'].startswith('gpt2'):
     fail("the runs must start from scratch or gpt2 weights: leave init_from out of base_config and overrides "
          "(compare.py resumes interrupted runs itself)")
+points = []  # (the point's train.py arguments, its name in run folders, its label in the report)
+point_configs = {}  # tag -> every train.py setting at that point
+for point in grid or ['']:
+    if not isinstance(point, str):
+        fail(f"grid entry {point!r} must be a string of train.py settings, e.g. '--n_embd=64'")
+    args = shlex.split(point)
+    try:
+        config_at_point = apply_config([base_config, *extra, *args], script_defaults('train.py'))
+    except ConfigError as e:
+        fail(f"grid entry {point!r}: {e}")
+    if any(a.split('=')[0].lstrip('-') in ('attn_type', 'seed', 'out_dir', 'init_from') for a in args):
+        fail(f"grid entry {point!r}: attn_type, seed, out_dir and init_from are compare.py's to set; sweep other keys")
+    tag = '-'.join(a.lstrip('-').replace('=', '') for a in args)
+    point_configs[tag] = config_at_point
+    points.append((args, tag, ' '.join(a.lstrip('-') for a in args)))
+if len({tag for _, tag, _ in points}) != len(points):
+    fail(f"grid={grid!r} repeats a point")
 max_iters = train_config['max_iters']
-runs = [(a, s, os.path.join(out_dir, 'runs', f'{a}-seed{s}')) for a in attn_types for s in seeds]
+
+
+def variant_name(attn_type, label):
+    """How the report names a variant at a grid point: 'diff' or 'diff n_embd=64'."""
+    return f"{attn_type} {label}" if label else attn_type
+
+
+class Run:
+    """One train.py run of the sweep: attn_type and seed at a grid point (args: its train.py settings)."""
+
+    def __init__(self, attn_type, seed, args, tag, label):
+        self.attn_type, self.seed, self.args, self.tag = attn_type, seed, args, tag
+        self.variant, self.base = variant_name(attn_type, label), variant_name('base', label)
+        self.max_iters = point_configs[tag]['max_iters']
+        self.dir = os.path.join(out_dir, 'runs', f'{attn_type}-{tag}-seed{seed}' if tag else f'{attn_type}-seed{seed}')
+
+
+runs = [Run(a, s, args, tag, label) for args, tag, label in points for a in attn_types for s in seeds]
 CHANGES_NAME = 'settings_changes.jsonl'  # in out_dir: each run continued with other settings, and from when
 
 
@@ -89,18 +130,18 @@ def settings_changes():
     """[(attn_type, seed, the checkpoint's iter, {key: (trained with, this sweep's)})] for the runs in out_dir
     that have a checkpoint whose training settings differ from what this sweep gives them."""
     found = []
-    for attn_type, seed, run_dir in runs:
-        if not os.path.exists(os.path.join(run_dir, 'ckpt.pt')):
+    for run in runs:
+        if not os.path.exists(os.path.join(run.dir, 'ckpt.pt')):
             continue
         try:
-            ckpt = load_checkpoint(run_dir, metadata_only=True)
+            ckpt = load_checkpoint(run.dir, metadata_only=True)
         except CheckpointError as e:
             fail(e)
-        want = {**train_config, 'attn_type': attn_type, 'seed': seed}
+        want = {**point_configs[run.tag], 'attn_type': run.attn_type, 'seed': run.seed}
         differ = {k: (ckpt['config'][k], v) for k, v in want.items()
                   if k not in NOT_RESUMED + ('wandb_run_name',) and k in ckpt['config'] and ckpt['config'][k] != v}
         if differ:
-            found.append((attn_type, seed, ckpt['iter_num'], differ))
+            found.append((run.variant, run.seed, ckpt['iter_num'], differ))
     return found
 
 
@@ -147,10 +188,10 @@ def read_metrics(run_dir):
     return [r for r in rows if 'loss' in r], [r for r in rows if 'val_loss' in r]
 
 
-def finished(run_dir):
+def finished(run):
     """Trained to max_iters: the final evaluation is logged and the checkpoint written after it."""
-    _, evals = read_metrics(run_dir)
-    return bool(evals) and evals[-1]['iter'] >= max_iters and os.path.exists(os.path.join(run_dir, 'ckpt.pt'))
+    _, evals = read_metrics(run.dir)
+    return bool(evals) and evals[-1]['iter'] >= run.max_iters and os.path.exists(os.path.join(run.dir, 'ckpt.pt'))
 
 
 def die_with_parent():
@@ -163,15 +204,16 @@ def die_with_parent():
         pass
 
 
-def train(attn_type, seed, run_dir, bar, done_before):
+def train(run, bar, done_before):
     """One train.py process; returns its exit code. Progress goes to the bar, output to train.log."""
-    os.makedirs(run_dir, exist_ok=True)
-    resume = os.path.exists(os.path.join(run_dir, 'ckpt.pt'))
+    os.makedirs(run.dir, exist_ok=True)
+    resume = os.path.exists(os.path.join(run.dir, 'ckpt.pt'))
     launcher = [sys.executable] if nproc == 1 else [sys.executable, '-m', 'torch.distributed.run', '--standalone',
                                                      f'--nproc_per_node={nproc}']
-    cmd = [*launcher, 'train.py', base_config, *extra, f'--attn_type={attn_type}', f'--seed={seed}',
-           f'--out_dir={run_dir}', f'--wandb_run_name={attn_type}-seed{seed}', *(['--init_from=resume'] if resume else [])]
-    with open(os.path.join(run_dir, 'train.log'), 'a') as log:
+    cmd = [*launcher, 'train.py', base_config, *extra, *run.args, f'--attn_type={run.attn_type}', f'--seed={run.seed}',
+           f'--out_dir={run.dir}', f'--wandb_run_name={os.path.basename(run.dir)}',
+           *(['--init_from=resume'] if resume else [])]
+    with open(os.path.join(run.dir, 'train.log'), 'a') as log:
         log.write(f"$ {shlex.join(cmd)}\n")
         log.flush()
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -183,7 +225,7 @@ def train(attn_type, seed, run_dir, bar, done_before):
                 if line.startswith('iter '):
                     it = int(line.split(':')[0].split()[1])
                     bar.n = done_before + it + 1
-                    bar.set_postfix_str(f"{attn_type} seed {seed}: iter {it + 1}/{max_iters}")
+                    bar.set_postfix_str(f"{run.variant} seed {run.seed}: iter {it + 1}/{run.max_iters}")
         except KeyboardInterrupt:  # Ctrl-C reached train.py too: it checkpoints and exits
             proc.wait()
             raise
@@ -192,32 +234,34 @@ def train(attn_type, seed, run_dir, bar, done_before):
 
 def train_all():
     failures = {}
-    bar = tqdm(total=len(runs) * max_iters, unit='it', desc=f'{len(runs)} runs', dynamic_ncols=True)
-    for i, (attn_type, seed, run_dir) in enumerate(runs):
-        done_before = i * max_iters
+    bar = tqdm(total=sum(run.max_iters for run in runs), unit='it', desc=f'{len(runs)} runs', dynamic_ncols=True)
+    done_before = 0
+    for run in runs:
         bar.n = done_before
-        if finished(run_dir):
-            bar.n = done_before + max_iters
-            bar.set_postfix_str(f"{attn_type} seed {seed}: already done")
+        name = f"{run.variant} seed {run.seed}"
+        if finished(run):
+            done_before += run.max_iters
+            bar.n = done_before
+            bar.set_postfix_str(f"{name}: already done")
             continue
-        bar.set_postfix_str(f"{attn_type} seed {seed}: starting")  # not the previous run's last words
+        bar.set_postfix_str(f"{name}: starting")  # not the previous run's last words
         try:
-            rc = train(attn_type, seed, run_dir, bar, done_before)
+            rc = train(run, bar, done_before)
         except KeyboardInterrupt:
             bar.close()
-            print(f"\ninterrupted: run the same command again to continue from {run_dir}", file=sys.stderr)
+            print(f"\ninterrupted: run the same command again to continue from {run.dir}", file=sys.stderr)
             sys.exit(130)
-        ok = rc == 0 and finished(run_dir)
+        ok = rc == 0 and finished(run)
         if not ok:
-            failures[(attn_type, seed)] = f"exit code {rc} (see its train.log)"
-            with open(os.path.join(run_dir, 'train.log')) as f:
+            failures[(run.variant, run.seed)] = f"exit code {rc} (see its train.log)"
+            with open(os.path.join(run.dir, 'train.log')) as f:
                 tail = f.read().strip().splitlines()[-3:]
-            bar.write(f"run {attn_type} seed {seed} failed (exit {rc}); see {run_dir}/train.log:\n  "
-                      + "\n  ".join(tail))
+            bar.write(f"run {name} failed (exit {rc}); see {run.dir}/train.log:\n  " + "\n  ".join(tail))
         # train.py logs every log_interval iterations, so its last line is not the run's last iteration:
         # the bar counts the run in full and says how it ended
-        bar.n = done_before + max_iters
-        bar.set_postfix_str(f"{attn_type} seed {seed}: {'done' if ok else 'failed'}")
+        done_before += run.max_iters
+        bar.n = done_before
+        bar.set_postfix_str(f"{name}: {'done' if ok else 'failed'}")
     bar.close()
     return failures
 
@@ -233,11 +277,12 @@ def count_params(run_dir):
     return model.get_num_params()
 
 
-def run_results(attn_type, seed, run_dir):
-    steps, evals = read_metrics(run_dir)
+def run_results(run):
+    steps, evals = read_metrics(run.dir)
     return {
-        'attn_type': attn_type, 'seed': seed, 'out_dir': run_dir,
-        'params': count_params(run_dir),
+        'attn_type': run.attn_type, 'seed': run.seed, 'variant': run.variant, 'base': run.base,
+        'point': run.variant[len(run.attn_type) + 1:], 'out_dir': run.dir,
+        'params': count_params(run.dir),
         'final_val_loss': evals[-1]['val_loss'], 'best_val_loss': min(r['val_loss'] for r in evals),
         'final_iter': evals[-1]['iter'],
         'tokens_per_s': statistics.median(r['tokens_per_s'] for r in steps) if steps else None,
@@ -245,26 +290,51 @@ def run_results(attn_type, seed, run_dir):
         'train_time_s': evals[-1]['time'],
         'curve': [{k: r[k] for k in ('iter', 'val_loss', 'train_loss', 'time')} for r in evals],
         'learned': [{k: v for k, v in r.items() if isinstance(v, list)} | {'iter': r['iter']} for r in evals],
+        **recall_results(run),
     }
 
 
+def recall_results(run):
+    """On a recall dataset: {'accuracy', 'accuracy_by_pairs'} from eval.py --recall=True on the run's final
+    checkpoint (its recall.json, computed again only when ckpt.pt is newer); {} on other datasets."""
+    data_dir = os.path.join('data', point_configs[run.tag]['dataset'])
+    try:
+        if ExampleLayout(data_dir, 'val').mask_path is None:
+            return {}
+    except ValueError:
+        return {}  # its meta.json is damaged: training said so already
+    path = os.path.join(run.dir, 'recall.json')
+    if not os.path.exists(path) or os.path.getmtime(path) < os.path.getmtime(os.path.join(run.dir, 'ckpt.pt')):
+        cmd = [sys.executable, 'eval.py', f'--out_dir={run.dir}', '--recall=True', '--batch_size=64']
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise CheckpointError(f"eval.py --recall=True failed: {proc.stderr.strip().splitlines()[-1:]}")
+    with open(path) as f:
+        recall = json.load(f)
+    return {'accuracy': recall['accuracy'],
+            'accuracy_by_pairs': {k: v['accuracy'] for k, v in recall['by_pairs'].items()}}
+
+
 def summarize(results):
-    """Per attn_type: the seeds' numbers and their mean / std, and for each variant but base its
-    seed-by-seed difference from base (paired_vs_base)."""
+    """Per variant: the seeds' numbers and their mean / std, and for each variant but base its
+    seed-by-seed difference from base at the same grid point (paired_vs_base)."""
     summary = {}
-    for attn_type in attn_types:
-        rs = [r for r in results if r['attn_type'] == attn_type]
-        if not rs:
-            continue
-        s = {'seeds': [r['seed'] for r in rs], 'params': rs[0]['params']}
-        for key in ('final_val_loss', 'best_val_loss', 'tokens_per_s', 'peak_memory_mib', 'train_time_s'):
-            values = [r[key] for r in rs if r[key] is not None]
-            s[key] = mean_std(values)
-        summary[attn_type] = s
-    if 'base' in summary:
-        for attn_type in summary:
-            if attn_type != 'base':
-                summary[attn_type]['paired_vs_base'] = paired_vs_base(results, attn_type)
+    for variant in dict.fromkeys(r['variant'] for r in results):  # in the sweep's order
+        rs = [r for r in results if r['variant'] == variant]
+        s = {'seeds': [r['seed'] for r in rs], 'params': rs[0]['params'], 'base': rs[0]['base']}
+        for key in ('final_val_loss', 'best_val_loss', 'tokens_per_s', 'peak_memory_mib', 'train_time_s', 'accuracy'):
+            values = [r[key] for r in rs if r.get(key) is not None]
+            if key != 'accuracy' or values:
+                s[key] = mean_std(values)
+        if 'accuracy_by_pairs' in rs[0]:
+            s['accuracy_by_pairs'] = {k: mean_std(r['accuracy_by_pairs'][k] for r in rs)
+                                      for k in rs[0]['accuracy_by_pairs']}
+        summary[variant] = s
+    for variant, s in summary.items():
+        if variant != s['base'] and s['base'] in summary:
+            s['paired_vs_base'] = paired_vs_base(results, variant, s['base'])
+            if 'accuracy' in s:
+                s['accuracy_vs_base'] = paired_vs_base(results, variant, s['base'], key='accuracy')
     return summary
 
 
@@ -285,30 +355,31 @@ except ValueError as e:
 if not report_only:
     check_settings_unchanged()
 failures = {} if report_only else train_all()
-done = [(a, s, d) for a, s, d in runs if finished(d)]
+done = [run for run in runs if finished(run)]
 if not done:
     fail(f"no finished run in {out_dir}/runs: nothing to report")
 results = []
-for attn_type, seed, run_dir in done:
+for run in tqdm(done, desc='reading the runs', disable=len(done) < 2 or not sys.stderr.isatty()):
     try:
-        results.append(run_results(attn_type, seed, run_dir))
+        results.append(run_results(run))
     except CheckpointError as e:  # a damaged or foreign ckpt.pt among the runs
-        failures[(attn_type, seed)] = f"its checkpoint cannot be read: {e}"
+        failures[(run.variant, run.seed)] = f"its checkpoint cannot be read: {e}"
 if not results:
     fail(f"no readable finished run in {out_dir}/runs: nothing to report ({'; '.join(failures.values())})")
-done = [run for run in done if run[:2] not in failures]
+done = [run for run in done if (run.variant, run.seed) not in failures]
 # matplotlib only when reporting
 from denoised_gpt.compare_report import paired_vs_base, write_plots, write_report  # noqa: E402
 summary = summarize(results)
 report_dir = os.path.join(out_dir, 'report')
 os.makedirs(report_dir, exist_ok=True)
-first_run = {}  # attn_type -> the run of its first seed: the one sampled
-for a, s, d in done:
-    first_run.setdefault(a, d)
-texts = {a: sample_text(d) for a, d in first_run.items()} if samples else {}
+first_run = {}  # variant -> the run of its first seed: the one sampled
+for run in done:
+    first_run.setdefault(run.variant, run.dir)
+texts = {v: sample_text(d) for v, d in first_run.items()} if samples else {}
 plots = write_plots(results, report_dir)
 write_report(report_dir, summary, results, failures, texts, plots,
-             dict(base_config=base_config, overrides=overrides, seeds=seeds, max_iters=max_iters,
+             dict(base_config=base_config, overrides=overrides, grid=[label for *_, label in points if label],
+                  seeds=seeds, max_iters=max_iters,
                   command=shlex.join(['python3', 'compare.py', *sys.argv[1:]]), changes=recorded_changes()))
 with open(os.path.join(report_dir, 'results.json'), 'w') as f:
     json.dump({'summary': summary, 'runs': results,

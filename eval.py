@@ -5,6 +5,7 @@ $ python eval.py --out_dir=out-shakespeare-char --val_loss=True --entropy=True
 $ python eval.py --init_from=gpt2 --glue=all --seeds=0,1,2
 $ python eval.py --out_dir=out-owt-dint --lm_eval=hellaswag,lambada_openai,arc_easy,piqa
 $ python eval.py --out_dir=out-owt-dint_lowrank --entropy=True --compare_to=out-owt-base
+$ python eval.py --out_dir=out-mqar --recall=True --val_loss=True
 
 What it measures (any combination in one run; results go to eval_dir as JSON, tables to stdout):
   val_loss  the mean cross-entropy over the whole data/<dataset>/val.bin, in non-overlapping
@@ -18,6 +19,9 @@ What it measures (any combination in one run; results go to eval_dir as JSON, ta
             cross-entropy (100 epochs, lr 1e-5). Each example's feature is computed once and cached
             on disk, so the epochs are a linear probe over cached features. Markdown table + JSON
   lm_eval   tasks of EleutherAI's lm-evaluation-harness through an adapter for our models
+  recall    on a recall dataset (data/mqar): the share of answers the model's most likely next token
+            gets right over every validation example, overall, by number of key-value pairs and by
+            query distance (docs/recall.md)
 
 GLUE details: a sentence pair is joined as `first + "\\n" + second` (GPT-2 has no separator token),
 encoded with GPT-2's BPE, and the start is cut if it exceeds block_size so the last token is kept.
@@ -35,7 +39,7 @@ import json
 import os
 import time
 
-from denoised_gpt.batches import TokenBatches, load_meta
+from denoised_gpt.batches import ExampleLayout, TokenBatches, load_meta
 from denoised_gpt.checkpoint import CheckpointError, checkpoint_path, load_checkpoint
 from denoised_gpt.cli import (check_inference_source, check_ranges, fail, gpt2_encoding, load_model, log, noise_on,
                               prepare_device, read_config)
@@ -76,13 +80,15 @@ lm_eval_limit = 0  # examples per task (0: all)
 lm_eval_num_fewshot = None  # few-shot examples per prompt (None: each task's default)
 lm_eval_include_path = ''  # a folder of extra task YAMLs (your own tasks)
 max_gen_toks = 256  # generate_until tasks: the most tokens generated per request
+# recall
+recall = False  # answer accuracy over a recall dataset's validation examples (data/mqar), by pairs and distance
 # -----------------------------------------------------------------------------
 config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str, list, type(None)))]
 
 globals().update(read_config(__file__, {k: globals()[k] for k in config_keys}, optional_bools=('noise_at_eval',)))
-if not (val_loss or entropy or glue or lm_eval):
+if not (val_loss or entropy or glue or lm_eval or recall):
     fail("nothing to evaluate: pass one or more of --val_loss=True, --entropy=True, --glue=all (or a list "
-         "of tasks), --lm_eval=TASK[,TASK]")
+         "of tasks), --lm_eval=TASK[,TASK], --recall=True")
 check_inference_source(init_from)
 try:
     check_ranges({k: globals()[k] for k in config_keys}, seeds=('seed',),
@@ -195,7 +201,7 @@ if glue:
     needs_gpt2_vocabulary("GLUE")
 if lm_eval:
     needs_gpt2_vocabulary("lm_eval")
-if val_loss or entropy:
+if val_loss or entropy or recall:
     val_path = val_bin(info)
     if not os.path.isfile(val_path):
         fail(f"{val_path} not found: run that dataset's prepare.py first, or pass --dataset=<name>")
@@ -224,7 +230,8 @@ if val_loss:
     t0 = time.time()
     manual_seed(seed)  # NoiseFormer's noise draws
     try:
-        r = exact_val_loss(model, val_path, model.config.block_size, batch_size, device, ctx)
+        r = exact_val_loss(model, val_path, model.config.block_size, batch_size, device, ctx,
+                           ExampleLayout(info['data_dir'], 'val'))
     except ValueError as e:
         fail(e)
     r.update(file=val_path, block_size=model.config.block_size, noise_on=info['noise_on'])
@@ -232,6 +239,25 @@ if val_loss:
           f"of {val_path} ({r['windows']} windows of {model.config.block_size}, {time.time() - t0:.1f}s)")
     results['val_loss'] = r
     write_json('val_loss.json', r)
+
+# -----------------------------------------------------------------------------
+# answer accuracy on a recall task
+
+if recall:
+    from denoised_gpt.evaluation.recall import answer_accuracy
+    t0 = time.time()
+    manual_seed(seed)  # NoiseFormer's noise draws
+    try:
+        r = answer_accuracy(model, info['data_dir'], batch_size, device, ctx)
+    except ValueError as e:
+        fail(e)
+    r.update(file=val_path, noise_on=info['noise_on'])
+    print(f"answer accuracy {r['accuracy']:.4f} over {r['answers']:,} answers of {r['examples']:,} validation "
+          f"examples ({time.time() - t0:.1f}s)")
+    print("  by key-value pairs: " + ", ".join(f"{k}: {v['accuracy']:.4f}" for k, v in r['by_pairs'].items()))
+    print("  by query distance:  " + ", ".join(f"{k}: {v['accuracy']:.4f}" for k, v in r['by_distance'].items()))
+    results['recall'] = r
+    write_json('recall.json', r)
 
 # -----------------------------------------------------------------------------
 # attention entropy

@@ -2,6 +2,11 @@
 Training batches from the token shards written by data/<name>/prepare.py: random (x, y) windows of
 a flat uint16 file, drawn from a dedicated torch.Generator whose state goes into checkpoints, so a
 resumed run draws exactly the batches the uninterrupted run would have drawn.
+
+A dataset of fixed-length examples (a synthetic task such as data/mqar) says so in its meta.json:
+`example_tokens` (each row of a batch is then one whole example, never a window across two) and
+`target_mask` (the loss counts only the targets marked in {split}_mask.bin; the others are -1, which
+the model's losses ignore).
 """
 import json
 import os
@@ -62,8 +67,53 @@ def check_token_files(data_dir):
         _token_file_size(data_dir, os.path.join(data_dir, f"{split}.bin"))
 
 
+class ExampleLayout:
+    """How a dataset's token file is cut into training rows: random windows (example_tokens None), or
+    whole examples of example_tokens tokens whose targets outside `{split}_mask.bin`'s marks are -1
+    (mask_path None: every target counts)."""
+
+    def __init__(self, data_dir, split):
+        try:
+            meta = _read_meta_json(os.path.join(data_dir, "meta.json"))
+        except OSError:
+            meta = {}  # no meta.json (nanoGPT's datasets, GPT-2 shards without one): plain windows
+        self.example_tokens = meta.get("example_tokens")
+        self.mask_path = os.path.join(data_dir, f"{split}_mask.bin") if meta.get("target_mask") else None
+
+    def check(self, path, num_tokens, block_size):
+        """ValueError unless the token file at path (num_tokens long) fits this layout at block_size."""
+        if self.example_tokens is None:
+            return
+        if block_size != self.example_tokens - 1:
+            raise ValueError(f"{path} holds examples of {self.example_tokens} tokens (its meta.json's example_tokens), "
+                             f"read {self.example_tokens - 1} at a time: set block_size={self.example_tokens - 1} "
+                             f"(now {block_size}), so that every row of a batch is one whole example")
+        if num_tokens % self.example_tokens:
+            raise ValueError(f"{path} has {num_tokens} tokens, not a whole number of {self.example_tokens}-token "
+                             f"examples: it is truncated or from another preparation; run prepare.py again")
+        if self.mask_path is not None:
+            mask_bytes = _token_file_size(os.path.dirname(path), self.mask_path)
+            if mask_bytes != num_tokens:
+                raise ValueError(f"{self.mask_path} has {mask_bytes} bytes but {path} has {num_tokens} tokens "
+                                 f"(one mark per token): the files are from different preparations; run "
+                                 f"prepare.py again")
+
+    def rows(self, path, starts, length):
+        """(x, y) int64 tensors: for each start, tokens [start, start + length) and the next-token targets,
+        -1 where the mask does not mark a target."""
+        data = np.memmap(path, dtype=np.uint16, mode="r")
+        w = torch.from_numpy(data[starts[:, None] + np.arange(length + 1)].astype(np.int64))  # one read per row
+        x, y = w[:, :-1].contiguous(), w[:, 1:].contiguous()
+        if self.mask_path is not None:
+            marks = np.memmap(self.mask_path, dtype=np.uint8, mode="r")
+            keep = torch.from_numpy(marks[starts[:, None] + np.arange(1, length + 1)].astype(np.bool_))
+            y[~keep] = -1
+        return x, y
+
+
 class TokenBatches:
-    """Random (x, y) windows from data_dir/{split}.bin (flat uint16 memmap); y is x shifted by one."""
+    """Random (x, y) windows from data_dir/{split}.bin (flat uint16 memmap); y is x shifted by one.
+    For a dataset of examples (ExampleLayout), random whole examples, with their masked targets."""
 
     def __init__(self, data_dir, split, block_size, batch_size, device="cpu", seed=1337, vocab_size=None):
         self.path = os.path.join(data_dir, f"{split}.bin")
@@ -73,6 +123,8 @@ class TokenBatches:
             raise ValueError(f"{self.path} has an odd size ({nbytes} bytes), so it is not a uint16 token file: "
                              f"it is truncated or not a .bin from prepare.py; run prepare.py again")
         self.num_tokens = nbytes // 2
+        self.layout = ExampleLayout(data_dir, split)
+        self.layout.check(self.path, self.num_tokens, block_size)
         if self.num_tokens < block_size + 1:
             raise ValueError(f"{self.path} has {self.num_tokens} tokens, fewer than block_size + 1 = {block_size + 1} "
                              f"needed for one (x, y) window; lower block_size or prepare more data")
@@ -118,12 +170,14 @@ class TokenBatches:
         """(x, y), int64 tensors of shape (batch_size, block_size) on self.device. Draws the window
         starts from `generator`, or from self.generator (the checkpointed one) when None."""
         g = self.generator if generator is None else generator
-        ix = torch.randint(self.num_tokens - self.block_size, (self.batch_size,), generator=g).numpy()
+        if self.layout.example_tokens is None:
+            ix = torch.randint(self.num_tokens - self.block_size, (self.batch_size,), generator=g).numpy()
+        else:
+            examples = self.num_tokens // self.layout.example_tokens
+            ix = torch.randint(examples, (self.batch_size,), generator=g).numpy() * self.layout.example_tokens
         # A fresh memmap per batch, as nanoGPT: a long-lived one keeps every page it touched mapped
         # in this process, which shows up as a memory leak on large files.
-        data = np.memmap(self.path, dtype=np.uint16, mode="r")
-        w = torch.from_numpy(data[ix[:, None] + np.arange(self.block_size + 1)].astype(np.int64))  # one read per row
-        x, y = w[:, :-1].contiguous(), w[:, 1:].contiguous()
+        x, y = self.layout.rows(self.path, ix, self.block_size)
         if self.pin:
             return x.pin_memory().to(self.device, non_blocking=True), y.pin_memory().to(self.device, non_blocking=True)
         return x.to(self.device), y.to(self.device)
@@ -200,6 +254,9 @@ _FIELDS = {
     "val_tokens": ("a non-negative integer", lambda v: _is_int(v) and v >= 0),
     "train_max_id": ("a non-negative integer (or -1 for an empty split)", lambda v: _is_int(v) and v >= -1),
     "val_max_id": ("a non-negative integer (or -1 for an empty split)", lambda v: _is_int(v) and v >= -1),
+    "example_tokens": ("an integer of at least 2 (tokens per example: block_size is one less)",
+                       lambda v: _is_int(v) and v >= 2),
+    "target_mask": ("'answers' (the targets marked in {split}_mask.bin)", lambda v: v == "answers"),
     "chars": ("a string (the vocabulary in id order) or a list of strings",
               lambda v: isinstance(v, str) or (isinstance(v, list) and all(isinstance(c, str) for c in v))),
 }

@@ -14,8 +14,9 @@ matplotlib.use('Agg')  # files only, no display needed
 import matplotlib.pyplot as plt  # noqa: E402
 
 
-def paired_vs_base(results, attn_type, base='base'):
-    """attn_type's final val loss minus base's, seed by seed, over the seeds both finished.
+def paired_vs_base(results, variant, base='base', key='final_val_loss'):
+    """variant's final val loss (or another per-run number: key) minus base's, seed by seed, over the
+    seeds both finished. Results name their variant in 'variant' (attn_type, and the grid point if any).
 
     Runs with the same seed share their data order and evaluation batches, so much of the seed-to-seed
     variation is common to both and cancels in the difference: a small difference that holds on every
@@ -23,10 +24,10 @@ def paired_vs_base(results, attn_type, base='base'):
     Returns {'seeds', 'differences', 'mean', 'std', 'same_sign'}: mean and sample std as mean_std
     gives them (std None for one seed, both None for none); same_sign is whether every difference is
     non-zero and of one sign (trivially so for one seed, False for none)."""
-    base_loss = {r['seed']: r['final_val_loss'] for r in results if r['attn_type'] == base}
-    seeds = [r['seed'] for r in results if r['attn_type'] == attn_type and r['seed'] in base_loss]
-    differences = [next(r['final_val_loss'] for r in results if (r['attn_type'], r['seed']) == (attn_type, s))
-                   - base_loss[s] for s in seeds]
+    base_value = {r['seed']: r[key] for r in results if r['variant'] == base}
+    seeds = [r['seed'] for r in results if r['variant'] == variant and r['seed'] in base_value]
+    differences = [next(r[key] for r in results if (r['variant'], r['seed']) == (variant, s))
+                   - base_value[s] for s in seeds]
     stat = mean_std(differences)
     same_sign = bool(differences) and (all(d < 0 for d in differences) or all(d > 0 for d in differences))
     return {'seeds': seeds, 'differences': differences, 'mean': stat['mean'], 'std': stat['std'],
@@ -53,7 +54,7 @@ def reading(paired):
 def by_variant(results):
     variants = {}
     for r in results:
-        variants.setdefault(r['attn_type'], []).append(r)
+        variants.setdefault(r['variant'], []).append(r)
     return variants
 
 
@@ -93,6 +94,9 @@ def write_plots(results, report_dir):
     plt.close(fig)
     written['val_loss'] = 'val_loss.png'
 
+    if any('accuracy_by_pairs' in r for r in results):
+        written['accuracy'] = plot_accuracy(results, report_dir)
+
     learners = {a: runs[0] for a, runs in variants.items() if any(len(p) > 1 for p in runs[0]['learned'])}
     if learners:
         fig, axes = plt.subplots(1, len(learners), figsize=(5 * len(learners), 4), squeeze=False)
@@ -116,6 +120,35 @@ def write_plots(results, report_dir):
     return written
 
 
+def plot_accuracy(results, report_dir):
+    """accuracy.png: answer accuracy against the number of key-value pairs, one line per attn_type (mean
+    over seeds, bars = min..max), one panel per grid point."""
+    points = list(dict.fromkeys(r['point'] for r in results if 'accuracy_by_pairs' in r))
+    attn_types = list(dict.fromkeys(r['attn_type'] for r in results))
+    fig, axes = plt.subplots(1, len(points), figsize=(5.5 * len(points), 4.5), squeeze=False, sharey=True)
+    for ax, point in zip(axes[0], points):
+        for i, attn_type in enumerate(attn_types):
+            runs = [r for r in results if r['point'] == point and r['attn_type'] == attn_type and 'accuracy_by_pairs' in r]
+            if not runs:
+                continue
+            pairs = sorted(runs[0]['accuracy_by_pairs'], key=int)
+            table = [[r['accuracy_by_pairs'][p] for r in runs] for p in pairs]
+            mean = [sum(v) / len(v) for v in table]
+            x = [int(p) * (1 + 0.015 * (i - len(attn_types) / 2)) for p in pairs]  # a small shift keeps bars apart
+            ax.errorbar(x, mean, yerr=[[m - min(v) for m, v in zip(mean, table)], [max(v) - m for m, v in zip(mean, table)]],
+                        color=f'C{i % 10}', marker='o', markersize=4, capsize=3, label=attn_type)
+        ax.set_xscale('log', base=2)
+        ax.set_xlabel('key-value pairs per example')
+        ax.set_title(point or 'answer accuracy', fontsize=10)
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel('answer accuracy (mean over seeds, bars = min..max)')
+    axes[0][-1].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(os.path.join(report_dir, 'accuracy.png'), dpi=120)
+    plt.close(fig)
+    return 'accuracy.png'
+
+
 def fmt(stat, digits=4):
     if stat['mean'] is None:
         return 'n/a'
@@ -123,21 +156,23 @@ def fmt(stat, digits=4):
 
 
 def write_report(report_dir, summary, results, failures, samples, plots, setup):
-    base_params = summary.get('base', {}).get('params')
+    grid = (f" At each grid point ({'; '.join(f'`{p}`' for p in setup['grid'])}) every variant is trained and "
+            f"compared with base at the same point." if setup.get('grid') else '')
     lines = [
         "# Attention variants compared", "",
         f"Command: `{setup['command']}`  ",
         f"Every run: `{setup['base_config']}`" + (f" with `{setup['overrides']}`" if setup['overrides'] else '')
         + f", {setup['max_iters']} iterations; seeds {', '.join(map(str, setup['seeds']))}. Only attn_type and "
-          f"seed differ between runs. Val loss is train.py's evaluation (the same fixed batches for every run); "
-          f"mean ± sample standard deviation over seeds.", "",
-        "| attn_type | parameters | vs base | final val loss | per seed | best val loss | tokens/s | "
+          f"seed differ between runs.{grid} Val loss is train.py's evaluation (the same fixed batches for every "
+          f"run); mean ± sample standard deviation over seeds.", "",
+        "| variant | parameters | vs base | final val loss | per seed | best val loss | tokens/s | "
         "peak memory (MiB) | training time (s) | reading |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for attn_type, s in summary.items():
+        base_params = summary[s['base']]['params'] if s['base'] in summary else None
         delta = (f"{s['params'] - base_params:+,} ({(s['params'] - base_params) / base_params:+.2%})"
-                 if base_params and attn_type != 'base' else '')
+                 if base_params and attn_type != s['base'] else '')
         per_seed = ', '.join(f"{v:.4f}" for v in s['final_val_loss']['values'])
         lines.append(f"| `{attn_type}` | {s['params']:,} | {delta} | {fmt(s['final_val_loss'])} | {per_seed} | "
                      f"{fmt(s['best_val_loss'])} | {fmt(s['tokens_per_s'], 0)} | {fmt(s['peak_memory_mib'], 0)} | "
@@ -165,6 +200,25 @@ def write_report(report_dir, summary, results, failures, samples, plots, setup):
                          f"{', '.join(f'{d:+.4f}' for d in p['differences'])} | {stat} | "
                          f"{'one seed' if len(p['seeds']) == 1 else 'yes' if p['same_sign'] else 'no'} |")
         lines.append("")
+    accuracy = {a: s for a, s in summary.items() if 'accuracy' in s}
+    if accuracy:
+        pairs = list(next(iter(accuracy.values()))['accuracy_by_pairs'])
+        lines += ["## Answer accuracy (recall)", "",
+                  "eval.py --recall=True on each run's final checkpoint: the share of answers in every validation "
+                  "example that the model's most likely next token gets right; overall and by the example's number "
+                  "of key-value pairs (mean ± sample standard deviation over seeds). Reading: the accuracy minus "
+                  "base's at the same point, seed by seed, as for the val loss.", "",
+                  "| variant | accuracy | per seed | " + " | ".join(f"{p} pairs" for p in pairs) + " | reading |",
+                  "|---|---|---|" + "---|" * len(pairs) + "---|"]
+        for variant, s in accuracy.items():
+            lines.append(f"| `{variant}` | {fmt(s['accuracy'], 3)} | "
+                         f"{', '.join(f'{v:.3f}' for v in s['accuracy']['values'])} | "
+                         + " | ".join(fmt(s['accuracy_by_pairs'][p], 3) if p in s['accuracy_by_pairs'] else ''
+                                      for p in pairs)
+                         + f" | {reading(s['accuracy_vs_base']) if 'accuracy_vs_base' in s else ''} |")
+        lines.append("")
+        if 'accuracy' in plots:
+            lines += [f"![answer accuracy against the number of key-value pairs]({plots['accuracy']})", ""]
     if setup.get('changes'):
         lines += ["## Settings changed during the sweep", "",
                   "These runs were continued (compare.py --continue_changed=True) with other settings than they "

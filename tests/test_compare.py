@@ -110,7 +110,7 @@ def test_reading_calls_a_difference_only_when_every_seed_agrees():
     from denoised_gpt.compare_report import paired_vs_base, reading
     per_seed = {'base': [2.000, 2.100, 2.050], 'symmetric': [2.043, 2.133, 2.081],
                 'noiseformer_v2': [2.017, 2.159, 2.071]}
-    results = [{'attn_type': a, 'seed': s, 'final_val_loss': v}
+    results = [{'variant': a, 'seed': s, 'final_val_loss': v}
                for a, values in per_seed.items() for s, v in zip((1, 2, 3), values)]
     sym = paired_vs_base(results, 'symmetric')
     assert sym['seeds'] == [1, 2, 3] and sym['same_sign']
@@ -122,15 +122,15 @@ def test_reading_calls_a_difference_only_when_every_seed_agrees():
     lower = paired_vs_base(results, 'base', base='symmetric')
     assert reading(lower) == "lower than base on every seed (3/3): -0.0357 ± 0.0064"
     # only the seeds both finished are paired; a zero difference agrees with no sign
-    partial = [r for r in results if (r['attn_type'], r['seed']) not in {('base', 1), ('symmetric', 3)}]
+    partial = [r for r in results if (r['variant'], r['seed']) not in {('base', 1), ('symmetric', 3)}]
     one = paired_vs_base(partial, 'symmetric')
     assert one['seeds'] == [2] and one['std'] is None
     assert reading(one) == "+0.0330 vs base (seed 2), one seed: no spread to judge it against"
     none = paired_vs_base([r for r in partial if r['seed'] != 2], 'symmetric')
     assert none == {'seeds': [], 'differences': [], 'mean': None, 'std': None, 'same_sign': False}
     assert reading(none).startswith("no seed finished by both")
-    tied = [{**r, 'final_val_loss': 2.0 + 0.01 * (r['seed'] == 2 and r['attn_type'] == 'symmetric')}
-            for r in results if r['attn_type'] in ('base', 'symmetric')]
+    tied = [{**r, 'final_val_loss': 2.0 + 0.01 * (r['seed'] == 2 and r['variant'] == 'symmetric')}
+            for r in results if r['variant'] in ('base', 'symmetric')]
     assert not paired_vs_base(tied, 'symmetric')['same_sign']
     assert reading(paired_vs_base(tied, 'symmetric')).startswith("no consistent difference")
 

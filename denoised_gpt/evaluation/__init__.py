@@ -35,11 +35,14 @@ def final_hidden_states(model, idx):
 
 
 @torch.no_grad()
-def exact_val_loss(model, path, block_size, batch_size, device, ctx):
+def exact_val_loss(model, path, block_size, batch_size, device, ctx, layout=None):
     """Mean cross-entropy over every target token of a flat uint16 token file: windows of block_size
     tokens that do not overlap (the last one shorter), so token t >= 1 is predicted exactly once, from
     the tokens since its window's start. Variants evaluated on the same file see the same tokens.
-    Returns dict(loss, tokens, windows)."""
+    With a layout of examples (batches.ExampleLayout), each window is one example and only its
+    marked targets count. Returns dict(loss, tokens, windows, perplexity); tokens: the targets scored."""
+    if layout is not None and layout.example_tokens is not None:
+        return _examples_val_loss(model, path, batch_size, device, ctx, layout)
     data = np.memmap(path, dtype=np.uint16, mode='r')
     n_targets = len(data) - 1
     if n_targets < 1:
@@ -56,4 +59,24 @@ def exact_val_loss(model, path, block_size, batch_size, device, ctx):
                 _, loss = model(w[:, :-1], targets=w[:, 1:])
             total += float(loss) * w[:, 1:].numel()  # loss is the mean over this batch's targets
             count += w[:, 1:].numel()
+    return dict(loss=total / count, tokens=count, windows=len(starts), perplexity=math.exp(total / count))
+
+
+def _examples_val_loss(model, path, batch_size, device, ctx, layout):
+    num_tokens = np.memmap(path, dtype=np.uint16, mode='r').size
+    length = layout.example_tokens - 1
+    layout.check(path, num_tokens, length)
+    starts = np.arange(0, num_tokens, layout.example_tokens)
+    total, count = 0.0, 0
+    for i in range(0, len(starts), batch_size):
+        x, y = layout.rows(path, starts[i:i + batch_size], length)
+        scored = int((y >= 0).sum())
+        if scored == 0:
+            continue
+        with ctx:
+            _, loss = model(x.to(device), targets=y.to(device))
+        total += float(loss) * scored  # loss is the mean over this batch's scored targets
+        count += scored
+    if count == 0:
+        raise ValueError(f"{path} has no marked target to score")
     return dict(loss=total / count, tokens=count, windows=len(starts), perplexity=math.exp(total / count))

@@ -1,0 +1,160 @@
+"""
+Multi-query associative recall (MQAR; Arora et al. 2023, "Zoology: Measuring and improving recall in
+efficient language models", arXiv:2312.04927): the synthetic task that tells attention mechanisms
+apart at laptop scale. One example of seq_len + 1 tokens, for N key-value pairs:
+
+    k1 v1 k2 v2 ... kN vN | . . kj vj . . . . ki vi . . ... .
+    '--- 2N tokens ------'  '--- queries: every key once, the value as the next token; . = filler
+
+- keys are drawn without replacement from 1 .. V/2 - 1, values from V/2 .. V - 1 (disjoint halves of
+  the vocabulary V; 0 is never a key or value);
+- query j sits at an even offset 2 g_j after the pairs, with the slots g_j drawn without replacement
+  from the power law P(g) ~ a g^(a - 1), g = 1 .. (seq_len - 2N) / 2 (a = power_a = 0.01 as in the
+  paper: most queries come soon after the pairs, a few far away, like repeated bigrams in text);
+- every other position holds a token drawn uniformly from the whole vocabulary (the paper's random
+  non-query tokens), so nothing but recall predicts a value.
+Only the answers count: `{split}_mask.bin` marks them (1 byte per token, 1 on the value that follows a
+query key); train.py and eval.py then score the model on those targets alone, and draw whole
+examples (block_size = seq_len).
+
+One difference from the paper's generator, by design: there the token after a query is filler and
+the value is only a label; here it is the next token, so that the data is a plain token stream
+(y = x shifted by one) like every other dataset of this repository. Predicting it at the query
+position sees exactly what the paper's model sees.
+
+    python3 data/mqar/prepare.py                                     # 8 pairs, seq_len 64, vocab 512
+    python3 data/mqar/prepare.py --num_kv_pairs 4 8 16 32 --seq_len 128 --out_dir data/mqar-mix
+
+Writes train.bin / val.bin (uint16, examples one after another), train_mask.bin / val_mask.bin and
+meta.json. Train and val come from separate seeds; each number of pairs has its own stream, so
+adding one leaves the others' examples as they were.
+"""
+import argparse
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # data/, for prepare_common
+from prepare_common import PrepareError, atomic_outputs, check_out_dir, max_id, one_line_errors, write_json
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def power_law(space, power_a):
+    """P(slot g) for g = 0 .. space - 1, proportional to a (g + 1)^(a - 1): the paper's gap law."""
+    p = power_a * np.arange(1, space + 1, dtype=np.float64) ** (power_a - 1)
+    return p / p.sum()
+
+
+def choose_without_replacement(rng, n_rows, population, size, p=None):
+    """(n_rows, size) indices into range(population), distinct within a row. With weights p, the draw is
+    the same in law as drawing one by one in proportion to the weights left (numpy's choice(replace=
+    False, p=p)): each row keeps the `size` largest log(u) / p (Efraimidis and Spirakis, 2006)."""
+    u = rng.random((n_rows, population))
+    score = u if p is None else np.log(u) / p
+    return np.argsort(-score, axis=1, kind="stable")[:, :size]
+
+
+def mqar_examples(num_examples, num_kv_pairs, seq_len, vocab_size, seed, power_a=0.01):
+    """(tokens, mask): (num_examples, seq_len + 1) arrays, uint16 tokens and uint8 answer marks, from
+    numpy's default generator seeded with (seed, num_kv_pairs): the same arguments give the same bytes."""
+    check_shape(num_kv_pairs, seq_len, vocab_size)
+    rng = np.random.default_rng([seed, num_kv_pairs])
+    n, pairs, half = num_examples, num_kv_pairs, vocab_size // 2
+    keys = 1 + choose_without_replacement(rng, n, half - 1, pairs)
+    values = half + choose_without_replacement(rng, n, vocab_size - half, pairs)
+    space = (seq_len - 2 * pairs) // 2
+    slots = choose_without_replacement(rng, n, space, pairs, power_law(space, power_a))
+
+    tokens = rng.integers(0, vocab_size, size=(n, seq_len + 1))  # the filler, overwritten below
+    mask = np.zeros((n, seq_len + 1), dtype=np.uint8)
+    tokens[:, 0:2 * pairs:2], tokens[:, 1:2 * pairs:2] = keys, values
+    query_at = 2 * pairs + 2 * slots  # (n, pairs): where key j is asked for
+    rows = np.arange(n)[:, None]
+    tokens[rows, query_at], tokens[rows, query_at + 1] = keys, values
+    mask[rows, query_at + 1] = 1
+    return tokens.astype(np.uint16), mask
+
+
+def check_shape(num_kv_pairs, seq_len, vocab_size):
+    if not 1 <= vocab_size <= 1 << 16:
+        raise PrepareError(f"--vocab_size {vocab_size} must be between 1 and 65536 (the token files hold uint16 ids)")
+    if num_kv_pairs < 1:
+        raise PrepareError(f"--num_kv_pairs {num_kv_pairs} must be at least 1")
+    if seq_len % 2 or seq_len < 4 * num_kv_pairs:
+        raise PrepareError(f"--seq_len {seq_len} must be even and at least 4 x num_kv_pairs = {4 * num_kv_pairs} "
+                           f"(2N tokens of pairs, then N queries in at least as many two-token slots)")
+    if vocab_size // 2 - 1 < num_kv_pairs:
+        raise PrepareError(f"--vocab_size {vocab_size} has {vocab_size // 2 - 1} key ids (1 .. V/2 - 1), fewer than "
+                           f"{num_kv_pairs} distinct keys per example; raise it to at least {2 * num_kv_pairs + 2}")
+
+
+def split(args, seed, per_pairs):
+    """All the examples of one split, grouped by number of pairs in --num_kv_pairs order."""
+    parts = [mqar_examples(per_pairs, pairs, args.seq_len, args.vocab_size, seed, args.power_a)
+             for pairs in args.num_kv_pairs]
+    return np.concatenate([t for t, _ in parts]), np.concatenate([m for _, m in parts])
+
+
+def shared_examples(train, val):
+    """How many val examples also occur, token for token, in train."""
+    seen = {row.tobytes() for row in train}
+    return sum(row.tobytes() in seen for row in val)
+
+
+def prepare(args):
+    if args.train_examples < 1 or args.val_examples < 1:
+        raise PrepareError("--train_examples and --val_examples must be at least 1")
+    if not args.power_a > 0:
+        raise PrepareError(f"--power_a {args.power_a} must be positive (1 is uniform over the query slots)")
+    if args.seed < 0 or args.val_seed < 0:
+        raise PrepareError("--seed and --val_seed must be non-negative integers")
+    if args.seed == args.val_seed:
+        raise PrepareError("--seed and --val_seed must differ: validation examples are drawn from their own seed")
+    if len(set(args.num_kv_pairs)) != len(args.num_kv_pairs):
+        raise PrepareError(f"--num_kv_pairs {args.num_kv_pairs} repeats a value")
+    for pairs in args.num_kv_pairs:
+        check_shape(pairs, args.seq_len, args.vocab_size)
+    check_out_dir(args.out_dir)
+
+    train, train_mask = split(args, args.seed, args.train_examples)
+    val, val_mask = split(args, args.val_seed, args.val_examples)
+    overlap = shared_examples(train, val)
+    names = ["train.bin", "val.bin", "train_mask.bin", "val_mask.bin", "meta.json"]
+    with atomic_outputs(args.out_dir, names) as tmp:
+        for name, array in zip(names, (train, val, train_mask, val_mask)):
+            array.tofile(tmp[name])
+        write_json(tmp["meta.json"], {
+            "tokenizer": "ids", "task": "mqar", "vocab_size": args.vocab_size,
+            # what train.py and eval.py need: whole examples, and the loss on the masked targets only
+            "example_tokens": args.seq_len + 1, "target_mask": "answers",
+            "seq_len": args.seq_len, "num_kv_pairs": args.num_kv_pairs, "power_a": args.power_a,
+            "train_examples": len(train), "val_examples": len(val), "val_examples_in_train": overlap,
+            "seed": args.seed, "val_seed": args.val_seed,
+            "train_tokens": train.size, "val_tokens": val.size,
+            "train_max_id": max_id(train.ravel()), "val_max_id": max_id(val.ravel()),
+            "source": "data/mqar/prepare.py"})
+    print(f"MQAR, vocab {args.vocab_size}, seq_len {args.seq_len}, pairs {args.num_kv_pairs}: train {len(train):,} "
+          f"examples, val {len(val):,} ({overlap} of them also in train); wrote {args.out_dir}")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--vocab_size", type=int, default=512, help="V: keys from 1 .. V/2 - 1, values from V/2 .. V - 1")
+    p.add_argument("--seq_len", type=int, default=64, help="tokens the model reads per example (train with "
+                                                            "block_size equal to it)")
+    p.add_argument("--num_kv_pairs", type=int, nargs="+", default=[8],
+                   help="key-value pairs per example; several values give a mix, each with the numbers of examples below")
+    p.add_argument("--train_examples", type=int, default=20000, help="training examples per number of pairs")
+    p.add_argument("--val_examples", type=int, default=1000, help="validation examples per number of pairs")
+    p.add_argument("--power_a", type=float, default=0.01, help="the query slots' power law (the paper's 0.01)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the training examples")
+    p.add_argument("--val_seed", type=int, default=1, help="seed of the validation examples (not --seed)")
+    p.add_argument("--out_dir", default=HERE, help="where the files go (default: %(default)s)")
+    with one_line_errors():
+        prepare(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()

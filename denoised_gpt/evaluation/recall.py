@@ -1,0 +1,64 @@
+"""
+Answer accuracy on a recall dataset (data/mqar): over every validation example, the share of answer
+targets (the tokens `{split}_mask.bin` marks) that the model's most likely next token gets right,
+overall, by the example's number of key-value pairs (its count of answers: every key is asked once)
+and by query distance (from the key in the pairs to its query, in tokens: both read off the
+example itself, so no other file is needed).
+"""
+import numpy as np
+import torch
+
+from denoised_gpt.batches import ExampleLayout
+
+
+def distance_bucket(d):
+    """Powers of two: '1', '2-3', '4-7', '8-15', ..."""
+    low = 1 << (int(d).bit_length() - 1)
+    return str(low) if low == 1 else f"{low}-{2 * low - 1}"
+
+
+def _tally(table, key, correct):
+    entry = table.setdefault(key, [0, 0])
+    entry[0] += int(correct)
+    entry[1] += 1
+
+
+def _accuracies(table, order):
+    return {k: {"accuracy": table[k][0] / table[k][1], "answers": table[k][1]} for k in sorted(table, key=order)}
+
+
+@torch.no_grad()
+def answer_accuracy(model, data_dir, batch_size, device, ctx, split="val"):
+    """dict(accuracy, answers, examples, by_pairs, by_distance); ValueError when data_dir is not a dataset
+    of examples with marked answers (its meta.json says example_tokens and target_mask)."""
+    layout = ExampleLayout(data_dir, split)
+    path = f"{data_dir}/{split}.bin"
+    if layout.example_tokens is None or layout.mask_path is None:
+        raise ValueError(f"{data_dir} is not a recall dataset (its meta.json has no example_tokens and target_mask): "
+                         f"answer accuracy needs examples with marked answers, e.g. data/mqar/prepare.py's")
+    num_tokens = np.memmap(path, dtype=np.uint16, mode="r").size
+    length = layout.example_tokens - 1
+    layout.check(path, num_tokens, length)
+    if length > model.config.block_size:
+        raise ValueError(f"{data_dir}'s examples are {length} tokens, longer than the model's block_size "
+                         f"{model.config.block_size}")
+    starts = np.arange(0, num_tokens, layout.example_tokens)
+    by_pairs, by_distance, right = {}, {}, 0
+    for i in range(0, len(starts), batch_size):
+        x, y = layout.rows(path, starts[i:i + batch_size], length)
+        with ctx:
+            logits, _ = model(x.to(device), targets=y.to(device))
+        hit = (logits.argmax(-1).cpu() == y).numpy()
+        x, y = x.numpy(), y.numpy()
+        for row in range(len(x)):
+            answers = np.nonzero(y[row] >= 0)[0]  # positions whose next token is an answer: the query keys
+            pairs = len(answers)
+            for p in answers:
+                key_at = int(np.argmax(x[row] == x[row, p]))  # the pairs come first: the key's first occurrence
+                _tally(by_pairs, pairs, hit[row, p])
+                _tally(by_distance, distance_bucket(p - key_at), hit[row, p])
+                right += int(hit[row, p])
+    total = sum(n for _, n in by_pairs.values())
+    return dict(accuracy=right / total, answers=total, examples=len(starts),
+                by_pairs={str(k): v for k, v in _accuracies(by_pairs, int).items()},
+                by_distance=_accuracies(by_distance, lambda b: int(b.split("-")[0])))

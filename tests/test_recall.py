@@ -1,0 +1,281 @@
+"""The recall testbed (MQAR, data/mqar/prepare.py): the generator against the task's definition, whole
+examples with masked targets in training batches, the loss on answers only for every attn_type,
+eval.py's answer accuracy, and compare.py's sweep over a grid with its accuracy report."""
+import itertools
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from denoised_gpt.batches import ExampleLayout, TokenBatches
+from denoised_gpt.evaluation import exact_val_loss
+from denoised_gpt.evaluation.recall import answer_accuracy, distance_bucket
+from helpers import NO_AUTOCAST, ROOT, TINY, run_script_in_process, subprocess_env, tiny_gpt
+from model import ATTENTION_TYPES
+
+sys.path.insert(0, str(ROOT / "data" / "mqar"))
+from prepare import choose_without_replacement, mqar_examples, power_law  # noqa: E402
+
+pytestmark = pytest.mark.xdist_group('test_recall')
+PREPARE = ROOT / "data" / "mqar" / "prepare.py"
+
+
+def prepare(out_dir, *args):
+    proc = subprocess.run([sys.executable, str(PREPARE), f"--out_dir={out_dir}", *map(str, args)], cwd=ROOT,
+                          env=subprocess_env(), capture_output=True, text=True, timeout=60)
+    return proc
+
+
+def read_split(data_dir, split, example_tokens):
+    tokens = np.fromfile(data_dir / f"{split}.bin", dtype=np.uint16).reshape(-1, example_tokens)
+    mask = np.fromfile(data_dir / f"{split}_mask.bin", dtype=np.uint8).reshape(-1, example_tokens)
+    return tokens.astype(np.int64), mask
+
+
+@pytest.fixture(scope='module')
+def mqar(tmp_path_factory):
+    """A mix of 2, 4 and 8 pairs at seq_len 32 over 64 token ids (the tiny model's context is 32)."""
+    data = tmp_path_factory.mktemp('mqar') / 'data'
+    proc = prepare(data, "--vocab_size=64", "--seq_len=32", "--num_kv_pairs", 2, 4, 8, "--train_examples=400",
+                   "--val_examples=50", "--seed=3", "--val_seed=4")
+    assert proc.returncode == 0, proc.stderr
+    return data
+
+
+# -----------------------------------------------------------------------------
+# the generator
+
+def test_examples_follow_the_definition(mqar):
+    meta = json.loads((mqar / "meta.json").read_text())
+    assert meta["example_tokens"] == 33 and meta["target_mask"] == "answers" and meta["vocab_size"] == 64
+    assert meta["train_examples"] == 1200 and meta["val_examples"] == 150
+    for split in ("train", "val"):
+        tokens, mask = read_split(mqar, split, 33)
+        for row, marks in zip(tokens, mask):
+            answers = np.nonzero(marks)[0]
+            n = len(answers)
+            assert n in (2, 4, 8)
+            keys, values = row[0:2 * n:2], row[1:2 * n:2]
+            assert len(set(keys)) == n, "keys are distinct within an example"
+            assert ((1 <= keys) & (keys < 32)).all() and ((32 <= values) & (values < 64)).all()
+            pairs = dict(zip(keys, values))
+            assert (answers >= 2 * n + 1).all() and ((answers - 2 * n - 1) % 2 == 0).all()  # even query slots
+            assert sorted(row[answers - 1]) == sorted(keys), "every key is asked exactly once"
+            assert all(row[a] == pairs[row[a - 1]] for a in answers), "the answer is the queried key's value"
+        counts = [int(m.sum()) for m in mask]
+        per = 400 if split == "train" else 50
+        assert counts == [2] * per + [4] * per + [8] * per  # grouped in --num_kv_pairs order
+
+
+def test_seeds_reproduce_bit_for_bit_and_train_and_val_are_disjoint(mqar, tmp_path):
+    again = tmp_path / "again"
+    assert prepare(again, "--vocab_size=64", "--seq_len=32", "--num_kv_pairs", 2, 4, 8, "--train_examples=400",
+                   "--val_examples=50", "--seed=3", "--val_seed=4").returncode == 0
+    for name in ("train.bin", "val.bin", "train_mask.bin", "val_mask.bin", "meta.json"):
+        assert (again / name).read_bytes() == (mqar / name).read_bytes()
+    train, _ = read_split(mqar, "train", 33)
+    val, _ = read_split(mqar, "val", 33)
+    assert not {r.tobytes() for r in val} & {r.tobytes() for r in train}
+    assert json.loads((mqar / "meta.json").read_text())["val_examples_in_train"] == 0
+    # another seed, other examples; each number of pairs draws from its own stream
+    other, _ = mqar_examples(50, 4, 32, 64, seed=5)
+    assert not np.array_equal(other, mqar_examples(50, 4, 32, 64, seed=4)[0])
+    assert np.array_equal(mqar_examples(50, 4, 32, 64, seed=4)[0], val[50:100])
+
+
+def test_query_slots_follow_the_power_law_drawn_without_replacement():
+    """Each row keeps `size` distinct slots whose law is that of drawing one at a time in proportion to the
+    weights left. Exact inclusion probabilities by enumerating the ordered draws, against 200k rows."""
+    space, size, power_a = 5, 2, 0.3
+    p = power_law(space, power_a)
+    exact = np.zeros(space)
+    for order in itertools.permutations(range(space), size):
+        prob, left = 1.0, 1.0
+        for slot in order:
+            prob *= p[slot] / left
+            left -= p[slot]
+        exact[list(order)] += prob
+    rows = choose_without_replacement(np.random.default_rng(0), 200_000, space, size, p)
+    assert all(len(set(r)) == size for r in rows[:1000])
+    seen = np.bincount(rows.ravel(), minlength=space) / len(rows)
+    sd = np.sqrt(exact * (1 - exact) / len(rows))
+    assert np.all(np.abs(seen - exact) < 5 * sd), (seen, exact)
+    assert p[0] > p[1] > p[-1]  # most queries soon after the pairs
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--seq_len=30", "--num_kv_pairs=8"], "at least 4 x num_kv_pairs = 32"),
+    (["--vocab_size=16", "--num_kv_pairs=8"], "fewer than 8 distinct keys"),
+    (["--seed=1", "--val_seed=1"], "must differ"),
+    (["--num_kv_pairs", "4", "4"], "repeats a value"),
+])
+def test_bad_settings_are_one_line_and_write_nothing(tmp_path, args, message):
+    proc = prepare(tmp_path / "out", *args)
+    assert proc.returncode == 2 and message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists()
+
+
+# -----------------------------------------------------------------------------
+# batches and the loss on answers only
+
+def test_batches_are_whole_examples_with_targets_only_at_answers(mqar):
+    tokens, mask = read_split(mqar, "train", 33)
+    batches = TokenBatches(str(mqar), "train", 32, 16, seed=0, vocab_size=64)
+    starts = {row[:32].tobytes(): i for i, row in enumerate(tokens)}
+    for _ in range(5):
+        x, y = batches.get_batch()
+        for xr, yr in zip(x.numpy(), y.numpy()):
+            i = starts[xr.tobytes()]  # every row is one example, from its first token
+            expected = np.where(mask[i, 1:] == 1, tokens[i, 1:], -1)
+            assert np.array_equal(yr, expected)
+
+
+def test_a_block_size_that_cuts_examples_is_refused(mqar):
+    with pytest.raises(ValueError, match="set block_size=32 .now 31."):
+        TokenBatches(str(mqar), "train", 31, 4, vocab_size=64)
+
+
+def test_a_mask_from_another_preparation_is_refused(mqar, tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    for name in ("train.bin", "val.bin", "val_mask.bin", "meta.json"):
+        (data / name).write_bytes((mqar / name).read_bytes())
+    (data / "train_mask.bin").write_bytes((mqar / "train_mask.bin").read_bytes()[:-33])
+    with pytest.raises(ValueError, match="train_mask.bin has 39567 bytes but .* has 39600 tokens"):
+        TokenBatches(str(data), "train", 32, 4, vocab_size=64)
+
+
+@pytest.mark.parametrize("attn_type", list(ATTENTION_TYPES))
+def test_the_loss_is_cross_entropy_over_the_answers_only(mqar, attn_type):
+    """train.py's loss (the fused lm_head + cross-entropy) and the evaluation's (logits, then F.cross_entropy)
+    on a masked batch, against log-softmax at the answer positions computed here."""
+    model = tiny_gpt(attn_type, vocab_size=64, lowrank_rank=4)
+    x, y = TokenBatches(str(mqar), "train", 32, 8, seed=1, vocab_size=64).get_batch()
+    torch.manual_seed(7)
+    _, fused = model(x, y, return_logits=False)
+    torch.manual_seed(7)  # NoiseFormer: the same noise draw for every computation
+    logits, loss = model(x, y)
+    answers = y >= 0
+    direct = -torch.log_softmax(logits.double(), -1)[answers].gather(-1, y[answers][:, None]).mean()
+    assert answers.sum() == sum(int(m) for m in (y >= 0).sum(1))  # only the answers are targets
+    assert 0 < answers.sum() < y.numel() / 4
+    torch.testing.assert_close(loss.double(), direct, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(fused.double(), direct, rtol=1e-5, atol=1e-6)
+    fused.backward()  # and it trains: the gradient reaches the embeddings
+    assert model.transformer.wte.weight.grad.abs().sum() > 0
+
+
+# -----------------------------------------------------------------------------
+# eval.py: accuracy and the exact val loss over the answers
+
+class Oracle(torch.nn.Module):
+    """Knows the answer to every query except those of examples with `wrong_pairs` pairs: stands in for
+    a trained model, so that the expected accuracies are known exactly."""
+
+    def __init__(self, vocab_size, wrong_pairs):
+        super().__init__()
+        self.config = type("Config", (), {"block_size": 32})
+        self.vocab_size, self.wrong_pairs = vocab_size, wrong_pairs
+
+    def forward(self, x, targets):
+        logits = torch.zeros(*x.shape, self.vocab_size)
+        for b in range(len(x)):
+            pairs = int((targets[b] >= 0).sum())
+            for p in torch.nonzero(targets[b] >= 0).ravel():
+                answer = targets[b, p] if pairs != self.wrong_pairs else 0
+                logits[b, p, answer] = 1.0
+        return logits, None
+
+
+def test_answer_accuracy_by_pairs_and_distance(mqar):
+    r = answer_accuracy(Oracle(64, wrong_pairs=4), str(mqar), 7, "cpu", NO_AUTOCAST)
+    assert r["examples"] == 150 and r["answers"] == 50 * (2 + 4 + 8)
+    assert {k: (v["accuracy"], v["answers"]) for k, v in r["by_pairs"].items()} == {
+        "2": (1.0, 100), "4": (0.0, 200), "8": (1.0, 400)}
+    assert r["accuracy"] == pytest.approx(500 / 700)
+    # distances from the generator's layout: key j at 2j, its query at an even offset after the 2N pair tokens
+    tokens, mask = read_split(mqar, "val", 33)
+    expected = {}
+    for row, marks in zip(tokens, mask):
+        n = int(marks.sum())
+        for a in np.nonzero(marks)[0]:
+            j = list(row[0:2 * n:2]).index(row[a - 1])
+            bucket = distance_bucket(a - 1 - 2 * j)
+            expected[bucket] = expected.get(bucket, 0) + 1
+    assert {k: v["answers"] for k, v in r["by_distance"].items()} == expected
+    assert [distance_bucket(d) for d in (1, 2, 3, 4, 7, 8, 31, 32)] == ["1", "2-3", "2-3", "4-7", "4-7", "8-15",
+                                                                       "16-31", "32-63"]
+
+
+def test_exact_val_loss_scores_each_answer_once(mqar):
+    model = tiny_gpt("base", vocab_size=64).eval()
+    tokens, mask = read_split(mqar, "val", 33)
+    r = exact_val_loss(model, str(mqar / "val.bin"), 32, 9, "cpu", NO_AUTOCAST, ExampleLayout(str(mqar), "val"))
+    x = torch.from_numpy(tokens[:, :-1])
+    y = torch.from_numpy(np.where(mask[:, 1:] == 1, tokens[:, 1:], -1))
+    with torch.no_grad():
+        logits, _ = model(x, y)
+    direct = F.cross_entropy(logits.double().reshape(-1, 64), y.reshape(-1), ignore_index=-1)
+    assert r["tokens"] == int(mask.sum()) == 700 and r["windows"] == 150
+    assert r["loss"] == pytest.approx(float(direct), rel=1e-5)
+
+
+# -----------------------------------------------------------------------------
+# train.py, eval.py and compare.py on the dataset
+
+def test_train_then_eval_recall(mqar, tmp_path):
+    out = tmp_path / "out"
+    proc = run_script_in_process("train.py", [TINY, f"--dataset={mqar}", f"--out_dir={out}", "--max_iters=4",
+                                              "--eval_interval=4"])
+    assert proc.returncode == 0, proc.stderr
+    wrong = run_script_in_process("train.py", [TINY, f"--dataset={mqar}", f"--out_dir={tmp_path / 'no'}",
+                                               "--block_size=24"])
+    assert wrong.returncode == 2 and "set block_size=32 (now 24)" in wrong.stderr
+    assert not (tmp_path / "no").exists()
+    proc = run_script_in_process("eval.py", [f"--out_dir={out}", "--recall=True", "--val_loss=True",
+                                             "--dtype=float32"])
+    assert proc.returncode == 0, proc.stderr
+    recall = json.loads((out / "recall.json").read_text())
+    val = json.loads((out / "val_loss.json").read_text())
+    assert recall["answers"] == val["tokens"] == 700
+    assert f"answer accuracy {recall['accuracy']:.4f} over 700 answers of 150 validation examples" in proc.stdout
+    assert "by key-value pairs: 2: " in proc.stdout
+    # a dataset without marked answers has no accuracy to give
+    plain = run_script_in_process("eval.py", [f"--out_dir={out}", "--recall=True", f"--dataset={ROOT / 'tests'}"])
+    assert plain.returncode != 0
+
+
+def test_compare_sweeps_a_grid_and_reports_accuracy(mqar, tmp_path):
+    out = tmp_path / "sweep"
+    overrides = f"--dataset={mqar} --max_iters=6 --lr_decay_iters=6 --eval_interval=3 --eval_iters=2"
+    proc = subprocess.run([sys.executable, "compare.py", f"--base_config={TINY}", f"--overrides={overrides}",
+                           "--attn_types=base,linear", "--seeds=1", "--grid=--n_embd=16,--n_embd=32",
+                           "--samples=False", f"--out_dir={out}"], cwd=ROOT, env=subprocess_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    results = json.loads((out / "report" / "results.json").read_text())
+    report = (out / "report" / "report.md").read_text()
+    assert sorted(r["variant"] for r in results["runs"]) == sorted(
+        [f"{a} n_embd={w}" for a in ("base", "linear") for w in (16, 32)])
+    for r in results["runs"]:
+        run_dir = out / "runs" / f"{r['attn_type']}-n_embd{r['variant'].split('=')[1]}-seed{r['seed']}"
+        recall = json.loads((run_dir / "recall.json").read_text())
+        assert r["accuracy"] == recall["accuracy"]
+        assert r["accuracy_by_pairs"] == {k: v["accuracy"] for k, v in recall["by_pairs"].items()}
+        ckpt = torch.load(run_dir / "ckpt.pt", map_location="cpu", weights_only=False)
+        assert ckpt["model_args"]["n_embd"] == int(r["variant"].split("=")[1])
+    summary = results["summary"]
+    for width in (16, 32):
+        linear, base = summary[f"linear n_embd={width}"], summary[f"base n_embd={width}"]
+        assert linear["base"] == f"base n_embd={width}"
+        mine = {r["seed"]: r["accuracy"] for r in results["runs"] if r["variant"] == f"linear n_embd={width}"}
+        theirs = {r["seed"]: r["accuracy"] for r in results["runs"] if r["variant"] == f"base n_embd={width}"}
+        assert linear["accuracy_vs_base"]["differences"] == [mine[1] - theirs[1]]
+        assert base["accuracy"]["values"] == [theirs[1]]
+        line = next(line for line in report.splitlines() if line.startswith(f"| `linear n_embd={width}` | 0."))
+        assert f"| {mine[1]:.3f} | {mine[1]:.3f} | " in line
+    assert "## Answer accuracy (recall)" in report and (out / "report" / "accuracy.png").stat().st_size > 0
