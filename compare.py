@@ -35,11 +35,14 @@ answer_help(__file__)  # --help before the heavy imports below
 
 import json
 import os
+import queue
 import shlex
 import signal
 import statistics
 import subprocess
 import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from tqdm import tqdm
@@ -61,6 +64,7 @@ overrides = ''  # extra train.py settings for every run, e.g. '--max_iters=500 -
 grid = []  # settings to sweep besides attn_type and seed: each entry is one point, e.g. ['--n_embd=64', '--n_embd=128']
 out_dir = 'out-compare'  # runs in out_dir/runs/<attn_type>-seed<seed>/, the report in out_dir/report/
 nproc = 1  # processes per run; more than 1 launches train.py with torchrun --standalone
+jobs = 1  # runs trained at the same time, each with its share of the CPU cores (and its own nproc GPUs, on CUDA)
 samples = True  # put one sample per variant (sample.py on its first seed's checkpoint) in the report
 sample_tokens = 200  # new tokens in each sample
 report_only = False  # only write the report from the runs already in out_dir
@@ -78,6 +82,9 @@ if not seeds or not all(isinstance(s, int) and s >= 0 for s in seeds) or len(set
 if not 1 <= nproc <= (os.cpu_count() or 1):  # torchrun would wait for ever for processes it cannot start
     fail(f"nproc={nproc} must be between 1 and this machine's {os.cpu_count()} CPU cores (one train.py process "
          f"per GPU or core)")
+if not 1 <= jobs * nproc <= (os.cpu_count() or 1):
+    fail(f"jobs={jobs} runs of nproc={nproc} processes must fit this machine's {os.cpu_count()} CPU cores "
+         f"(jobs x nproc at most {os.cpu_count()})")
 extra = shlex.split(overrides)
 # the settings every run trains with, checked now (a typo fails here, not in the eighth run)
 try:
@@ -204,7 +211,38 @@ def die_with_parent():
         pass
 
 
-def train(run, bar, done_before):
+def job_environment(slot):
+    """The environment of a train.py in job slot `slot` of `jobs`: with several jobs, each gets its share
+    of the CPU cores (OpenMP threads that outnumber the cores spin-wait and run many times slower) and,
+    where there are CUDA GPUs, its own nproc of them."""
+    env = dict(os.environ)
+    if jobs > 1:
+        env['OMP_NUM_THREADS'] = str(max(1, len(os.sched_getaffinity(0)) // (jobs * nproc)))
+        if torch.cuda.is_available():
+            env['CUDA_VISIBLE_DEVICES'] = ','.join(str(slot * nproc + k) for k in range(nproc))
+    return env
+
+
+class Progress:
+    """The sweep's progress bar: iterations done over all runs, updated from the job threads."""
+
+    def __init__(self):
+        self.bar = tqdm(total=sum(run.max_iters for run in runs), unit='it', desc=f'{len(runs)} runs',
+                        dynamic_ncols=True)
+        self.done, self.lock = {}, threading.Lock()
+
+    def update(self, run, iters, text):
+        with self.lock:
+            self.done[run.dir] = iters
+            self.bar.n = sum(self.done.values())
+            self.bar.set_postfix_str(f"{run.variant} seed {run.seed}: {text}")
+
+    def write(self, text):
+        with self.lock:
+            self.bar.write(text)
+
+
+def train(run, slot, progress):
     """One train.py process; returns its exit code. Progress goes to the bar, output to train.log."""
     os.makedirs(run.dir, exist_ok=True)
     resume = os.path.exists(os.path.join(run.dir, 'ckpt.pt'))
@@ -217,52 +255,58 @@ def train(run, bar, done_before):
         log.write(f"$ {shlex.join(cmd)}\n")
         log.flush()
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                preexec_fn=die_with_parent if sys.platform == 'linux' else None)
-        try:
-            for line in proc.stdout:
-                log.write(line)
-                log.flush()  # `tail -f train.log` follows the run
-                if line.startswith('iter '):
-                    it = int(line.split(':')[0].split()[1])
-                    bar.n = done_before + it + 1
-                    bar.set_postfix_str(f"{run.variant} seed {run.seed}: iter {it + 1}/{run.max_iters}")
-        except KeyboardInterrupt:  # Ctrl-C reached train.py too: it checkpoints and exits
-            proc.wait()
-            raise
+                                env=job_environment(slot), preexec_fn=die_with_parent if sys.platform == 'linux' else None)
+        for line in proc.stdout:
+            log.write(line)
+            log.flush()  # `tail -f train.log` follows the run
+            if line.startswith('iter '):
+                it = int(line.split(':')[0].split()[1])
+                progress.update(run, it + 1, f"iter {it + 1}/{run.max_iters}")
         return proc.wait()
 
 
 def train_all():
+    """Every unfinished run, `jobs` at a time; returns {(variant, seed): why} for the runs that failed."""
     failures = {}
-    bar = tqdm(total=sum(run.max_iters for run in runs), unit='it', desc=f'{len(runs)} runs', dynamic_ncols=True)
-    done_before = 0
+    progress = Progress()
+    todo = []
     for run in runs:
-        bar.n = done_before
-        name = f"{run.variant} seed {run.seed}"
         if finished(run):
-            done_before += run.max_iters
-            bar.n = done_before
-            bar.set_postfix_str(f"{name}: already done")
-            continue
-        bar.set_postfix_str(f"{name}: starting")  # not the previous run's last words
+            progress.update(run, run.max_iters, "already done")
+        else:
+            todo.append(run)
+    slots = queue.SimpleQueue()  # job slot numbers: which CPU share / GPUs a run gets
+    for slot in range(jobs):
+        slots.put(slot)
+
+    def train_one(run):
+        slot = slots.get()
+        progress.update(run, progress.done.get(run.dir, 0), "starting")  # not the previous run's last words
         try:
-            rc = train(run, bar, done_before)
-        except KeyboardInterrupt:
-            bar.close()
-            print(f"\ninterrupted: run the same command again to continue from {run.dir}", file=sys.stderr)
-            sys.exit(130)
+            rc = train(run, slot, progress)
+        finally:
+            slots.put(slot)
         ok = rc == 0 and finished(run)
         if not ok:
             failures[(run.variant, run.seed)] = f"exit code {rc} (see its train.log)"
             with open(os.path.join(run.dir, 'train.log')) as f:
                 tail = f.read().strip().splitlines()[-3:]
-            bar.write(f"run {name} failed (exit {rc}); see {run.dir}/train.log:\n  " + "\n  ".join(tail))
+            progress.write(f"run {run.variant} seed {run.seed} failed (exit {rc}); see {run.dir}/train.log:\n  "
+                           + "\n  ".join(tail))
         # train.py logs every log_interval iterations, so its last line is not the run's last iteration:
         # the bar counts the run in full and says how it ended
-        done_before += run.max_iters
-        bar.n = done_before
-        bar.set_postfix_str(f"{name}: {'done' if ok else 'failed'}")
-    bar.close()
+        progress.update(run, run.max_iters, 'done' if ok else 'failed')
+
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        try:
+            for future in [pool.submit(train_one, run) for run in todo]:
+                future.result()
+        except KeyboardInterrupt:  # Ctrl-C reached the train.py processes too: they checkpoint and exit
+            pool.shutdown(wait=True, cancel_futures=True)
+            progress.bar.close()
+            print("\ninterrupted: run the same command again to continue the sweep", file=sys.stderr)
+            sys.exit(130)
+    progress.bar.close()
     return failures
 
 

@@ -197,6 +197,9 @@ if meta is not None and 'stoi' not in meta and meta.get('tokenizer') == 'char':
         meta = {**meta, **read_meta_pkl(meta_pkl)}  # plain data only: a crafted meta.pkl cannot run code
     except ValueError as e:
         fail(e)
+if meta is not None and meta.get('tokenizer') == 'ids':
+    fail(f"{meta_dir} holds token ids with no text ({meta.get('task', 'a synthetic task')}): sample.py has nothing to "
+         f"print; score the model with eval.py --out_dir={out_dir} --recall=True")
 char_level = meta is not None and 'stoi' in meta
 vocab_size = model.config.vocab_size
 if char_level:

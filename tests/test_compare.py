@@ -234,6 +234,10 @@ def test_report_only_names_an_unreadable_checkpoint(sweep):
 @pytest.mark.parametrize('args,message', [
     (['--attn_types=base,noiseformer2'], "unknown 'noiseformer2' (did you mean 'noiseformer_v2'?)"),
     (['--nproc=99999999999'], "nproc=99999999999 must be between 1 and this machine's"),
+    (['--jobs=99999'], "jobs=99999 runs of nproc=1 processes must fit this machine's"),
+    (['--grid=--n_embd=64,--n_embd=64'], "repeats a point"),
+    (['--grid=--seed=3'], "attn_type, seed, out_dir and init_from are compare.py's to set"),
+    (['--grid=--n_emb=64'], "n_emb"),
 ])
 def test_bad_sweep_settings_are_one_line(args, message, tmp_path):
     from helpers import run_script_in_process

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from denoised_gpt.batches import ExampleLayout, TokenBatches
 from denoised_gpt.evaluation import exact_val_loss
 from denoised_gpt.evaluation.recall import answer_accuracy, distance_bucket
-from helpers import NO_AUTOCAST, ROOT, TINY, run_script_in_process, subprocess_env, tiny_gpt
+from helpers import (NO_AUTOCAST, ROOT, TINY, eval_losses, iter_losses, run_script_in_process, run_train,
+                     subprocess_env, tiny_gpt)
 from model import ATTENTION_TYPES
 
 sys.path.insert(0, str(ROOT / "data" / "mqar"))
@@ -244,17 +245,34 @@ def test_train_then_eval_recall(mqar, tmp_path):
     assert recall["answers"] == val["tokens"] == 700
     assert f"answer accuracy {recall['accuracy']:.4f} over 700 answers of 150 validation examples" in proc.stdout
     assert "by key-value pairs: 2: " in proc.stdout
+    sample = run_script_in_process("sample.py", [f"--out_dir={out}", "--max_new_tokens=2"])
+    assert sample.returncode == 2 and "holds token ids with no text (mqar)" in sample.stderr
     # a dataset without marked answers has no accuracy to give
     plain = run_script_in_process("eval.py", [f"--out_dir={out}", "--recall=True", f"--dataset={ROOT / 'tests'}"])
     assert plain.returncode != 0
 
 
+def test_ddp_two_ranks_match_one_process_on_masked_examples(mqar, tmp_path):
+    """Each rank draws its micro-batches of whole examples and masks their targets as one process does."""
+    args = ['--attn_type=diff', '--gradient_accumulation_steps=2', '--max_iters=4', '--eval_interval=4',
+            '--eval_iters=2', '--warmup_iters=1', '--lr_decay_iters=4']
+    one = run_train(tmp_path / 'one', mqar, *args)
+    two = run_train(tmp_path / 'two', mqar, *args, nproc=2)
+    assert '2 process(es)' in two.stdout
+    l1, l2 = iter_losses(one.stdout), iter_losses(two.stdout)
+    assert sorted(l1) == sorted(l2) == [0, 1, 2, 3]
+    assert all(abs(l1[it] - l2[it]) < 1e-5 for it in l1), (l1, l2)
+    assert abs(eval_losses(one.stdout)[4] - eval_losses(two.stdout)[4]) < 1e-5
+
+
 def test_compare_sweeps_a_grid_and_reports_accuracy(mqar, tmp_path):
+    """Two widths x two variants, two runs at a time: each run trained at its grid point, the accuracy
+    table and its paired reading read from each run's recall.json."""
     out = tmp_path / "sweep"
     overrides = f"--dataset={mqar} --max_iters=6 --lr_decay_iters=6 --eval_interval=3 --eval_iters=2"
     proc = subprocess.run([sys.executable, "compare.py", f"--base_config={TINY}", f"--overrides={overrides}",
                            "--attn_types=base,linear", "--seeds=1", "--grid=--n_embd=16,--n_embd=32",
-                           "--samples=False", f"--out_dir={out}"], cwd=ROOT, env=subprocess_env(),
+                           "--samples=False", "--jobs=2", f"--out_dir={out}"], cwd=ROOT, env=subprocess_env(),
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     results = json.loads((out / "report" / "results.json").read_text())

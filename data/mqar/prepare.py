@@ -22,8 +22,9 @@ the value is only a label; here it is the next token, so that the data is a plai
 (y = x shifted by one) like every other dataset of this repository. Predicting it at the query
 position sees exactly what the paper's model sees.
 
-    python3 data/mqar/prepare.py                                     # 8 pairs, seq_len 64, vocab 512
-    python3 data/mqar/prepare.py --num_kv_pairs 4 8 16 32 --seq_len 128 --out_dir data/mqar-mix
+    python3 data/mqar/prepare.py          # the recall study's data: 2, 4 and 8 pairs, seq_len 32, vocab 64
+    python3 data/mqar/prepare.py --num_kv_pairs 8 --seq_len 64 --vocab_size 256 --out_dir data/mqar64
+    python3 data/mqar/prepare.py --num_kv_pairs 8 16 32 64 --seq_len 256 --vocab_size 8192 --out_dir data/mqar-paper
 
 Writes train.bin / val.bin (uint16, examples one after another), train_mask.bin / val_mask.bin and
 meta.json. Train and val come from separate seeds; each number of pairs has its own stream, so
@@ -141,13 +142,13 @@ def prepare(args):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--vocab_size", type=int, default=512, help="V: keys from 1 .. V/2 - 1, values from V/2 .. V - 1")
-    p.add_argument("--seq_len", type=int, default=64, help="tokens the model reads per example (train with "
+    p.add_argument("--vocab_size", type=int, default=64, help="V: keys from 1 .. V/2 - 1, values from V/2 .. V - 1")
+    p.add_argument("--seq_len", type=int, default=32, help="tokens the model reads per example (train with "
                                                             "block_size equal to it)")
-    p.add_argument("--num_kv_pairs", type=int, nargs="+", default=[8],
+    p.add_argument("--num_kv_pairs", type=int, nargs="+", default=[2, 4, 8],
                    help="key-value pairs per example; several values give a mix, each with the numbers of examples below")
-    p.add_argument("--train_examples", type=int, default=20000, help="training examples per number of pairs")
-    p.add_argument("--val_examples", type=int, default=1000, help="validation examples per number of pairs")
+    p.add_argument("--train_examples", type=int, default=50000, help="training examples per number of pairs")
+    p.add_argument("--val_examples", type=int, default=500, help="validation examples per number of pairs")
     p.add_argument("--power_a", type=float, default=0.01, help="the query slots' power law (the paper's 0.01)")
     p.add_argument("--seed", type=int, default=0, help="seed of the training examples")
     p.add_argument("--val_seed", type=int, default=1, help="seed of the validation examples (not --seed)")
