@@ -40,7 +40,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from denoised_gpt.batches import TokenBatches, check_token_files, load_meta
 from denoised_gpt.checkpoint import (CheckpointError, capture_rng_state, load_checkpoint, optimizer_param_names,
                                      restore_training_state, save_checkpoint)
-from denoised_gpt.cli import fail, load_gpt2, read_config
+from denoised_gpt.cli import fail, load_gpt2, model_with_weights, read_config
 from denoised_gpt.device import (autocast_context, compile_model, ddp_backend, ddp_device_ids, device_type,
                                  fused_optimizer, grad_scaler, manual_seed, mark_step, peak_flops, resolve_compile,
                                  resolve_device, resolve_dtype, setup)
@@ -219,9 +219,10 @@ try:
             print(f"Resuming training from {out_dir}")
         model_args = resumed_model_args(checkpoint['model_args'], model_args, given, meta_vocab_size, dataset, out_dir)
         block_size = model_args['block_size']
-        model = GPT(GPTConfig(**model_args))
-        apply_trainable(model, trainable, lora_rank, lora_alpha, lora_dropout, lora_targets)  # the same LoRA names
-        model.load_state_dict(checkpoint['model'])
+        # built empty (meta device), then the checkpoint's tensors become its parameters: no initialisation
+        # to throw away. The same LoRA adapters and frozen parameters as the run, before the weights go in.
+        model = model_with_weights(GPTConfig(**model_args), checkpoint['model'], prepare=lambda m: apply_trainable(
+            m, trainable, lora_rank, lora_alpha, lora_dropout, lora_targets))
         iter_num = checkpoint['iter_num']
         best_val_loss = checkpoint['best_val_loss']
         train_time = checkpoint.get('train_time', 0.0)

@@ -146,15 +146,18 @@ def hub_reachable(seconds=3.0):
         return False
 
 
-def model_with_weights(config, state_dict):
+def model_with_weights(config, state_dict, prepare=None):
     """GPT(config) holding state_dict, built on the meta device: no random initialisation for the weights
     to overwrite (a second or more at GPT-2 size), and the state_dict's tensors become the parameters
-    themselves, not copies. Raises RuntimeError (load_state_dict's) when a tensor is missing or does
-    not fit."""
+    themselves, not copies. prepare(model), if given, changes the empty model before the weights go in
+    (resume: the LoRA adapters and frozen parameters of the run). Raises RuntimeError (load_state_dict's)
+    when a tensor is missing or does not fit."""
     from model import GPT
     with torch.device('meta'):
         model = GPT(config)
-    model.load_state_dict(state_dict, assign=True)
+        if prepare is not None:
+            prepare(model)
+    model.load_state_dict(state_dict, assign=True)  # requires_grad stays the model's (prepare's freezing)
     # assign gives each key its own Parameter: tie lm_head to the token embedding again, as GPT does
     model.lm_head.weight = model.transformer.wte.weight
     return model
