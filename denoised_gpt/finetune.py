@@ -21,6 +21,7 @@ import os
 import torch
 
 from denoised_gpt.checkpoint import CKPT_NAME, checkpoint_path, load_checkpoint, save_checkpoint
+from denoised_gpt.cli import model_with_weights
 from model import ATTENTION_TYPES, GPT, GPTConfig
 
 TRAINABLE = ('all', 'new', 'lora')
@@ -86,10 +87,9 @@ def model_from_checkpoint(ckpt, model_args):
         raise ValueError(f"attn_type={target!r} has no key projection (its scores are Q Q^T): base's query, key "
                          f"and value weights do not fit it. Convert to one of {', '.join(extends_base())}, or "
                          f"train {target!r} from scratch")
-    model = GPT(GPTConfig(**model_args))
-    if source == target:
-        model.load_state_dict(ckpt['model'])
-        return model, []
+    if source == target:  # every tensor comes from the checkpoint: built empty, nothing initialised to throw away
+        return model_with_weights(GPTConfig(**model_args), ckpt['model']), []
+    model = GPT(GPTConfig(**model_args))  # the conversion's new parameters keep this initialisation
     return model, model.load_base_weights(ckpt['model'])
 
 

@@ -63,6 +63,18 @@ def test_conversion_keeps_every_base_tensor_and_lists_only_the_new_ones(tmp_path
     assert model.lm_head.weight is model.transformer.wte.weight  # still tied after the copy
 
 
+def test_a_checkpoint_of_the_runs_own_attn_type_is_taken_as_it_is(tmp_path):
+    """No conversion: the model is built empty and holds the checkpoint's tensors, bitwise, still tied."""
+    trained = tiny_gpt('dint', seed=3)
+    save_model_checkpoint(tmp_path / 'dint', trained)
+    model, listed = model_from_checkpoint(load_checkpoint(tmp_path / 'dint'), {**TINY_MODEL, 'attn_type': 'dint'})
+    assert listed == []
+    own, theirs = model.state_dict(), trained.state_dict()
+    assert own.keys() == theirs.keys() and all(torch.equal(own[k], theirs[k]) for k in own)
+    assert not any(p.is_meta for p in model.parameters())
+    assert model.lm_head.weight is model.transformer.wte.weight
+
+
 def test_a_variant_that_does_not_fit_base_says_so(tmp_path):
     nanogpt_base_checkpoint(tmp_path / 'nano')
     for attn_type in ('symmetric', 'noiseformer_v1', 'noiseformer_v2'):
