@@ -601,9 +601,15 @@ class GPT(nn.Module):
                  if not k.endswith(('.attn.masked_bias', '.attn.bias'))}  # buffers, not parameters
         # OpenAI's checkpoints use Conv1D modules, whose weights are the transpose of a Linear's
         transposed = ('attn.c_attn.weight', 'attn.c_proj.weight', 'mlp.c_fc.weight', 'mlp.c_proj.weight')
-        sd_base = {k: (v.t() if k.endswith(transposed) else v) for k, v in sd_hf.items()}
-        model = cls(config)
-        model.load_base_weights(sd_base)
+        sd_base = {k: (v.t().contiguous() if k.endswith(transposed) else v) for k, v in sd_hf.items()}
+        if config.attn_type != 'base':  # the variant's own parameters keep their initialisation
+            model = cls(config)
+            model.load_base_weights(sd_base)
+            return model
+        with torch.device('meta'):  # every tensor comes from GPT-2: nothing to initialise and throw away
+            model = cls(config)
+        model.load_state_dict(sd_base, assign=True)
+        model.lm_head.weight = model.transformer.wte.weight  # assign gave each key its own Parameter
         return model
 
     def load_base_weights(self, state_dict):

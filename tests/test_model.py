@@ -664,6 +664,8 @@ def test_from_pretrained_local_hf_checkpoint(tmp_path):
     assert model.config.attn_type == "base"
     assert (model.config.n_layer, model.config.n_head, model.config.n_embd) == (2, 4, 48)
     assert (model.config.vocab_size, model.config.block_size) == (97, 64)
+    assert model.lm_head.weight is model.transformer.wte.weight and not any(p.is_meta for p in model.parameters())
+    assert torch.equal(model.transformer.h[1].attn.c_attn.weight, hf.transformer.h[1].attn.c_attn.weight.t())
     idx = torch.randint(0, 97, (2, 40))
     with torch.no_grad():
         ours = full_logits(model, idx)
