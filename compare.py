@@ -343,7 +343,7 @@ def recall_results(run):
     checkpoint (its recall.json, computed again only when ckpt.pt is newer); {} on other datasets."""
     data_dir = os.path.join('data', point_configs[run.tag]['dataset'])
     try:
-        if ExampleLayout(data_dir, 'val').mask_path is None:
+        if ExampleLayout(data_dir, 'val').labels_path is None:
             return {}
     except ValueError:
         return {}  # its meta.json is damaged: training said so already

@@ -5,8 +5,8 @@ resumed run draws exactly the batches the uninterrupted run would have drawn.
 
 A dataset of fixed-length examples (a synthetic task such as data/mqar) says so in its meta.json:
 `example_tokens` (each row of a batch is then one whole example, never a window across two) and
-`target_mask` (the loss counts only the targets marked in {split}_mask.bin; the others are -1, which
-the model's losses ignore).
+`labels` (the targets come from {split}_labels.bin instead of the next tokens: the answers, and -1,
+which the model's losses ignore, everywhere else).
 """
 import json
 import os
@@ -69,16 +69,21 @@ def check_token_files(data_dir):
 
 class ExampleLayout:
     """How a dataset's token file is cut into training rows: random windows (example_tokens None), or
-    whole examples of example_tokens tokens whose targets outside `{split}_mask.bin`'s marks are -1
-    (mask_path None: every target counts)."""
+    whole examples of example_tokens tokens. With labels (meta.json's "labels"), the targets come from
+    `{split}_labels.bin` (int32, aligned with the tokens as next-token targets are; -1 = not scored)
+    instead of the next tokens: a task whose answers are labels only, never shown as input (MQAR)."""
 
     def __init__(self, data_dir, split):
         try:
             meta = _read_meta_json(os.path.join(data_dir, "meta.json"))
         except OSError:
             meta = {}  # no meta.json (nanoGPT's datasets, GPT-2 shards without one): plain windows
+        if "target_mask" in meta:
+            raise ValueError(f"{data_dir} was prepared by an earlier data/mqar/prepare.py, whose examples showed "
+                             f"each answer after its query (a model could guess among the values not yet answered): "
+                             f"run prepare.py again")
         self.example_tokens = meta.get("example_tokens")
-        self.mask_path = os.path.join(data_dir, f"{split}_mask.bin") if meta.get("target_mask") else None
+        self.labels_path = os.path.join(data_dir, f"{split}_labels.bin") if meta.get("labels") else None
 
     def check(self, path, num_tokens, block_size):
         """ValueError unless the token file at path (num_tokens long) fits this layout at block_size."""
@@ -91,23 +96,22 @@ class ExampleLayout:
         if num_tokens % self.example_tokens:
             raise ValueError(f"{path} has {num_tokens} tokens, not a whole number of {self.example_tokens}-token "
                              f"examples: it is truncated or from another preparation; run prepare.py again")
-        if self.mask_path is not None:
-            mask_bytes = _token_file_size(os.path.dirname(path), self.mask_path)
-            if mask_bytes != num_tokens:
-                raise ValueError(f"{self.mask_path} has {mask_bytes} bytes but {path} has {num_tokens} tokens "
-                                 f"(one mark per token): the files are from different preparations; run "
+        if self.labels_path is not None:
+            label_bytes = _token_file_size(os.path.dirname(path), self.labels_path)
+            if label_bytes != 4 * num_tokens:
+                raise ValueError(f"{self.labels_path} has {label_bytes} bytes but {path} has {num_tokens} tokens "
+                                 f"(one int32 label per token): the files are from different preparations; run "
                                  f"prepare.py again")
 
     def rows(self, path, starts, length):
-        """(x, y) int64 tensors: for each start, tokens [start, start + length) and the next-token targets,
-        -1 where the mask does not mark a target."""
+        """(x, y) int64 tensors: for each start, tokens [start, start + length) and their targets: the next
+        tokens, or the labels where the dataset has them."""
         data = np.memmap(path, dtype=np.uint16, mode="r")
         w = torch.from_numpy(data[starts[:, None] + np.arange(length + 1)].astype(np.int64))  # one read per row
         x, y = w[:, :-1].contiguous(), w[:, 1:].contiguous()
-        if self.mask_path is not None:
-            marks = np.memmap(self.mask_path, dtype=np.uint8, mode="r")
-            keep = torch.from_numpy(marks[starts[:, None] + np.arange(1, length + 1)].astype(np.bool_))
-            y[~keep] = -1
+        if self.labels_path is not None:
+            labels = np.memmap(self.labels_path, dtype=np.int32, mode="r")
+            y = torch.from_numpy(labels[starts[:, None] + np.arange(1, length + 1)].astype(np.int64))
         return x, y
 
 
@@ -256,7 +260,7 @@ _FIELDS = {
     "val_max_id": ("a non-negative integer (or -1 for an empty split)", lambda v: _is_int(v) and v >= -1),
     "example_tokens": ("an integer of at least 2 (tokens per example: block_size is one less)",
                        lambda v: _is_int(v) and v >= 2),
-    "target_mask": ("'answers' (the targets marked in {split}_mask.bin)", lambda v: v == "answers"),
+    "labels": ("'answers' (the targets in {split}_labels.bin)", lambda v: v == "answers"),
     "chars": ("a string (the vocabulary in id order) or a list of strings",
               lambda v: isinstance(v, str) or (isinstance(v, list) and all(isinstance(c, str) for c in v))),
 }

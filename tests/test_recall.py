@@ -1,5 +1,5 @@
 """The recall testbed (MQAR, data/mqar/prepare.py): the generator against the task's definition, whole
-examples with masked targets in training batches, the loss on answers only for every attn_type,
+examples with labelled answers in training batches, the loss on answers only for every attn_type,
 eval.py's answer accuracy, and compare.py's sweep over a grid with its accuracy report."""
 import itertools
 import json
@@ -32,9 +32,10 @@ def prepare(out_dir, *args):
 
 
 def read_split(data_dir, split, example_tokens):
+    """(tokens, labels, marks): int64 tokens and labels per example, and where the labels are answers."""
     tokens = np.fromfile(data_dir / f"{split}.bin", dtype=np.uint16).reshape(-1, example_tokens)
-    mask = np.fromfile(data_dir / f"{split}_mask.bin", dtype=np.uint8).reshape(-1, example_tokens)
-    return tokens.astype(np.int64), mask
+    labels = np.fromfile(data_dir / f"{split}_labels.bin", dtype=np.int32).reshape(-1, example_tokens)
+    return tokens.astype(np.int64), labels.astype(np.int64), labels >= 0
 
 
 @pytest.fixture(scope='module')
@@ -52,11 +53,12 @@ def mqar(tmp_path_factory):
 
 def test_examples_follow_the_definition(mqar):
     meta = json.loads((mqar / "meta.json").read_text())
-    assert meta["example_tokens"] == 33 and meta["target_mask"] == "answers" and meta["vocab_size"] == 64
+    assert meta["example_tokens"] == 33 and meta["labels"] == "answers" and meta["vocab_size"] == 64
     assert meta["train_examples"] == 1200 and meta["val_examples"] == 150
+    shown = 0
     for split in ("train", "val"):
-        tokens, mask = read_split(mqar, split, 33)
-        for row, marks in zip(tokens, mask):
+        tokens, labels, mask = read_split(mqar, split, 33)
+        for row, label, marks in zip(tokens, labels, mask):
             answers = np.nonzero(marks)[0]
             n = len(answers)
             assert n in (2, 4, 8)
@@ -66,20 +68,24 @@ def test_examples_follow_the_definition(mqar):
             pairs = dict(zip(keys, values))
             assert (answers >= 2 * n + 1).all() and ((answers - 2 * n - 1) % 2 == 0).all()  # even query slots
             assert sorted(row[answers - 1]) == sorted(keys), "every key is asked exactly once"
-            assert all(row[a] == pairs[row[a - 1]] for a in answers), "the answer is the queried key's value"
+            assert all(label[a] == pairs[row[a - 1]] for a in answers), "the answer is the queried key's value"
+            shown += sum(row[a] == label[a] for a in answers)  # filler there: a value only by chance
         counts = [int(m.sum()) for m in mask]
         per = 400 if split == "train" else 50
         assert counts == [2] * per + [4] * per + [8] * per  # grouped in --num_kv_pairs order
+    # the answers are labels, not inputs: the token after a query is uniform filler, which equals the
+    # answer with probability 1/64: Binomial(6300, 1/64) has mean 98 and sd 9.8 (were the answers shown: 6300)
+    assert shown < 150
 
 
 def test_seeds_reproduce_bit_for_bit_and_train_and_val_are_disjoint(mqar, tmp_path):
     again = tmp_path / "again"
     assert prepare(again, "--vocab_size=64", "--seq_len=32", "--num_kv_pairs", 2, 4, 8, "--train_examples=400",
                    "--val_examples=50", "--seed=3", "--val_seed=4").returncode == 0
-    for name in ("train.bin", "val.bin", "train_mask.bin", "val_mask.bin", "meta.json"):
+    for name in ("train.bin", "val.bin", "train_labels.bin", "val_labels.bin", "meta.json"):
         assert (again / name).read_bytes() == (mqar / name).read_bytes()
-    train, _ = read_split(mqar, "train", 33)
-    val, _ = read_split(mqar, "val", 33)
+    train, _, _ = read_split(mqar, "train", 33)
+    val, _, _ = read_split(mqar, "val", 33)
     assert not {r.tobytes() for r in val} & {r.tobytes() for r in train}
     assert json.loads((mqar / "meta.json").read_text())["val_examples_in_train"] == 0
     # another seed, other examples; each number of pairs draws from its own stream
@@ -124,15 +130,14 @@ def test_bad_settings_are_one_line_and_write_nothing(tmp_path, args, message):
 # batches and the loss on answers only
 
 def test_batches_are_whole_examples_with_targets_only_at_answers(mqar):
-    tokens, mask = read_split(mqar, "train", 33)
+    tokens, labels, _ = read_split(mqar, "train", 33)
     batches = TokenBatches(str(mqar), "train", 32, 16, seed=0, vocab_size=64)
     starts = {row[:32].tobytes(): i for i, row in enumerate(tokens)}
     for _ in range(5):
         x, y = batches.get_batch()
         for xr, yr in zip(x.numpy(), y.numpy()):
             i = starts[xr.tobytes()]  # every row is one example, from its first token
-            expected = np.where(mask[i, 1:] == 1, tokens[i, 1:], -1)
-            assert np.array_equal(yr, expected)
+            assert np.array_equal(yr, labels[i, 1:])  # the answers, -1 elsewhere
 
 
 def test_a_block_size_that_cuts_examples_is_refused(mqar):
@@ -140,20 +145,33 @@ def test_a_block_size_that_cuts_examples_is_refused(mqar):
         TokenBatches(str(mqar), "train", 31, 4, vocab_size=64)
 
 
-def test_a_mask_from_another_preparation_is_refused(mqar, tmp_path):
+def test_labels_from_another_preparation_are_refused(mqar, tmp_path):
     data = tmp_path / "data"
     data.mkdir()
-    for name in ("train.bin", "val.bin", "val_mask.bin", "meta.json"):
+    for name in ("train.bin", "val.bin", "val_labels.bin", "meta.json"):
         (data / name).write_bytes((mqar / name).read_bytes())
-    (data / "train_mask.bin").write_bytes((mqar / "train_mask.bin").read_bytes()[:-33])
-    with pytest.raises(ValueError, match="train_mask.bin has 39567 bytes but .* has 39600 tokens"):
+    (data / "train_labels.bin").write_bytes((mqar / "train_labels.bin").read_bytes()[:-4 * 33])
+    with pytest.raises(ValueError, match="train_labels.bin has 158268 bytes but .* has 39600 tokens"):
+        TokenBatches(str(data), "train", 32, 4, vocab_size=64)
+
+
+def test_data_from_the_earlier_generator_is_refused(mqar, tmp_path):
+    """Its examples showed each answer after its query: it is refused with the fix, not trained on."""
+    data = tmp_path / "data"
+    data.mkdir()
+    for name in ("train.bin", "val.bin"):
+        (data / name).write_bytes((mqar / name).read_bytes())
+    meta = json.loads((mqar / "meta.json").read_text())
+    del meta["labels"]
+    (data / "meta.json").write_text(json.dumps({**meta, "target_mask": "answers"}))
+    with pytest.raises(ValueError, match="earlier data/mqar/prepare.py.*run prepare.py again"):
         TokenBatches(str(data), "train", 32, 4, vocab_size=64)
 
 
 @pytest.mark.parametrize("attn_type", list(ATTENTION_TYPES))
 def test_the_loss_is_cross_entropy_over_the_answers_only(mqar, attn_type):
     """train.py's loss (the fused lm_head + cross-entropy) and the evaluation's (logits, then F.cross_entropy)
-    on a masked batch, against log-softmax at the answer positions computed here."""
+    on a labelled batch, against log-softmax at the answer positions computed here."""
     model = tiny_gpt(attn_type, vocab_size=64, lowrank_rank=4)
     x, y = TokenBatches(str(mqar), "train", 32, 8, seed=1, vocab_size=64).get_batch()
     torch.manual_seed(7)
@@ -199,7 +217,7 @@ def test_answer_accuracy_by_pairs_and_distance(mqar):
         "2": (1.0, 100), "4": (0.0, 200), "8": (1.0, 400)}
     assert r["accuracy"] == pytest.approx(500 / 700)
     # distances from the generator's layout: key j at 2j, its query at an even offset after the 2N pair tokens
-    tokens, mask = read_split(mqar, "val", 33)
+    tokens, _, mask = read_split(mqar, "val", 33)
     expected = {}
     for row, marks in zip(tokens, mask):
         n = int(marks.sum())
@@ -214,10 +232,10 @@ def test_answer_accuracy_by_pairs_and_distance(mqar):
 
 def test_exact_val_loss_scores_each_answer_once(mqar):
     model = tiny_gpt("base", vocab_size=64).eval()
-    tokens, mask = read_split(mqar, "val", 33)
+    tokens, labels, mask = read_split(mqar, "val", 33)
     r = exact_val_loss(model, str(mqar / "val.bin"), 32, 9, "cpu", NO_AUTOCAST, ExampleLayout(str(mqar), "val"))
     x = torch.from_numpy(tokens[:, :-1])
-    y = torch.from_numpy(np.where(mask[:, 1:] == 1, tokens[:, 1:], -1))
+    y = torch.from_numpy(labels[:, 1:])
     with torch.no_grad():
         logits, _ = model(x, y)
     direct = F.cross_entropy(logits.double().reshape(-1, 64), y.reshape(-1), ignore_index=-1)
@@ -252,8 +270,8 @@ def test_train_then_eval_recall(mqar, tmp_path):
     assert plain.returncode != 0
 
 
-def test_ddp_two_ranks_match_one_process_on_masked_examples(mqar, tmp_path):
-    """Each rank draws its micro-batches of whole examples and masks their targets as one process does."""
+def test_ddp_two_ranks_match_one_process_on_labelled_examples(mqar, tmp_path):
+    """Each rank draws its micro-batches of whole examples and takes their labels as one process does."""
     args = ['--attn_type=diff', '--gradient_accumulation_steps=2', '--max_iters=4', '--eval_interval=4',
             '--eval_iters=2', '--warmup_iters=1', '--lr_decay_iters=4']
     one = run_train(tmp_path / 'one', mqar, *args)

@@ -3,8 +3,9 @@ Multi-query associative recall (MQAR; Arora et al. 2023, "Zoology: Measuring and
 efficient language models", arXiv:2312.04927): the synthetic task that tells attention mechanisms
 apart at laptop scale. One example of seq_len + 1 tokens, for N key-value pairs:
 
-    k1 v1 k2 v2 ... kN vN | . . kj vj . . . . ki vi . . ... .
-    '--- 2N tokens ------'  '--- queries: every key once, the value as the next token; . = filler
+    tokens  k1 v1 k2 v2 ... kN vN | . . kj .  . . . . ki .  . . ... .
+    labels                                   vj             vi
+            '--- 2N tokens ------'  '--- queries: every key once, its value the label of the query; . = filler
 
 - keys are drawn without replacement from 1 .. V/2 - 1, values from V/2 .. V - 1 (disjoint halves of
   the vocabulary V; 0 is never a key or value);
@@ -13,21 +14,20 @@ apart at laptop scale. One example of seq_len + 1 tokens, for N key-value pairs:
   paper: most queries come soon after the pairs, a few far away, like repeated bigrams in text);
 - every other position holds a token drawn uniformly from the whole vocabulary (the paper's random
   non-query tokens), so nothing but recall predicts a value.
-Only the answers count: `{split}_mask.bin` marks them (1 byte per token, 1 on the value that follows a
-query key); train.py and eval.py then score the model on those targets alone, and draw whole
-examples (block_size = seq_len).
-
-One difference from the paper's generator, by design: there the token after a query is filler and
-the value is only a label; here it is the next token, so that the data is a plain token stream
-(y = x shifted by one) like every other dataset of this repository. Predicting it at the query
-position sees exactly what the paper's model sees.
+As in the paper, the value is only a label of the query position: the token after a query is filler,
+so an example never shows an earlier query's answer (were it shown, a model could score H_N / N, 0.34
+at 8 pairs, by guessing among the values not yet answered, without recalling anything).
+`{split}_labels.bin` holds the targets (int32, aligned with the tokens as the next-token targets are:
+the label at position i is the target of the prediction made at i - 1; -1 everywhere but the answers);
+train.py and eval.py then score the model on those targets alone, and draw whole examples
+(block_size = seq_len).
 
     python3 data/mqar/prepare.py          # the recall study's data: 2, 4 and 8 pairs, seq_len 32, vocab 64
     python3 data/mqar/prepare.py --num_kv_pairs 8 --seq_len 64 --vocab_size 256 --out_dir data/mqar64
     python3 data/mqar/prepare.py --num_kv_pairs 8 16 32 64 --seq_len 256 --vocab_size 8192 --out_dir data/mqar-paper
 
-Writes train.bin / val.bin (uint16, examples one after another), train_mask.bin / val_mask.bin and
-meta.json. Train and val come from separate seeds; each number of pairs has its own stream, so
+Writes train.bin / val.bin (uint16, examples one after another), train_labels.bin / val_labels.bin
+(int32) and meta.json. Train and val come from separate seeds; each number of pairs has its own stream, so
 adding one leaves the others' examples as they were.
 """
 import argparse
@@ -58,8 +58,9 @@ def choose_without_replacement(rng, n_rows, population, size, p=None):
 
 
 def mqar_examples(num_examples, num_kv_pairs, seq_len, vocab_size, seed, power_a=0.01):
-    """(tokens, mask): (num_examples, seq_len + 1) arrays, uint16 tokens and uint8 answer marks, from
-    numpy's default generator seeded with (seed, num_kv_pairs): the same arguments give the same bytes."""
+    """(tokens, labels): (num_examples, seq_len + 1) arrays, uint16 tokens and int32 labels (each answer
+    one position after its query key, -1 elsewhere), from numpy's default generator seeded with
+    (seed, num_kv_pairs): the same arguments give the same bytes."""
     check_shape(num_kv_pairs, seq_len, vocab_size)
     rng = np.random.default_rng([seed, num_kv_pairs])
     n, pairs, half = num_examples, num_kv_pairs, vocab_size // 2
@@ -69,13 +70,13 @@ def mqar_examples(num_examples, num_kv_pairs, seq_len, vocab_size, seed, power_a
     slots = choose_without_replacement(rng, n, space, pairs, power_law(space, power_a))
 
     tokens = rng.integers(0, vocab_size, size=(n, seq_len + 1))  # the filler, overwritten below
-    mask = np.zeros((n, seq_len + 1), dtype=np.uint8)
+    labels = np.full((n, seq_len + 1), -1, dtype=np.int32)
     tokens[:, 0:2 * pairs:2], tokens[:, 1:2 * pairs:2] = keys, values
     query_at = 2 * pairs + 2 * slots  # (n, pairs): where key j is asked for
     rows = np.arange(n)[:, None]
-    tokens[rows, query_at], tokens[rows, query_at + 1] = keys, values
-    mask[rows, query_at + 1] = 1
-    return tokens.astype(np.uint16), mask
+    tokens[rows, query_at] = keys
+    labels[rows, query_at + 1] = values  # a label only: the token there stays filler
+    return tokens.astype(np.uint16), labels
 
 
 def check_shape(num_kv_pairs, seq_len, vocab_size):
@@ -119,17 +120,17 @@ def prepare(args):
         check_shape(pairs, args.seq_len, args.vocab_size)
     check_out_dir(args.out_dir)
 
-    train, train_mask = split(args, args.seed, args.train_examples)
-    val, val_mask = split(args, args.val_seed, args.val_examples)
+    train, train_labels = split(args, args.seed, args.train_examples)
+    val, val_labels = split(args, args.val_seed, args.val_examples)
     overlap = shared_examples(train, val)
-    names = ["train.bin", "val.bin", "train_mask.bin", "val_mask.bin", "meta.json"]
+    names = ["train.bin", "val.bin", "train_labels.bin", "val_labels.bin", "meta.json"]
     with atomic_outputs(args.out_dir, names) as tmp:
-        for name, array in zip(names, (train, val, train_mask, val_mask)):
+        for name, array in zip(names, (train, val, train_labels, val_labels)):
             array.tofile(tmp[name])
         write_json(tmp["meta.json"], {
             "tokenizer": "ids", "task": "mqar", "vocab_size": args.vocab_size,
-            # what train.py and eval.py need: whole examples, and the loss on the masked targets only
-            "example_tokens": args.seq_len + 1, "target_mask": "answers",
+            # what train.py and eval.py need: whole examples, and the loss on the labelled answers only
+            "example_tokens": args.seq_len + 1, "labels": "answers",
             "seq_len": args.seq_len, "num_kv_pairs": args.num_kv_pairs, "power_a": args.power_a,
             "train_examples": len(train), "val_examples": len(val), "val_examples_in_train": overlap,
             "seed": args.seed, "val_seed": args.val_seed,

@@ -1,6 +1,6 @@
 """
 Answer accuracy on a recall dataset (data/mqar): over every validation example, the share of answer
-targets (the tokens `{split}_mask.bin` marks) that the model's most likely next token gets right,
+labels (`{split}_labels.bin`) that the model's most likely next token gets right,
 overall, by the example's number of key-value pairs (its count of answers: every key is asked once)
 and by query distance (from the key in the pairs to its query, in tokens: both read off the
 example itself, so no other file is needed).
@@ -30,12 +30,12 @@ def _accuracies(table, order):
 @torch.no_grad()
 def answer_accuracy(model, data_dir, batch_size, device, ctx, split="val"):
     """dict(accuracy, answers, examples, by_pairs, by_distance); ValueError when data_dir is not a dataset
-    of examples with marked answers (its meta.json says example_tokens and target_mask)."""
+    of examples with labelled answers (its meta.json says example_tokens and labels)."""
     layout = ExampleLayout(data_dir, split)
     path = f"{data_dir}/{split}.bin"
-    if layout.example_tokens is None or layout.mask_path is None:
-        raise ValueError(f"{data_dir} is not a recall dataset (its meta.json has no example_tokens and target_mask): "
-                         f"answer accuracy needs examples with marked answers, e.g. data/mqar/prepare.py's")
+    if layout.example_tokens is None or layout.labels_path is None:
+        raise ValueError(f"{data_dir} is not a recall dataset (its meta.json has no example_tokens and labels): "
+                         f"answer accuracy needs examples with labelled answers, e.g. data/mqar/prepare.py's")
     num_tokens = np.memmap(path, dtype=np.uint16, mode="r").size
     length = layout.example_tokens - 1
     layout.check(path, num_tokens, length)
@@ -51,7 +51,7 @@ def answer_accuracy(model, data_dir, batch_size, device, ctx, split="val"):
         hit = (logits.argmax(-1).cpu() == y).numpy()
         x, y = x.numpy(), y.numpy()
         for row in range(len(x)):
-            answers = np.nonzero(y[row] >= 0)[0]  # positions whose next token is an answer: the query keys
+            answers = np.nonzero(y[row] >= 0)[0]  # positions whose target is an answer: the query keys
             pairs = len(answers)
             for p in answers:
                 key_at = int(np.argmax(x[row] == x[row, p]))  # the pairs come first: the key's first occurrence
