@@ -153,7 +153,7 @@ def model_with_weights(config, state_dict, prepare=None):
     (resume: the LoRA adapters and frozen parameters of the run). Raises RuntimeError (load_state_dict's)
     when a tensor is missing or does not fit."""
     from model import GPT
-    with torch.device('meta'):
+    with torch.device('meta'), _NoRandomDraws():
         model = GPT(config)
         if prepare is not None:
             prepare(model)
@@ -161,6 +161,21 @@ def model_with_weights(config, state_dict, prepare=None):
     # assign gives each key its own Parameter: tie lm_head to the token embedding again, as GPT does
     model.lm_head.weight = model.transformer.wte.weight
     return model
+
+
+class _NoRandomDraws(torch.overrides.TorchFunctionMode):
+    """While a model is built to take a checkpoint's tensors, its random initialisation has nothing to do:
+    normal_ on a meta tensor is skipped, and the variants' small torch.randn vectors become zeros on the
+    CPU. On meta tensors torch runs such ops through Python reference code that imports its compiler
+    (torch._dynamo: about 1.7 s of start-up for sample.py and eval.py)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.init.normal_ or func is torch.Tensor.normal_:
+            return kwargs['tensor'] if 'tensor' in kwargs else args[0]
+        if func is torch.randn:
+            return torch.zeros(*args, **{**kwargs, 'device': 'cpu'})
+        return func(*args, **kwargs)
 
 
 def load_gpt2(name, override_args):

@@ -66,6 +66,26 @@ def test_importing_the_model_does_not_import_the_compiler():
     assert subprocess.run([sys.executable, '-c', code], cwd=ROOT, env=subprocess_env()).returncode == 0
 
 
+def test_loading_and_sampling_a_model_does_not_import_the_compiler():
+    """sample.py / eval.py build the model on the meta device (cli.model_with_weights), where torch runs
+    random draws and arithmetic through code that imports torch._dynamo: the build skips them, for every
+    attn_type, and generating from the model imports nothing of the compiler either."""
+    code = """if True:
+        import sys, torch
+        from denoised_gpt.cli import model_with_weights
+        from model import ATTENTION_TYPES, GPT, GPTConfig
+        for attn_type in ATTENTION_TYPES:
+            config = GPTConfig(n_layer=2, n_head=4, n_embd=32, block_size=16, vocab_size=64, attn_type=attn_type,
+                               **({'lowrank_rank': 4} if attn_type == 'dint_lowrank' else {}))
+            weights = GPT(config).state_dict()
+            model = model_with_weights(config, weights).eval()
+            assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), weights.values()))
+            model.generate(torch.zeros(3, 2, dtype=torch.long), 3, top_k=5)
+        sys.exit('torch._dynamo' in sys.modules)"""
+    proc = subprocess.run([sys.executable, '-c', code], cwd=ROOT, env=subprocess_env(), capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr or "torch._dynamo was imported"
+
+
 def test_plain_loss_compiles_without_any_break():
     # return_logits=True (evaluation, nanoGPT's API): lm_head + F.cross_entropy, all in one graph
     model = tiny_gpt('base', vocab_size=VOCAB)
