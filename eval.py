@@ -6,6 +6,7 @@ $ python eval.py --init_from=gpt2 --glue=all --seeds=0,1,2
 $ python eval.py --out_dir=out-owt-dint --lm_eval=hellaswag,lambada_openai,arc_easy,piqa
 $ python eval.py --out_dir=out-owt-dint_lowrank --entropy=True --compare_to=out-owt-base
 $ python eval.py --out_dir=out-mqar --recall=True --val_loss=True
+$ python eval.py --init_from=hf-owt-dint --val_loss=True   # a folder written by export_hf.py
 
 What it measures (any combination in one run; results go to eval_dir as JSON, tables to stdout):
   val_loss  the mean cross-entropy over the whole data/<dataset>/val.bin, in non-overlapping
@@ -47,9 +48,9 @@ from denoised_gpt.device import autocast_context, manual_seed
 from model import ATTENTION_TYPES
 
 # -----------------------------------------------------------------------------
-init_from = 'resume'  # 'resume' (the checkpoint in out_dir) or a GPT-2 model name (gpt2, gpt2-medium, ...)
+init_from = 'resume'  # 'resume' (the checkpoint in out_dir), a GPT-2 model name (gpt2, gpt2-medium, ...) or a Hugging Face folder (export_hf.py)
 out_dir = 'out'  # the checkpoint's directory (init_from='resume')
-eval_dir = ''  # where results are written (default: out_dir, or eval-<init_from> for GPT-2 weights)
+eval_dir = ''  # where results are written (default: out_dir, or eval-<init_from's name> for GPT-2 weights and folders)
 dataset = ''  # data/<dataset> with val.bin for val_loss and entropy (default: the checkpoint's dataset)
 device = 'auto'  # 'auto' (cuda > hpu > mps > cpu), 'cpu', 'cuda', 'cuda:1', 'hpu', 'mps'
 dtype = 'auto'  # 'auto', 'float32', 'bfloat16' or 'float16' (autocast for the model's forward passes)
@@ -120,15 +121,17 @@ ctx = autocast_context(device, dtype)
 
 
 def load(source, from_dir, noise=noise_at_eval):
-    """-> (model in eval mode on the CPU, info dict). source: 'resume' (from_dir/ckpt.pt) or a gpt2 name."""
+    """-> (model in eval mode on the CPU, info dict). source: 'resume' (from_dir/ckpt.pt), a gpt2 name or a
+    Hugging Face folder."""
     from denoised_gpt.evaluation.entropy import run_name
+    from denoised_gpt.hf_format import WEIGHTS_FILE
     model, ckpt = load_model(source, from_dir, noise)
     if ckpt is None:
         info = dict(name=source, attn_type='base', checkpoint=source, dataset=dataset or None, identity=source)
     else:
-        path = checkpoint_path(from_dir)
-        stat = os.stat(path)
-        info = dict(name=run_name(from_dir), attn_type=model.config.attn_type,
+        path = checkpoint_path(from_dir) if source == 'resume' else source  # or an exported folder
+        stat = os.stat(path if source == 'resume' else os.path.join(source, WEIGHTS_FILE))
+        info = dict(name=run_name(from_dir if source == 'resume' else source), attn_type=model.config.attn_type,
                     checkpoint=path, iter=int(ckpt['iter_num']),
                     dataset=dataset or ckpt.get('config', {}).get('dataset'),
                     # the feature cache key: this file, as it is now
@@ -166,7 +169,7 @@ model.to(device)
 if compare_to:
     other_model, other_info = load_compare_to()  # on the CPU until its turn comes
 if not eval_dir:
-    eval_dir = out_dir if init_from == 'resume' else f"eval-{init_from}"
+    eval_dir = out_dir if init_from == 'resume' else f"eval-{os.path.basename(os.path.normpath(init_from))}"
 os.makedirs(eval_dir, exist_ok=True)
 log(f"{info['attn_type']} model, {info['checkpoint']}, {info['params'] / 1e6:.2f}M parameters; "
     f"device {device} ({dtype}); results in {eval_dir}")

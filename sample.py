@@ -4,6 +4,7 @@ Sample from a trained model: plain text, a ready-to-paste Markdown or LaTeX appe
 $ python3 sample.py --out_dir=out-shakespeare-char
 $ python3 sample.py --out_dir=out-owt-noiseformer_v2 --prompts_file=prompts/appendix.txt --format=latex > appendix.tex
 $ python3 sample.py --init_from=gpt2-xl --start="What is the answer to life, the universe, and everything?"
+$ python3 sample.py --init_from=hf-owt-noiseformer_v2   # a folder written by export_hf.py
 
 Prompts come from --start (the text itself, or FILE:path to use a whole file as one prompt) or from
 --prompts_file (one prompt per line, blank lines skipped; prompts/appendix.txt is a small neutral set).
@@ -62,7 +63,7 @@ from denoised_gpt.device import autocast_context, manual_seed, torch_dtype
 from model import ATTENTION_TYPES
 
 # -----------------------------------------------------------------------------
-init_from = 'resume'  # either 'resume' (from an out_dir) or a gpt2 variant (e.g. 'gpt2-xl')
+init_from = 'resume'  # 'resume' (from an out_dir), a gpt2 variant (e.g. 'gpt2-xl') or a Hugging Face folder (export_hf.py)
 out_dir = 'out'  # ignored if init_from is not 'resume'
 start = "\n"  # or "<|endoftext|>" or etc. Can also specify a file, use as: "FILE:prompt.txt"
 prompts_file = ''  # a file with one prompt per line (blank lines skipped), instead of start
@@ -159,7 +160,8 @@ else:
 if checkpoint is not None:
     val = checkpoint['best_val_loss']
     val = float(val.item() if torch.is_tensor(val) else val)
-    model_info = dict(attn_type=attn_type, checkpoint=os.path.join(out_dir, 'ckpt.pt'),
+    source = os.path.join(out_dir, 'ckpt.pt') if init_from == 'resume' else init_from  # or an exported folder
+    model_info = dict(attn_type=attn_type, checkpoint=source,
                       iter=int(checkpoint['iter_num']), best_val_loss=val if val < 1e9 else None)
 else:
     model_info = dict(attn_type=attn_type, checkpoint=init_from, iter=None, best_val_loss=None)

@@ -44,8 +44,8 @@ from denoised_gpt.cli import fail, load_gpt2, model_with_weights, read_config
 from denoised_gpt.device import (autocast_context, compile_model, ddp_backend, ddp_device_ids, device_type,
                                  fused_optimizer, grad_scaler, manual_seed, mark_step, peak_flops, resolve_compile,
                                  resolve_device, resolve_dtype, setup)
-from denoised_gpt.finetune import (apply_trainable, is_checkpoint, model_from_checkpoint, start_model_args,
-                                   trainable_summary, write_merged_checkpoint)
+from denoised_gpt.finetune import (apply_trainable, is_checkpoint, load_start, model_from_checkpoint,
+                                   start_model_args, trainable_summary, write_merged_checkpoint)
 from denoised_gpt.lr_schedule import get_lr
 from denoised_gpt.run_dir import (StopRequest, checkpoint_note, clear_for_new_run, lock_out_dir, log_metrics,
                                   peak_memory_mib, restart_advice, start_wandb, trim_metrics, wandb_learned_values)
@@ -62,7 +62,7 @@ log_interval = 1  # print the training loss every this many iterations
 eval_iters = 200  # batches per split in each evaluation (the same batches every time)
 eval_only = False  # if True, script exits right after the first eval
 always_save_checkpoint = True  # if True, always save a checkpoint after each eval
-init_from = 'scratch'  # 'scratch', 'resume' (from out_dir/ckpt.pt), 'gpt2*', or a trained model's checkpoint (file or out_dir, ours or nanoGPT's) to start a new run from
+init_from = 'scratch'  # 'scratch', 'resume' (from out_dir/ckpt.pt), 'gpt2*', or a trained model to start a new run from: a checkpoint (file or out_dir, ours or nanoGPT's) or a folder export_hf.py wrote
 overwrite = False  # scratch run into an out_dir holding a checkpoint: False keeps that one aside, True deletes it
 # starting from a trained model (init_from=a checkpoint or gpt2*): see finetune.py and docs/finetune.md
 trainable = 'all'  # 'all', 'new' (only what attn_type adds to base's weights) or 'lora' (adapters + what attn_type adds)
@@ -230,7 +230,7 @@ try:
         if master_process:
             print(f"Initializing from the checkpoint {init_from} as attn_type={attn_type!r} (a new run: fresh "
                   f"optimizer and LR schedule, iter 0)")
-        start = load_checkpoint(init_from, map_location='cpu')
+        start = load_start(init_from)  # a ckpt.pt, or a folder export_hf.py wrote with model.py's code
         model_args = start_model_args(start['model_args'], model_args, given)
         if 'block_size' not in given:
             block_size = model_args['block_size']

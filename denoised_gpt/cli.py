@@ -1,6 +1,7 @@
 """What every script does the same way: read its settings, refuse bad input in one line, load a model
-to run (a checkpoint or GPT-2's weights) and GPT-2's tokenizer."""
+to run (a checkpoint, GPT-2's weights or a folder in the Hugging Face format) and GPT-2's tokenizer."""
 import contextlib
+import dataclasses
 import difflib
 import math
 import os
@@ -90,32 +91,48 @@ def prepare_device(device, dtype):
 
 
 def check_inference_source(init_from):
-    """sample.py / eval.py run a trained model: 'resume' (out_dir's ckpt.pt) or GPT-2's weights."""
-    if init_from != 'resume' and not init_from.startswith('gpt2'):
-        fail(f"init_from={init_from!r} must be 'resume' (a checkpoint in out_dir) or a GPT-2 model name "
-             f"({', '.join(GPT2_NAMES)})")
+    """sample.py / eval.py run a trained model: 'resume' (out_dir's ckpt.pt), GPT-2's weights, or a folder in
+    the Hugging Face format (export_hf.py's, or GPT-2 saved by transformers)."""
+    if init_from == 'resume' or init_from.startswith('gpt2') or os.path.isfile(os.path.join(init_from, 'config.json')):
+        return
+    hint = f" ({init_from} holds a checkpoint: pass --out_dir={init_from})" if os.path.isfile(
+        os.path.join(init_from, 'ckpt.pt')) else ""
+    fail(f"init_from={init_from!r} must be 'resume' (a checkpoint in out_dir), a GPT-2 model name "
+         f"({', '.join(GPT2_NAMES)}) or a folder in the Hugging Face format, with a config.json (export_hf.py "
+         f"writes one){hint}")
 
 
 def load_model(init_from, out_dir, noise_at_eval=None, model_overrides=None):
-    """The model to run, in eval mode on the CPU, and the checkpoint it came from (None for GPT-2's
-    weights). init_from: 'resume' (out_dir's ckpt.pt, or a checkpoint file) or a GPT-2 name.
-    noise_at_eval: None keeps the checkpoint's setting; True / False is refused for a model without
-    NoiseFormer noise. model_overrides: model_args replaced where the model has that setting (e.g.
-    noise_per_sample for NoiseFormer)."""
+    """The model to run, in eval mode on the CPU, and the checkpoint it came from. init_from: 'resume'
+    (out_dir's ckpt.pt, or a checkpoint file), a GPT-2 name, or a Hugging Face folder: a denoised_gpt one
+    (export_hf.py) is read like a checkpoint, a GPT-2 one by GPT.from_pretrained. The checkpoint is None for
+    GPT-2's weights; for an exported folder, a dict like load_checkpoint's with what its training_run.json
+    records (iter_num, best_val_loss, config). noise_at_eval: None keeps the checkpoint's setting; True /
+    False is refused for a model without NoiseFormer noise. model_overrides: model_args replaced where the
+    model has that setting (e.g. noise_per_sample for NoiseFormer)."""
     from model import ATTENTION_TYPES, GPTConfig
     from denoised_gpt.checkpoint import CheckpointError, load_checkpoint
+    from denoised_gpt.hf_format import MODEL_TYPE, exported_model_type, exported_run, read_exported
     script = os.path.basename(sys.argv[0])
-    if init_from != 'resume':
-        if noise_at_eval is not None:
-            fail("noise_at_eval applies to NoiseFormer models only; GPT-2's weights are base attention")
-        with contextlib.redirect_stdout(sys.stderr):  # from_pretrained prints progress
-            return load_gpt2(init_from, dict(dropout=0.0)).eval(), None
     try:
-        checkpoint = load_checkpoint(out_dir, map_location='cpu', model_only=True)  # no optimizer state read
+        own_code = init_from != 'resume' and exported_model_type(init_from) == MODEL_TYPE
+        if init_from != 'resume' and not own_code:  # GPT-2's weights: a name, or a folder saved by transformers
+            if noise_at_eval is not None:
+                fail("noise_at_eval applies to NoiseFormer models only; GPT-2's weights are base attention")
+            run = exported_run(init_from) if os.path.isdir(init_from) else None
+            with contextlib.redirect_stdout(sys.stderr):  # from_pretrained prints progress
+                model = load_gpt2(init_from, dict(dropout=0.0)).eval()
+            return model, run and {**run, 'model_args': dataclasses.asdict(model.config)}
+        if own_code:
+            source, checkpoint = init_from, read_exported(init_from)
+        else:
+            # model_only: the optimizer state is never read
+            source, checkpoint = out_dir, load_checkpoint(out_dir, map_location='cpu', model_only=True)
     except FileNotFoundError as e:
-        fail(f"{e}\n({script} loads out_dir/ckpt.pt with init_from='resume'; for OpenAI's weights use "
-             f"--init_from=gpt2)")
-    except CheckpointError as e:
+        hint = "" if init_from != 'resume' else (f"\n({script} loads out_dir/ckpt.pt with init_from='resume'; for "
+                                                 f"OpenAI's weights use --init_from=gpt2)")
+        fail(f"{e}{hint}")
+    except (CheckpointError, ValueError) as e:
         fail(e)
     model_args = dict(checkpoint['model_args'])
     attn_type = model_args.get('attn_type', 'base')  # nanoGPT checkpoints have no attn_type
@@ -123,14 +140,14 @@ def load_model(init_from, out_dir, noise_at_eval=None, model_overrides=None):
     if noise_at_eval is not None:
         if 'noise_at_eval' not in fields:
             users = ' / '.join(k for k, cls in ATTENTION_TYPES.items() if 'noise_at_eval' in cls.config_fields)
-            fail(f"noise_at_eval applies to NoiseFormer models ({users}) only; {out_dir} is "
+            fail(f"noise_at_eval applies to NoiseFormer models ({users}) only; {source} is "
                  f"attn_type={attn_type!r}: drop --noise_at_eval")
         model_args['noise_at_eval'] = noise_at_eval
     model_args.update({k: v for k, v in (model_overrides or {}).items() if k in fields})
     try:
         model = model_with_weights(GPTConfig(**model_args), checkpoint['model'])
     except (TypeError, ValueError, RuntimeError) as e:
-        fail(f"the checkpoint in {out_dir} does not build a model: {e}")
+        fail(f"the {'model in' if own_code else 'checkpoint in'} {source} does not build a model: {e}")
     return model.eval(), checkpoint
 
 

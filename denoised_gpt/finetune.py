@@ -1,5 +1,6 @@
 """
 Starting a run from a trained model: what train.py's init_from=PATH, trainable and lora_* settings do.
+PATH is a checkpoint (ours or nanoGPT's, a file or an out_dir) or a folder export_hf.py wrote.
 
 - Conversion: a `base` checkpoint (ours or nanoGPT's) becomes the start of a run of any attn_type
   whose parameters extend base's (diff, dint, dint_lowrank, linear): GPT.load_base_weights copies
@@ -22,6 +23,7 @@ import torch
 
 from denoised_gpt.checkpoint import CKPT_NAME, checkpoint_path, load_checkpoint, save_checkpoint
 from denoised_gpt.cli import model_with_weights
+from denoised_gpt.hf_format import MODEL_TYPE, exported_model_type, read_exported
 from model import ATTENTION_TYPES, GPT, GPTConfig
 
 TRAINABLE = ('all', 'new', 'lora')
@@ -99,9 +101,18 @@ def extends_base():
 
 
 def is_checkpoint(init_from):
-    """A checkpoint file, or a directory holding ckpt.pt (a directory saved by transformers, which
-    holds config.json, is a GPT-2 model as before)."""
-    return os.path.isfile(init_from) or os.path.isfile(os.path.join(init_from, CKPT_NAME))
+    """A checkpoint file, a directory holding ckpt.pt, or a folder export_hf.py wrote with the model's own
+    code (config.json's model_type 'denoised_gpt'). A GPT-2 folder (saved by transformers, or export_hf.py's
+    of a base model) is a GPT-2 model, read by GPT.from_pretrained as before."""
+    return (os.path.isfile(init_from) or os.path.isfile(os.path.join(init_from, CKPT_NAME))
+            or exported_model_type(init_from) == MODEL_TYPE)
+
+
+def load_start(init_from):
+    """The checkpoint dict (load_checkpoint's) a new run starts from: any of is_checkpoint's kinds."""
+    if exported_model_type(init_from) == MODEL_TYPE:
+        return read_exported(init_from)
+    return load_checkpoint(init_from, map_location='cpu')
 
 
 # ----------------------------------------------------------------------------------------------

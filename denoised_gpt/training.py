@@ -45,7 +45,7 @@ def check_training_settings(config, given):
             and not is_checkpoint(init_from):
         raise ValueError(f"init_from={init_from!r} must be 'scratch', 'resume', a GPT-2 model name (gpt2, "
                          f"gpt2-medium, gpt2-large, gpt2-xl), a checkpoint file or out_dir to start from, "
-                         f"or a local directory saved by transformers")
+                         f"or a folder in the Hugging Face format (export_hf.py's, or saved by transformers)")
     check_finetune_settings(c['trainable'], init_from, given, *(c[k] for k in LORA_KEYS))
     GPTConfig(**{k: c[k] for k in MODEL_KEYS if k in c})  # attn_type, head counts, variant settings
     if is_checkpoint(init_from) and os.path.isdir(c['out_dir']) and \

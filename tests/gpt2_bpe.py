@@ -11,14 +11,11 @@ import pytest
 import tiktoken
 import tiktoken.load
 
-# the two files of tiktoken's 'gpt2' encoding (tiktoken_ext/openai_public.py): where tiktoken fetches
-# them from (its cache is keyed by these addresses) and their SHA-256
-_GPT2_FILES = {
-    'encoder.json': ('https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/encoder.json',
-                     '196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783'),
-    'vocab.bpe': ('https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/vocab.bpe',
-                  '1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5'),
-}
+from denoised_gpt.hf_format import GPT2_BPE_FILES
+
+# the two files of tiktoken's 'gpt2' encoding: where tiktoken fetches them from (its cache is keyed by
+# these addresses) and their SHA-256, as export_hf.py reads them
+_GPT2_FILES = GPT2_BPE_FILES
 
 
 @functools.lru_cache(maxsize=None)

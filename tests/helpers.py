@@ -1,5 +1,5 @@
 """What several test files share: paths, synthetic datasets, running the scripts (as subprocesses or
-in this process), and tiny models and checkpoints. A plain module, not a test file.
+in this process), tiny models and checkpoints, and a local lm-eval task. A plain module, not a test file.
 
 The tiny model is tests/config_tiny.py's (2 layers, 2 heads, 32 wide, context 32, no bias) over
 VOCAB tokens; each builder takes keyword overrides for the files that need another size.
@@ -167,3 +167,50 @@ def tiny_checkpoint(out_dir, attn_type, dataset, seed=0, tweak=None, iter_num=7,
     save_model_checkpoint(out_dir, model, iter_num=iter_num, best_val_loss=best_val_loss,
                           config={'dataset': str(dataset)})
     return model
+
+
+# -----------------------------------------------------------------------------
+# lm-evaluation-harness, offline: a local multiple-choice task and lm-eval's own `hf` model
+
+# (question, choices, index of the right one); the last is longer than a context of 64 GPT-2 tokens, so
+# both sides must cut the same left part of it
+MC_QUESTIONS = [
+    ("The capital of France is", [" Paris", " Berlin", " a city by the sea"], 0),
+    ("Two plus two equals", [" four", " five"], 1),
+    ("Question: what do cats chase? Answer:", [" mice", " cars", " their own tails all day"], 0),
+    (" ".join(["word"] * 90) + " and finally", [" the end", " more words"], 0),
+]
+
+
+def local_mc_task(root, name='tiny_mc', questions=MC_QUESTIONS):
+    """The lm-eval task `name`: a task YAML in root/tasks (TaskManager's include_path, returned) over a
+    local jsonl of `questions`, scored by lm-eval's multiple-choice code (acc)."""
+    rows = [dict(question=q, choices=c, answer=a) for q, c, a in questions]
+    (root / f'{name}.jsonl').write_text(''.join(json.dumps(r) + '\n' for r in rows))
+    tasks = root / 'tasks'
+    tasks.mkdir(exist_ok=True)
+    (tasks / f'{name}.yaml').write_text(f"""task: {name}
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {root / f'{name}.jsonl'}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_choice: choices
+doc_to_target: answer
+metric_list:
+  - metric: acc
+""")
+    return tasks
+
+
+def hf_lm(path, **kwargs):
+    """lm-eval's own `hf` model (transformers' AutoModelForCausalLM and AutoTokenizer) on a local folder."""
+    from lm_eval.models.huggingface import HFLM
+    return HFLM(pretrained=str(path), tokenizer=str(path), device='cpu', batch_size=2, **kwargs)
+
+
+def per_doc_loglikelihoods(results, task):
+    """{doc_id: [loglikelihood of each choice]} of lm_eval.simple_evaluate(..., log_samples=True)."""
+    return {s['doc_id']: [r[0][0] for r in s['resps']] for s in results['samples'][task]}

@@ -15,21 +15,15 @@ import tiktoken
 import torch
 
 import gpt2_bpe
-from helpers import NO_AUTOCAST, ROOT, save_model_checkpoint, subprocess_env
+from helpers import (MC_QUESTIONS, NO_AUTOCAST, ROOT, hf_lm, local_mc_task, per_doc_loglikelihoods,
+                     save_model_checkpoint, subprocess_env)
 from model import GPT
 
 # one xdist worker runs this whole file, so its module-scoped fixtures are built once (-n 2 --dist loadgroup)
 pytestmark = pytest.mark.xdist_group('test_eval_lm')
 
 BLOCK = 64
-
-QUESTIONS = [
-    ("The capital of France is", [" Paris", " Berlin", " a city by the sea"], 0),
-    ("Two plus two equals", [" four", " five"], 1),
-    ("Question: what do cats chase? Answer:", [" mice", " cars", " their own tails all day"], 0),
-    # longer than block_size: both models must cut the same left part of the context
-    (" ".join(["word"] * 90) + " and finally", [" the end", " more words"], 0),
-]
+QUESTIONS = MC_QUESTIONS  # the last is longer than BLOCK tokens
 
 
 @pytest.fixture(scope='module')
@@ -51,23 +45,7 @@ def tiny_gpt2(tmp_path_factory):
         hf.lm_head.weight.mul_(40)
     hf.save_pretrained(root / 'hf')
     tokenizer.save_pretrained(root / 'hf')
-    rows = [dict(question=q, choices=c, answer=a) for q, c, a in QUESTIONS]
-    (root / 'mc.jsonl').write_text(''.join(json.dumps(r) + '\n' for r in rows))
-    tasks = root / 'tasks'
-    tasks.mkdir()
-    (tasks / 'tiny_mc.yaml').write_text(f"""task: tiny_mc
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {root / 'mc.jsonl'}
-test_split: test
-output_type: multiple_choice
-doc_to_text: "{{{{question}}}}"
-doc_to_choice: choices
-doc_to_target: answer
-metric_list:
-  - metric: acc
-""")
+    tasks = local_mc_task(root)
     ours = GPT.from_pretrained(str(root / 'hf'), dict(dropout=0.0)).eval()
     from lm_eval.tasks import TaskManager
     task_manager = TaskManager(include_path=str(tasks))  # indexing lm-eval's task files takes seconds: once
@@ -77,15 +55,6 @@ metric_list:
 def adapter(model, batch_size=3):
     from denoised_gpt.evaluation.lm_eval_adapter import NanoGPTLM
     return NanoGPTLM(model, tiktoken.get_encoding('gpt2'), 'cpu', NO_AUTOCAST, batch_size=batch_size, max_gen_toks=16)
-
-
-def hf_lm(path):
-    from lm_eval.models.huggingface import HFLM
-    return HFLM(pretrained=path, tokenizer=path, device='cpu', batch_size=2)
-
-
-def per_doc_loglikelihoods(results, task):
-    return {s['doc_id']: [r[0][0] for r in s['resps']] for s in results['samples'][task]}
 
 
 def test_adapter_matches_lm_evals_hf_model_on_a_local_multiple_choice_task(tiny_gpt2):

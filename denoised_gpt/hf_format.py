@@ -1,0 +1,423 @@
+"""
+Trained models in the Hugging Face format (export_hf.py), and such folders read back (init_from=<folder>
+in train.py, sample.py and eval.py).
+
+A `base` model with biases means what GPT-2's weights mean: it becomes a plain transformers
+GPT2LMHeadModel folder (exact GELU, Conv1D weights transposed, lm_head tied to wte, no dropout) that loads
+without remote code. Any other model (another attn_type; base without biases or with widened query/key
+heads, which GPT-2's layers cannot hold) becomes a `denoised_gpt` folder: config.json with every GPTConfig
+field, model.safetensors with GPT's state_dict (the tied lm_head.weight stored once, as wte, the way
+transformers stores tied weights), a copy of model.py, and the two short files of hf_templates/ that make
+it an AutoModelForCausalLM with trust_remote_code=True.
+
+Either way the vocabulary keeps the checkpoint's size (GPT-2's 50257 padded to 50304), so the logits are
+exactly the model's; the tokenizer is written where the dataset's vocabulary allows it; README.md (the
+model card) says what the folder holds and how to load it; training_run.json keeps the run's counters
+and settings, which sample.py and eval.py show and use to find a char-level vocabulary.
+"""
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+
+import torch
+
+from denoised_gpt.batches import load_meta, read_meta_pkl
+from denoised_gpt.checkpoint import CKPT_NAME
+
+MODEL_TYPE = 'denoised_gpt'  # config.json's model_type of a folder with our own modeling code
+WEIGHTS_FILE = 'model.safetensors'
+RUN_FILE = 'training_run.json'
+TEMPLATES = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'hf_templates')
+CODE_FILES = ('configuration_denoised_gpt.py', 'modeling_denoised_gpt.py')
+AUTO_MAP = {'AutoConfig': 'configuration_denoised_gpt.DenoisedGPTConfig',
+            'AutoModelForCausalLM': 'modeling_denoised_gpt.DenoisedGPTForCausalLM'}
+GPT2_VOCAB = 50257  # GPT-2's BPE tokens; <|endoftext|> is the last
+GPT2_EOT = 50256
+# the two files of tiktoken's 'gpt2' encoding: the address tiktoken caches them under, and their SHA-256
+GPT2_BPE_FILES = {
+    'encoder.json': ('https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/encoder.json',
+                     '196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783'),
+    'vocab.bpe': ('https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/vocab.bpe',
+                  '1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5'),
+}
+CONV1D_WEIGHTS = ('attn.c_attn.weight', 'attn.c_proj.weight', 'mlp.c_fc.weight', 'mlp.c_proj.weight')
+
+
+# ----------------------------------------------------------------------------------------------
+# Export
+
+def check_hf_dir(hf_dir, overwrite):
+    """ValueError unless hf_dir can take an export: a new or empty folder, or with overwrite an earlier
+    export (never a folder holding anything else: overwrite deletes what is there)."""
+    if os.path.exists(hf_dir) and not os.path.isdir(hf_dir):
+        raise ValueError(f"hf_dir={hf_dir!r} is a file, not a folder: choose a folder name")
+    if not os.path.isdir(hf_dir) or not os.listdir(hf_dir):
+        return
+    if not overwrite:
+        raise ValueError(f"hf_dir={hf_dir!r} is not empty: pass --overwrite=True to replace the export there, "
+                         f"or choose another folder")
+    if not os.path.isfile(os.path.join(hf_dir, 'config.json')) or os.path.exists(os.path.join(hf_dir, CKPT_NAME)):
+        raise ValueError(f"hf_dir={hf_dir!r} holds something other than an exported model (no config.json, or a "
+                         f"training checkpoint): overwrite only replaces an earlier export; choose another folder")
+
+
+def gpt2_incompatibility(config):
+    """Why a transformers GPT2LMHeadModel cannot hold this model (a GPTConfig), or None when it can."""
+    if config.attn_type != 'base':
+        return f"attn_type={config.attn_type!r} is not GPT-2's attention"
+    if not config.bias:
+        return "the model has no biases (bias=False), and GPT-2's layers always have them"
+    if config.qk_head_size not in (None, config.n_embd // config.n_head):
+        return f"its query/key heads are widened (qk_head_size={config.qk_head_size}), GPT-2's are not"
+    return None
+
+
+def export(checkpoint, hf_dir, data_dir=None, overwrite=False):
+    """Write `checkpoint` (load_checkpoint's dict) to hf_dir in the Hugging Face format; data_dir: the
+    dataset folder whose metadata says what the token ids mean (None: unknown). The folder is written
+    under a temporary name and renamed into place, so a failed export leaves nothing half-written.
+    Returns notes for the user: the format chosen and why, what the tokenizer is. ValueError when the
+    checkpoint or hf_dir cannot be used."""
+    from denoised_gpt.cli import model_with_weights
+    from denoised_gpt.finetune import PEFT_WRAPPER
+    from model import GPTConfig
+    check_hf_dir(hf_dir, overwrite)
+    if any(PEFT_WRAPPER + '.' in k for k in checkpoint['model']):
+        raise ValueError("this checkpoint holds LoRA adapters: merge them first (python3 train.py --out_dir=<its "
+                         "out_dir> --merge_lora=True) and export <out_dir>/merged")
+    try:
+        model = model_with_weights(GPTConfig(**checkpoint['model_args']), checkpoint['model']).eval()
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise ValueError(f"the checkpoint does not build a model: {e}") from e
+    vocabulary, itos, why_not = dataset_vocabulary(data_dir, model.config.vocab_size)
+
+    notes = []
+    tmp = f"{os.path.normpath(hf_dir)}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        end_of_text = GPT2_EOT if vocabulary == 'gpt2' else None
+        incompatibility = gpt2_incompatibility(model.config)
+        if incompatibility is None:
+            write_gpt2_model(model, tmp, end_of_text)
+            notes.append("format: transformers GPT2LMHeadModel (loads without remote code)")
+        else:
+            write_denoised_gpt_model(model, tmp, end_of_text)
+            notes.append(f"format: model.py's own code, loaded with trust_remote_code=True ({incompatibility})")
+        tokenizer_note = write_tokenizer(tmp, vocabulary, itos, why_not, model.config.block_size)
+        notes.append(f"tokenizer: {tokenizer_note}")
+        run = dict(attn_type=model.config.attn_type, iter_num=int(checkpoint['iter_num']),
+                   best_val_loss=_plain_float(checkpoint['best_val_loss']), config=checkpoint.get('config', {}))
+        with open(os.path.join(tmp, RUN_FILE), 'w') as f:
+            json.dump(run, f, indent=2, default=repr)
+        with open(os.path.join(tmp, 'README.md'), 'w') as f:
+            f.write(model_card(model, run, incompatibility, vocabulary, tokenizer_note, hf_dir))
+        _move_into_place(tmp, hf_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return notes
+
+
+def _move_into_place(tmp, hf_dir):
+    """Rename the finished folder to hf_dir; an earlier export there (overwrite) is removed only after."""
+    old = None
+    if os.path.isdir(hf_dir) and os.listdir(hf_dir):
+        old = f"{os.path.normpath(hf_dir)}.old-{os.getpid()}"
+        os.rename(hf_dir, old)
+    elif os.path.isdir(hf_dir):
+        os.rmdir(hf_dir)
+    umask = os.umask(0)
+    os.umask(umask)
+    for name in os.listdir(tmp):  # some writers make their files private (0600): this folder is for sharing
+        os.chmod(os.path.join(tmp, name), 0o666 & ~umask)
+    try:
+        os.rename(tmp, hf_dir)
+    except OSError:
+        if old is not None:
+            os.rename(old, hf_dir)  # the earlier export back in its place
+        raise
+    if old is not None:
+        shutil.rmtree(old)
+
+
+def _plain_float(value):
+    value = float(value.item() if torch.is_tensor(value) else value)
+    return value if value < 1e9 else None  # 1e9: train.py's "not evaluated yet"
+
+
+def write_gpt2_model(model, folder, end_of_text):
+    """model (base attention with biases) as a transformers GPT2LMHeadModel saved in folder."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    c = model.config
+    hf_config = GPT2Config(vocab_size=c.vocab_size, n_positions=c.block_size, n_embd=c.n_embd, n_layer=c.n_layer,
+                           n_head=c.n_head, layer_norm_epsilon=1e-5,
+                           activation_function='gelu',  # our MLP's exact nn.GELU; GPT-2's gelu_new is the tanh form
+                           resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True,
+                           bos_token_id=end_of_text, eos_token_id=end_of_text)
+    # the same names as ours; GPT-2's Conv1D modules hold the transpose of a Linear's weight
+    state = {k: (v.t().contiguous() if k.endswith(CONV1D_WEIGHTS) else v) for k, v in model.state_dict().items()}
+    with torch.device('meta'):  # every tensor comes from the model: nothing to initialise
+        hf_model = GPT2LMHeadModel(hf_config)
+    hf_model.load_state_dict(state, assign=True)
+    hf_model.lm_head.weight = hf_model.transformer.wte.weight  # assign gave each name its own Parameter
+    hf_model.save_pretrained(folder)
+
+
+def write_denoised_gpt_model(model, folder, end_of_text):
+    """model as config.json + model.safetensors + model.py + the hf_templates/ code, in folder."""
+    import model as model_module
+    from safetensors.torch import save_file
+    state = {k: v.contiguous() for k, v in model.state_dict().items() if k != 'lm_head.weight'}  # = wte, tied
+    save_file(state, os.path.join(folder, WEIGHTS_FILE), metadata={'format': 'pt'})
+    config = {**dataclasses.asdict(model.config), 'model_type': MODEL_TYPE,
+              'architectures': ['DenoisedGPTForCausalLM'], 'auto_map': AUTO_MAP, 'tie_word_embeddings': True,
+              'dtype': str(model.lm_head.weight.dtype).removeprefix('torch.'),
+              'bos_token_id': end_of_text, 'eos_token_id': end_of_text}
+    with open(os.path.join(folder, 'config.json'), 'w') as f:
+        json.dump(config, f, indent=2)
+    shutil.copy(model_module.__file__, os.path.join(folder, 'model.py'))
+    for name in CODE_FILES:
+        shutil.copy(os.path.join(TEMPLATES, name), os.path.join(folder, name))
+
+
+# ----------------------------------------------------------------------------------------------
+# Tokenizer
+
+def dataset_vocabulary(data_dir, vocab_size):
+    """What the model's token ids mean, decided as sample.py decides it: (kind, itos, why_not) with kind
+    'gpt2', 'char' (itos: {id: character}) or None (why_not: why no tokenizer can be written).
+    ValueError for unreadable metadata."""
+    meta = load_meta(data_dir) if data_dir and os.path.isdir(data_dir) else None
+    if meta is not None and meta.get('tokenizer') == 'ids':
+        task = meta.get('task', 'a synthetic task')
+        return None, None, (f"{data_dir} holds token ids with no text ({task}), so there is no tokenizer: give "
+                            f"the model token ids")
+    if meta is not None and meta.get('tokenizer') == 'char':
+        meta_pkl = os.path.join(data_dir, 'meta.pkl')
+        if 'itos' not in meta and os.path.isfile(meta_pkl):
+            meta = {**meta, **read_meta_pkl(meta_pkl)}  # plain data only
+        if 'itos' in meta:
+            return 'char', meta['itos'], None
+        return None, None, (f"{data_dir} is a char-level dataset whose vocabulary is not there (no chars in "
+                            f"meta.json, no meta.pkl), so the characters of the token ids are unknown")
+    if vocab_size >= GPT2_VOCAB:
+        return 'gpt2', None, None
+    where = f"in {data_dir}" if data_dir else "(the checkpoint names no dataset)"
+    return None, None, (f"the model has {vocab_size} token ids, too few for GPT-2's BPE, and no vocabulary was "
+                        f"found {where}: pass --dataset=<the data folder it was trained on> to export its tokenizer")
+
+
+def write_tokenizer(folder, vocabulary, itos, why_not, block_size):
+    """Save the tokenizer of dataset_vocabulary's (vocabulary, itos, why_not) in folder: GPT-2's BPE, or one
+    token per character. Returns what was written, or why nothing was, in one line for the model card."""
+    if vocabulary == 'gpt2':
+        gpt2_tokenizer(block_size).save_pretrained(folder)
+        return "GPT-2's BPE (tiktoken's 'gpt2' encoding), written for AutoTokenizer"
+    if vocabulary == 'char':
+        tokenizer = char_tokenizer(itos, block_size)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(folder)
+            _set_tokenizer_class(folder, 'PreTrainedTokenizerFast')
+            return f"one token per character ({len(itos)} characters), written for AutoTokenizer"
+        why_not = ("the dataset's vocabulary has entries that are not single characters, which a character "
+                   "tokenizer cannot reproduce exactly")
+    return f"none written: {why_not}"
+
+
+def _set_tokenizer_class(folder, name):
+    # transformers 5 saves its generic class as 'TokenizersBackend', a name transformers 4 does not know
+    path = os.path.join(folder, 'tokenizer_config.json')
+    config = _read_json(path)
+    with open(path, 'w') as f:
+        json.dump({**config, 'tokenizer_class': name}, f, indent=2)
+
+
+def gpt2_tokenizer(block_size):
+    """transformers' GPT-2 tokenizer from tiktoken's own files (its cache, TIKTOKEN_CACHE_DIR; tiktoken
+    fetches them once where they are not cached), so it encodes exactly as tiktoken's 'gpt2'."""
+    import tiktoken.load
+    from transformers import GPT2TokenizerFast
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, hf_name in (('encoder.json', 'vocab.json'), ('vocab.bpe', 'merges.txt')):
+            url, sha256 = GPT2_BPE_FILES[name]
+            try:
+                data = tiktoken.load.read_file_cached(url, sha256)
+            except Exception as e:  # offline, tiktoken's download is a network error of some kind
+                raise ValueError(f"cannot read GPT-2's BPE file {name} ({type(e).__name__}: {e}); tiktoken downloads "
+                                 f"it on first use: connect once, or point TIKTOKEN_CACHE_DIR at a folder that holds "
+                                 f"its files") from e
+            with open(os.path.join(tmp, hf_name), 'wb') as f:
+                f.write(data)
+        tokenizer = GPT2TokenizerFast.from_pretrained(tmp, model_max_length=block_size)
+    for where_read_from in ('is_local', 'local_files_only'):  # about the temporary folder, not the tokenizer
+        tokenizer.init_kwargs.pop(where_read_from, None)
+    return tokenizer
+
+
+def char_tokenizer(itos, block_size):
+    """A tokenizer with one token per character ({id: character}): every character of a text is its
+    own token, and decoding joins them without spaces. None unless it round-trips the vocabulary exactly."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    itos = {int(i): c for i, c in itos.items()}
+    ids = sorted(itos)
+    text = ''.join(itos[i] for i in ids)
+    if any(len(itos[i]) != 1 for i in ids) or len(set(text)) != len(ids):
+        return None
+    backend = Tokenizer(models.WordLevel({itos[i]: i for i in ids}, unk_token=None))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r'[\s\S]'), behavior='isolated')  # each character alone
+    backend.decoder = decoders.Fuse()  # the characters joined as they are
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, model_max_length=block_size,
+                                        clean_up_tokenization_spaces=False)
+    if tokenizer.encode(text, verbose=False) != ids or tokenizer.decode(ids) != text:
+        return None
+    return tokenizer
+
+
+# ----------------------------------------------------------------------------------------------
+# Model card
+
+def model_card(model, run, incompatibility, vocabulary, tokenizer_note, hf_dir):
+    """README.md of the exported folder: what the model is, how to load it, what to know, how it was trained."""
+    from model import ATTENTION_TYPES
+    c = model.config
+    name = os.path.basename(os.path.normpath(hf_dir))
+    remote = incompatibility is not None
+    n_params = sum(p.numel() for p in model.parameters())
+    best = f"{run['best_val_loss']:.4f}" if run['best_val_loss'] is not None else "not evaluated"
+    trust = ", trust_remote_code=True" if remote else ""
+    rows = [('attention', f"`{c.attn_type}`"),
+            ('parameters', f"{n_params:,} ({model.get_num_params():,} without the position embeddings, "
+                           f"nanoGPT's count)"),
+            ('layers / heads / width / context', f"{c.n_layer} / {c.n_head} / {c.n_embd} / {c.block_size} tokens"),
+            ('dataset', f"`{run['config'].get('dataset', 'unknown')}`"),
+            ('iterations', f"{run['iter_num']:,}"),
+            ('best val loss', best),
+            ('format', "model.py's own code (`trust_remote_code=True`)" if remote
+             else "transformers `GPT2LMHeadModel` (no remote code)"),
+            ('tokenizer', tokenizer_note)]
+    notes = []
+    if remote:
+        notes.append(f"GPT-2's model class cannot hold this model ({incompatibility}), so the folder carries "
+                     f"its own code: `model.py` (the training code's model, unchanged) and two short files that "
+                     f"wrap it as a transformers model. `trust_remote_code=True` runs that code.")
+        notes.append("`generate()` decodes with model.py's own cache (keys and values per layer; the recurrent "
+                     "state for linear attention; DINT's running sum): pass `use_cache=True` (the default). "
+                     "Batches must not be padded (an `attention_mask` with zeros is refused), and a sequence "
+                     f"may be at most {c.block_size} tokens long.")
+    if vocabulary == 'gpt2' and c.vocab_size > GPT2_VOCAB:
+        notes.append(f"The vocabulary has {c.vocab_size} rows: GPT-2's {GPT2_VOCAB} tokens padded to a multiple "
+                     f"of 64 for speed, kept so that the logits are exactly the trained model's. Ids "
+                     f"{GPT2_VOCAB}-{c.vocab_size - 1} are padding rows, never a target in training (training "
+                     f"pushes their probabilities towards zero), which the tokenizer cannot decode; to rule them out when "
+                     f"sampling, pass `suppress_tokens=list(range({GPT2_VOCAB}, {c.vocab_size}))` to `generate()`.")
+    if 'noise_at_eval' in ATTENTION_TYPES[c.attn_type].config_fields:
+        if c.noise_at_eval:
+            notes.append("NoiseFormer: the attention noise is on in evaluation and generation, as in training "
+                         "(`noise_at_eval=True`), so outputs are random: seed torch for repeatable runs. "
+                         "`from_pretrained(..., noise_at_eval=False)` turns it off (exactly symmetric attention).")
+        else:
+            notes.append("NoiseFormer: the attention noise is off in evaluation and generation "
+                         "(`noise_at_eval=False`: exactly symmetric attention); "
+                         "`from_pretrained(..., noise_at_eval=True)` turns it on, as in training.")
+    if tokenizer_note.startswith('none'):
+        notes.append(f"No tokenizer: {tokenizer_note.removeprefix('none written: ')}.")
+    settings = '\n'.join(f"{k} = {v!r}" for k, v in run['config'].items())
+    load_tokenizer = "" if tokenizer_note.startswith('none') else \
+        f'tokenizer = AutoTokenizer.from_pretrained("{name}"{trust})  # AutoTokenizer reads config.json too\n'
+    return f"""---
+library_name: transformers
+tags:
+- {MODEL_TYPE}
+- {c.attn_type}
+---
+# {name}: a GPT with `{c.attn_type}` attention
+
+Exported by `export_hf.py` from a checkpoint of the denoised-gpt training code (nanoGPT with several
+attention variants).
+
+| | |
+|---|---|
+""" + '\n'.join(f"| {k} | {v} |" for k, v in rows) + f"""
+
+## Loading
+
+```python
+from transformers import AutoModelForCausalLM, AutoTokenizer
+model = AutoModelForCausalLM.from_pretrained("{name}"{trust})
+{load_tokenizer}```
+
+With the training code: `python3 sample.py --init_from={name}`, `python3 eval.py --init_from={name} ...`,
+or a new run starting from these weights: `python3 train.py --init_from={name} --attn_type={c.attn_type} ...`.
+
+## Notes
+
+""" + '\n'.join(f"- {n}" for n in notes) + f"""
+
+## Training settings
+
+The run's settings as its checkpoint recorded them (a flat config file for `train.py`):
+
+```python
+{settings}
+```
+"""
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading an exported folder back
+
+def exported_model_type(path):
+    """config.json's model_type when path is a folder in the Hugging Face format ('gpt2', MODEL_TYPE, ...),
+    else None. ValueError for a config.json that cannot be read."""
+    config_path = os.path.join(path, 'config.json')
+    if not os.path.isfile(config_path):
+        return None
+    return _read_json(config_path).get('model_type')
+
+
+def _read_json(path):
+    try:
+        with open(path) as f:
+            value = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read {path} ({e}): export the model again") from e
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} holds no JSON object: export the model again")
+    return value
+
+
+def exported_run(path):
+    """What training_run.json of an exported folder records (iter_num, best_val_loss, config), as the
+    keys of a checkpoint dict; None for a folder without one (e.g. GPT-2 saved by transformers)."""
+    run_path = os.path.join(path, RUN_FILE)
+    if not os.path.isfile(run_path):
+        return None
+    run = _read_json(run_path)
+    best = run.get('best_val_loss')
+    return dict(iter_num=run.get('iter_num', 0), best_val_loss=1e9 if best is None else best,
+                config=run.get('config', {}))
+
+
+def read_exported(path):
+    """A denoised_gpt folder (export_hf.py's, or saved again by the transformers model's save_pretrained)
+    as a checkpoint dict like load_checkpoint's: model (GPT's state_dict, lm_head.weight = wte again),
+    model_args, and iter_num, best_val_loss, config from training_run.json; no optimizer state.
+    ValueError / FileNotFoundError for a folder that is not one."""
+    from safetensors.torch import load_file
+    from model import GPTConfig
+    config = _read_json(os.path.join(path, 'config.json'))
+    if config.get('model_type') != MODEL_TYPE:
+        raise ValueError(f"{path} holds a {config.get('model_type')!r} model, not one exported as {MODEL_TYPE!r}")
+    weights = os.path.join(path, WEIGHTS_FILE)
+    if not os.path.isfile(weights):
+        raise FileNotFoundError(f"{path} has a config.json but no {WEIGHTS_FILE}: export the model again")
+    model_args = {f.name: config[f.name] for f in dataclasses.fields(GPTConfig) if f.name in config}
+    # 'gpt.': the prefix the transformers model (whose GPT is model.gpt) gives the names when it saves
+    state = {k.removeprefix('gpt.'): v for k, v in load_file(weights).items()}
+    if 'transformer.wte.weight' in state:
+        state.setdefault('lm_head.weight', state['transformer.wte.weight'])  # tied: stored once
+    run = exported_run(path) or dict(iter_num=0, best_val_loss=1e9, config={})
+    return dict(model=state, model_args=model_args, optimizer=None, **run)

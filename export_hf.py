@@ -1,0 +1,61 @@
+"""
+Export a trained checkpoint to the Hugging Face format: a folder that transformers loads, that
+`hf upload` publishes (huggingface-cli upload before huggingface_hub 1.0), and that train.py / sample.py /
+eval.py take as --init_from.
+
+$ python3 export_hf.py --out_dir=out-owt-noiseformer_v2 --hf_dir=hf-owt-noiseformer_v2
+$ python3 export_hf.py --out_dir=out-shakespeare-char/ckpt.prev.pt --hf_dir=hf-shakespeare-char
+$ hf upload <user>/<repo> hf-owt-noiseformer_v2
+
+A `base` model with biases becomes a plain transformers GPT2LMHeadModel (no remote code); every other
+model carries its own code (model.py and two short wrapper files) and loads with
+AutoModelForCausalLM.from_pretrained(hf_dir, trust_remote_code=True). The vocabulary keeps the
+checkpoint's size, so the logits are exactly the model's. The tokenizer follows the dataset: GPT-2's BPE
+(from tiktoken's files), one token per character for char-level data, none for token-id datasets.
+README.md in the folder (the model card) records the run and what to know when loading it.
+The folder is written under a temporary name and renamed when complete.
+"""
+
+from configurator import answer_help
+
+answer_help(__file__)  # --help before the heavy imports below
+
+import os
+
+from denoised_gpt.checkpoint import CheckpointError, checkpoint_path, load_checkpoint
+from denoised_gpt.cli import fail, log, read_config
+from denoised_gpt.hf_format import check_hf_dir, export
+
+# -----------------------------------------------------------------------------
+out_dir = 'out'  # the run directory holding ckpt.pt, or a checkpoint file
+hf_dir = ''  # the folder to write (default: hf-<run name>, e.g. out-owt-dint -> hf-owt-dint)
+dataset = ''  # the data/ folder whose vocabulary the tokenizer is built from (default: the checkpoint's dataset)
+overwrite = False  # replace an earlier export in hf_dir (a folder holding anything else is never replaced)
+# -----------------------------------------------------------------------------
+config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str))]
+
+globals().update(read_config(__file__, {k: globals()[k] for k in config_keys}))
+if not hf_dir:
+    run_dir = os.path.dirname(checkpoint_path(out_dir)) or '.'
+    hf_dir = 'hf-' + os.path.basename(os.path.abspath(run_dir)).removeprefix('out-')
+try:
+    check_hf_dir(hf_dir, overwrite)  # before the checkpoint is read
+    checkpoint = load_checkpoint(out_dir, map_location='cpu', model_only=True)
+except (ValueError, FileNotFoundError, CheckpointError) as e:
+    fail(e)
+
+run_dataset = dataset or checkpoint.get('config', {}).get('dataset')
+data_dir = os.path.join('data', run_dataset) if run_dataset else None
+if data_dir and not os.path.isdir(data_dir):
+    log(f"note: {data_dir} (the model's dataset) is not here, so its vocabulary is unknown; pass "
+        f"--dataset=<data folder> if it lies elsewhere")
+try:
+    notes = export(checkpoint, hf_dir, data_dir, overwrite)
+except ValueError as e:
+    fail(e)
+except OSError as e:  # disk full, no permission: the temporary folder is gone, hf_dir as it was
+    fail(f"could not write {hf_dir} ({e.strerror or e}); fix the cause and export again")
+for note in notes:
+    log(note)
+print(f"wrote {hf_dir}: load it with transformers (see {os.path.join(hf_dir, 'README.md')}), publish it with "
+      f"`hf upload <user>/<repo> {hf_dir}`, or start from it with --init_from={hf_dir}")

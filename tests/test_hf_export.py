@@ -1,0 +1,299 @@
+"""export_hf.py and denoised_gpt/hf_format.py: trained models in the Hugging Face format and back, with
+the transformers, safetensors, tokenizers and lm-eval installed here, offline.
+
+For every attn_type the exported folder, loaded by transformers' AutoModelForCausalLM (plain GPT-2 for a
+base model with biases, our own code with trust_remote_code=True for the others), gives model.py's logits
+and, with generate() and its cache, model.py's greedy tokens. lm-eval's own `hf` model on exported folders
+scores a local task as our adapter scores the checkpoints. init_from=<folder> (train.py, sample.py,
+eval.py) gets the checkpoint's weights bit for bit. The tokenizers encode as the model's data did; an
+export never half-writes or overwrites what it should not, and bad input fails in one line.
+"""
+import json
+import os
+
+import numpy as np
+import pytest
+import tiktoken
+import torch
+
+import gpt2_bpe
+from denoised_gpt.checkpoint import load_checkpoint
+from denoised_gpt.evaluation import final_hidden_states
+from denoised_gpt.hf_format import export, write_tokenizer
+from helpers import (NO_AUTOCAST, TINY, VOCAB, hf_lm, local_mc_task, make_dataset, per_doc_loglikelihoods,
+                     run_script_in_process, save_model_checkpoint, tiny_checkpoint, tiny_gpt)
+from model import ATTENTION_TYPES, GPT, GPTConfig
+
+# one xdist worker runs this whole file, so its module-scoped fixtures are built once (-n 2 --dist loadgroup)
+pytestmark = pytest.mark.xdist_group('test_hf_export')
+
+# the checkpoints exported here: tests/config_tiny.py's model (no biases) of each attn_type; 'base' with
+# biases means GPT-2's weights, so 'base-no-bias' is the base model that needs our own code
+KINDS = {**{attn: dict(attn_type=attn) for attn in ATTENTION_TYPES},
+         'base': dict(attn_type='base', bias=True), 'base-no-bias': dict(attn_type='base')}
+CHARS = "\n !$&',-.:;?ABCDEFGHIJKLMNOPQRSTabcdefghijklmnopqrstuvwxyz"[:VOCAB]  # make_dataset's 48 token ids
+
+
+def peaked(model):
+    """Larger embeddings: decisive next-token distributions, whose choices score clearly apart."""
+    model.transformer.wte.weight.mul_(20)
+
+
+def learn(model, data, steps=100):
+    """A hundred AdamW steps on make_dataset's Markov chain: an untrained model repeats one token when
+    decoding greedily, one that learnt the chain's successors walks through many. One thread: a model
+    this small gains nothing from two, and loses much when another process keeps the second core busy."""
+    tokens = torch.from_numpy(np.fromfile(data / 'train.bin', dtype=np.uint16).astype(np.int64))
+    windows = torch.Generator().manual_seed(0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=2e-2)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for _ in range(steps):
+            starts = torch.randint(0, len(tokens) - 33, (8,), generator=windows)
+            w = torch.stack([tokens[s:s + 33] for s in starts])
+            model(w[:, :-1], w[:, 1:])[1].backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    finally:
+        torch.set_num_threads(threads)
+    return model
+
+
+def load_hf(folder, **kwargs):
+    from transformers import AutoModelForCausalLM
+    remote = os.path.isfile(os.path.join(folder, 'modeling_denoised_gpt.py'))
+    return AutoModelForCausalLM.from_pretrained(str(folder), trust_remote_code=remote, **kwargs).eval()
+
+
+def same_state(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.fixture(scope='module')
+def char_data(tmp_path_factory):
+    """make_dataset's token files with a char vocabulary in meta.json (as data/shakespeare_char's)."""
+    data = make_dataset(tmp_path_factory.mktemp('data'), n_train=3000, n_val=600)
+    meta = json.loads((data / 'meta.json').read_text())
+    (data / 'meta.json').write_text(json.dumps({**meta, 'chars': CHARS}))
+    return data
+
+
+@pytest.fixture(scope='module')
+def exported(tmp_path_factory, char_data):
+    """{kind: (model, checkpoint dir, exported folder, export's notes)} for every KINDS entry."""
+    root = tmp_path_factory.mktemp('export')
+    out = {}
+    for i, (kind, settings) in enumerate(KINDS.items()):
+        model = learn(tiny_gpt(seed=i, **settings), char_data).eval()
+        save_model_checkpoint(root / f'out-{kind}', model, iter_num=7, best_val_loss=2.5,
+                              config={'dataset': str(char_data)})
+        notes = export(load_checkpoint(root / f'out-{kind}'), str(root / f'hf-{kind}'), data_dir=str(char_data))
+        out[kind] = (model, root / f'out-{kind}', root / f'hf-{kind}', notes)
+    return out
+
+
+@pytest.mark.parametrize('kind', KINDS)
+def test_transformers_gives_model_pys_logits_and_greedy_tokens(exported, kind):
+    model, _, folder, notes = exported[kind]
+    hf = load_hf(folder)
+    own_code = kind != 'base'
+    assert (type(hf).__name__ == 'DenoisedGPTForCausalLM') == own_code  # base with biases: GPT2LMHeadModel
+    assert os.path.isfile(folder / 'modeling_denoised_gpt.py') == own_code
+    if kind == 'base-no-bias':
+        assert "bias=False" in notes[0] and "trust_remote_code=True" in notes[0]
+    idx = torch.randint(0, VOCAB, (3, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.manual_seed(5)  # NoiseFormer: the same noise draws (noise_at_eval is on)
+        ours = model.lm_head(final_hidden_states(model, idx))
+        torch.manual_seed(5)
+        theirs = hf(idx).logits
+    diff = (ours - theirs).abs().max().item()
+    print(f"{kind}: max |logits difference| {diff:.2e}")
+    assert ours.shape == theirs.shape and diff <= 1e-5
+
+    prompt = idx[:2, :6]
+    torch.manual_seed(7)
+    expected = model.generate(prompt, 16, temperature=0)
+    torch.manual_seed(7)
+    out = hf.generate(prompt, max_new_tokens=16, do_sample=False, use_cache=True, return_dict_in_generate=True)
+    assert out.sequences.tolist() == expected.tolist()
+    assert len(set(expected[:, 6:].flatten().tolist())) > 3  # not one token repeated
+    if own_code:  # decoded with model.py's own cache, one token per step
+        assert type(out.past_key_values).__name__ == 'DenoisedGPTCache'
+        assert out.past_key_values.get_seq_length() == 6 + 16 - 1
+
+
+def test_gpt2s_format_holds_base_attention_with_biases_and_gpt2s_head_shape_only():
+    from denoised_gpt.hf_format import gpt2_incompatibility
+    shape = dict(block_size=32, vocab_size=VOCAB, n_layer=2, n_head=2, n_embd=32)
+    assert gpt2_incompatibility(GPTConfig(**shape, bias=True)) is None
+    assert gpt2_incompatibility(GPTConfig(**shape, bias=True, qk_head_size=16)) is None  # n_embd / n_head
+    assert "qk_head_size=32" in gpt2_incompatibility(GPTConfig(**shape, bias=True, qk_head_size=32))
+    assert "bias=False" in gpt2_incompatibility(GPTConfig(**shape, bias=False))
+    assert "attn_type='linear'" in gpt2_incompatibility(GPTConfig(**shape, bias=True, attn_type='linear'))
+
+
+def test_noiseformer_noise_follows_noise_at_eval_and_can_be_turned_off_when_loading(exported):
+    model, _, folder, _ = exported['noiseformer_v2']
+    idx = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(2))
+    noisy = load_hf(folder)
+    with torch.no_grad():
+        assert not torch.equal(noisy(idx).logits, noisy(idx).logits)  # a fresh draw at every call
+        quiet = load_hf(folder, noise_at_eval=False)
+        off = GPT(GPTConfig(**{**vars(model.config), 'noise_at_eval': False})).eval()
+        off.load_state_dict(model.state_dict())
+        a, b = quiet(idx).logits, off.lm_head(final_hidden_states(off, idx))
+    assert torch.equal(a, quiet(idx).logits) and (a - b).abs().max() <= 1e-5  # exactly symmetric attention
+
+
+def test_lm_evals_hf_model_on_exported_folders_scores_as_our_adapter_on_the_checkpoints(tmp_path):
+    """GPT-2's vocabulary (50304 rows, padded): a plain GPT-2 folder and one with our own code (dint)."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+    from denoised_gpt.evaluation.lm_eval_adapter import run_lm_eval
+    gpt2_bpe.require()
+    task_manager = TaskManager(include_path=str(local_mc_task(tmp_path)))
+    for attn_type, bias in (('base', True), ('dint', False)):
+        model = tiny_checkpoint(tmp_path / f'out-{attn_type}', attn_type, 'openwebtext', tweak=peaked,
+                                block_size=64, vocab_size=50304, bias=bias)
+        folder = tmp_path / f'hf-{attn_type}'
+        export(load_checkpoint(tmp_path / f'out-{attn_type}'), str(folder))
+        _, ours = run_lm_eval(model.eval(), tiktoken.get_encoding('gpt2'), ['tiny_mc'], batch_size=3, device='cpu',
+                              ctx=NO_AUTOCAST, log_samples=True, task_manager=task_manager)
+        theirs = lm_eval.simple_evaluate(model=hf_lm(folder, trust_remote_code=attn_type != 'base'),
+                                         tasks=['tiny_mc'], task_manager=task_manager)
+        a, b = per_doc_loglikelihoods(ours, 'tiny_mc'), per_doc_loglikelihoods(theirs, 'tiny_mc')
+        assert sorted(a) == sorted(b) == [0, 1, 2, 3]
+        for doc in a:
+            assert a[doc] == pytest.approx(b[doc], abs=1e-4), (attn_type, doc)
+        assert len({round(x, 3) for doc in a for x in a[doc]}) > 4  # the choices score differently
+
+
+@pytest.mark.parametrize('kind, run_args', [('base', []), ('noiseformer_v2', ['--attn_type=noiseformer_v2'])])
+def test_train_init_from_an_exported_folder_starts_with_the_checkpoints_weights(exported, char_data, tmp_path,
+                                                                             kind, run_args):
+    """A GPT-2 folder goes through GPT.from_pretrained, our own through the checkpoint path: the run's first
+    checkpoint (max_iters=0: the model as loaded) holds the exported weights bit for bit."""
+    model, _, folder, _ = exported[kind]
+    proc = run_script_in_process('train.py', [TINY, f'--dataset={char_data}', f'--out_dir={tmp_path / "run"}',
+                                              f'--init_from={folder}', '--max_iters=0', *run_args])
+    assert proc.returncode == 0, proc.stderr
+    assert same_state(load_checkpoint(tmp_path / 'run')['model'], model.state_dict())
+
+
+def test_a_folder_saved_again_by_transformers_reads_back_the_same(exported, tmp_path):
+    from denoised_gpt.hf_format import read_exported
+    model, _, folder, _ = exported['dint_lowrank']
+    load_hf(folder).save_pretrained(tmp_path / 'again')
+    assert same_state(read_exported(str(tmp_path / 'again'))['model'], model.state_dict())
+
+
+def test_sample_and_eval_read_an_exported_folder_as_its_checkpoint(exported, char_data):
+    _, out_dir, folder, _ = exported['dint']
+    common = ['--device=cpu', '--dtype=float32']
+    sample = ['--start=ab', '--num_samples=2', '--max_new_tokens=12', *common]
+    from_ckpt = run_script_in_process('sample.py', [f'--out_dir={out_dir}', *sample])
+    from_folder = run_script_in_process('sample.py', [f'--init_from={folder}', *sample])
+    assert from_ckpt.returncode == from_folder.returncode == 0, from_folder.stderr
+    assert from_folder.stdout == from_ckpt.stdout and from_folder.stdout.count('---------------') == 2
+    assert f"checkpoint {folder} (iter 7" in from_folder.stderr  # training_run.json's counters
+
+    evaluate = ['--val_loss=True', f'--eval_dir={folder.parent / "eval"}', *common]
+    from_ckpt = run_script_in_process('eval.py', [f'--out_dir={out_dir}', *evaluate])
+    from_folder = run_script_in_process('eval.py', [f'--init_from={folder}', *evaluate])
+    assert from_ckpt.returncode == from_folder.returncode == 0, from_folder.stderr
+    loss = [line for line in from_folder.stdout.splitlines() if line.startswith('val loss')]
+    assert loss and loss == [line for line in from_ckpt.stdout.splitlines() if line.startswith('val loss')]
+
+
+def test_gpt2_tokenizer_encodes_as_tiktoken(tmp_path):
+    from transformers import AutoTokenizer
+    gpt2_bpe.require()
+    assert write_tokenizer(str(tmp_path), 'gpt2', None, None, 64).startswith("GPT-2's BPE")
+    tokenizer, enc = AutoTokenizer.from_pretrained(str(tmp_path)), tiktoken.get_encoding('gpt2')
+    text = "Hello world!  \n\n  It's 2024: naïve café 😀 <|endoftext|> then\ttabs and   trailing spaces   "
+    ids = enc.encode(text, allowed_special='all')
+    assert tokenizer(text)['input_ids'] == ids and tokenizer.decode(ids) == text
+    assert len(tokenizer) == 50257 and tokenizer.eos_token_id == 50256 and tokenizer.model_max_length == 64
+
+
+def test_char_tokenizer_round_trips_the_shakespeare_characters(tmp_path, exported):
+    """Every character its own token, decoded without spaces: the whole Tiny Shakespeare text when
+    TINY_SHAKESPEARE names it, else an excerpt-like text, and the exported folder's own tokenizer."""
+    from transformers import AutoTokenizer
+    path = os.environ.get('TINY_SHAKESPEARE')
+    text = open(path, encoding='utf-8').read() if path and os.path.isfile(path) else \
+        "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n  $3 & 'tis -- ok?!;"
+    chars = sorted(set(text))
+    note = write_tokenizer(str(tmp_path), 'char', dict(enumerate(chars)), None, 256)
+    assert note == f"one token per character ({len(chars)} characters), written for AutoTokenizer"
+    tokenizer = AutoTokenizer.from_pretrained(str(tmp_path))
+    ids = tokenizer(text, verbose=False)['input_ids']
+    assert ids == [chars.index(c) for c in text] and tokenizer.decode(ids) == text
+
+    _, _, folder, notes = exported['dint']  # make_dataset's ids with CHARS as their characters
+    assert notes[1] == f"tokenizer: one token per character ({VOCAB} characters), written for AutoTokenizer"
+    tokenizer = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=True)  # AutoConfig reads config.json
+    assert tokenizer(CHARS, verbose=False)['input_ids'] == list(range(VOCAB))
+    assert tokenizer.decode(list(range(VOCAB))) == CHARS
+
+
+def test_token_id_datasets_and_unknown_vocabularies_get_no_tokenizer(tmp_path, exported):
+    ids_data = tmp_path / 'data-ids'
+    ids_data.mkdir()
+    (ids_data / 'meta.json').write_text(json.dumps({'tokenizer': 'ids', 'vocab_size': VOCAB, 'task': 'mqar'}))
+    for name, data_dir, says in (('ids', str(ids_data), "token ids with no text (mqar)"),
+                                 ('unknown', None, "too few for GPT-2's BPE")):
+        notes = export(load_checkpoint(exported['linear'][1]), str(tmp_path / name), data_dir=data_dir)
+        assert notes[1].startswith("tokenizer: none written") and says in notes[1]
+        assert not (tmp_path / name / 'tokenizer.json').exists()
+        assert "No tokenizer: " in (tmp_path / name / 'README.md').read_text()
+
+
+def test_the_model_card_records_the_run(exported, char_data):
+    card = (exported['noiseformer_v2'][2] / 'README.md').read_text()
+    for expected in ("`noiseformer_v2`", "| iterations | 7 |", "| best val loss | 2.5000 |", "trust_remote_code=True",
+                     "attention noise is on", "noise_at_eval=False", f"dataset = '{char_data}'"):
+        assert expected in card, expected
+    assert "trust_remote_code" not in (exported['base'][2] / 'README.md').read_text()
+
+
+def test_refused_overwrite_leaves_the_folder_untouched_and_a_failed_export_leaves_nothing(exported, tmp_path,
+                                                                                        monkeypatch):
+    _, out_dir, _, _ = exported['diff']
+    folder = tmp_path / 'hf'
+    assert run_script_in_process('export_hf.py', [f'--out_dir={out_dir}', f'--hf_dir={folder}']).returncode == 0
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    again = run_script_in_process('export_hf.py', [f'--out_dir={out_dir / "ckpt.pt"}', f'--hf_dir={folder}'])
+    assert again.returncode == 2 and again.stderr.strip().splitlines() == [
+        f"export_hf.py: error: hf_dir='{folder}' is not empty: pass --overwrite=True to replace the export there, "
+        f"or choose another folder"]
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+    other = tmp_path / 'notes'
+    other.mkdir()
+    (other / 'mine.txt').write_text('keep me')
+    refused = run_script_in_process('export_hf.py', [f'--out_dir={out_dir}', f'--hf_dir={other}', '--overwrite=True'])
+    assert refused.returncode == 2 and "holds something other than an exported model" in refused.stderr
+    assert [p.name for p in other.iterdir()] == ['mine.txt']
+    replaced = run_script_in_process('export_hf.py', [f'--out_dir={exported["dint"][1]}', f'--hf_dir={folder}',
+                                                      '--overwrite=True'])
+    assert replaced.returncode == 0 and json.loads((folder / 'config.json').read_text())['attn_type'] == 'dint'
+
+    import denoised_gpt.hf_format as hf_format
+
+    def broken(*args):
+        raise OSError("disk full")
+    monkeypatch.setattr(hf_format, 'write_tokenizer', broken)
+    with pytest.raises(OSError):
+        export(load_checkpoint(out_dir), str(tmp_path / 'half'))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['hf', 'notes']  # no hf_dir, no temporary folder
+
+
+def test_a_bad_out_dir_fails_in_one_line(tmp_path):
+    proc = run_script_in_process('export_hf.py', [f'--out_dir={tmp_path / "nothing"}', f'--hf_dir={tmp_path / "hf"}'])
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        f"export_hf.py: error: no checkpoint at {tmp_path / 'nothing' / 'ckpt.pt'}: train one first "
+        f"(init_from='scratch'), or point out_dir at the directory that holds ckpt.pt"]
+    assert not (tmp_path / 'hf').exists()
