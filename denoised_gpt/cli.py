@@ -227,10 +227,25 @@ def noise_on(model):
 
 
 def gpt2_encoding():
-    """tiktoken's GPT-2 BPE; it downloads its files once, so offline it says where to put them."""
+    """tiktoken's GPT-2 BPE; it downloads its files once, so offline it says where to put them. tiktoken's
+    'r50k_base' is the same encoding (ranks, split pattern and <|endoftext|>) in its own compact file, which
+    loads in a third of the time of the two GPT-2 files behind 'gpt2': used when tiktoken has it cached."""
     import tiktoken
+    name = "r50k_base" if _in_tiktoken_cache(R50K_BASE_URL) else "gpt2"
     try:
-        return tiktoken.get_encoding("gpt2")
+        return tiktoken.get_encoding(name)
     except Exception as e:  # offline, tiktoken's download is a network error of some kind
         fail(f"cannot load tiktoken's gpt2 encoding ({type(e).__name__}: {e}); it is downloaded on first "
              f"use: connect once, or point TIKTOKEN_CACHE_DIR at a directory that holds its files")
+
+
+R50K_BASE_URL = "https://openaipublic.blob.core.windows.net/encodings/r50k_base.tiktoken"
+
+
+def _in_tiktoken_cache(url):
+    """Whether tiktoken's file cache holds url's file (named by the SHA-1 of the url, as tiktoken does)."""
+    import hashlib
+    import tempfile
+    cache_dir = os.environ.get("TIKTOKEN_CACHE_DIR", os.environ.get("DATA_GYM_CACHE_DIR",
+                                                                     os.path.join(tempfile.gettempdir(), "data-gym-cache")))
+    return bool(cache_dir) and os.path.isfile(os.path.join(cache_dir, hashlib.sha1(url.encode()).hexdigest()))

@@ -1,10 +1,13 @@
 """denoised_gpt/cli.py: what every script does the same way (settings checks, loading GPT-2's weights)."""
+import hashlib
+import os
+import shutil
 import subprocess
 import sys
 
 import pytest
 
-from denoised_gpt.cli import check_attn_types, check_ranges
+from denoised_gpt.cli import R50K_BASE_URL, check_attn_types, check_ranges, gpt2_encoding
 from helpers import ROOT, subprocess_env
 
 
@@ -70,3 +73,25 @@ def test_model_built_on_meta_with_weights_equals_the_loaded_model(attn_type):
     assert torch.equal(a, b)
     with pytest.raises(RuntimeError, match='Missing key'):
         model_with_weights(trained.config, {k: v for k, v in state.items() if 'ln_f' not in k})
+
+
+def test_gpt2_encoding_takes_the_compact_file_when_cached_and_gpt2s_files_otherwise(tmp_path, monkeypatch):
+    """r50k_base is GPT-2's BPE in one compact file (faster to load): taken when tiktoken has it cached,
+    else 'gpt2' from its two files, with no download attempted for the other. Both encode alike."""
+    import tiktoken
+    r50k_file = hashlib.sha1(R50K_BASE_URL.encode()).hexdigest()
+    shared = os.environ.get("TIKTOKEN_CACHE_DIR")  # the offline copy of tiktoken's files (.ci/run)
+    if not shared or not os.path.isfile(os.path.join(shared, r50k_file)):
+        pytest.skip("needs tiktoken's files, r50k_base's among them, in TIKTOKEN_CACHE_DIR")
+    only_gpt2 = tmp_path / "only_gpt2"
+    shutil.copytree(shared, only_gpt2, ignore=shutil.ignore_patterns(r50k_file))
+    text = "Once upon a time<|endoftext|> there was  a tokenizer\n"
+    encodings = {}
+    for cache, name in ((shared, "r50k_base"), (str(only_gpt2), "gpt2")):
+        monkeypatch.setenv("TIKTOKEN_CACHE_DIR", cache)
+        tiktoken.registry.ENCODINGS.clear()  # tiktoken keeps each loaded encoding for the process
+        enc = gpt2_encoding()
+        assert enc.name == name
+        encodings[name] = enc.encode(text, allowed_special={"<|endoftext|>"})
+    assert encodings["r50k_base"] == encodings["gpt2"] and 50256 in encodings["gpt2"]
+    assert sorted(os.listdir(only_gpt2)) == sorted(f for f in os.listdir(shared) if f != r50k_file)  # no download
