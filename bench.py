@@ -6,6 +6,7 @@ $ python bench.py --attn_types=base,diff,dint --batch_size=8 --block_size=256 --
 $ python bench.py --attn_types=base --compile=both --fused_loss=False   # eager vs torch.compile, plain loss
 $ python bench.py --attn_types=base --dtype=float32 --json_out=bench-fp32.json
 $ python bench.py --generate=True                  # also: tokens/s of generation with / without the KV cache
+$ python bench.py --plan=True --attn_types=base,noiseformer_v2   # memory per GPU before renting any (no timing)
 
 Size: GPT-2 small at batch 12, block 1024 (nanoGPT's bench.py) on CUDA and Gaudi; on CPU and MPS,
 where that takes minutes per step, a 4-layer 256-wide model at batch 8, block 256. A size key given
@@ -93,6 +94,10 @@ dtype = 'auto'  # 'auto', 'float32', 'bfloat16' or 'float16'
 compile = 'auto'  # torch.compile: True, False, 'auto' (where it measured faster: CUDA, Gaudi eager) or 'both'
 seed = 1337  # the same initial weights and batches for every variant
 json_out = ''  # write the results here as JSON too
+# memory plan (no device needed, nothing is timed): bytes per GPU for GPT-2 small / medium / large / XL
+plan = False  # print the memory plan for every attn_type x (ddp, fsdp) x activation checkpointing off / on, and exit
+plan_world_size = 8  # plan: GPUs that FSDP shards the weights, gradients and AdamW state over
+plan_usable_fraction = 0.9  # plan: share of each device's memory planned for (the rest: CUDA context, fragmentation)
 # -----------------------------------------------------------------------------
 config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str, type(None)))]
 SIZE_KEYS = ('batch_size', 'block_size', 'n_layer', 'n_head', 'n_embd')
@@ -116,6 +121,27 @@ try:
 except ValueError as e:
     fail(e)
 variants = list(dict.fromkeys(variants))  # drop repeats, keep the order
+
+if plan:  # arithmetic on the model's shapes only: before any device is touched
+    from denoised_gpt.memory_plan import GPT2_SIZES, format_plan, plan as memory_plan
+    sizes = GPT2_SIZES
+    if given & {'n_layer', 'n_head', 'n_embd'}:
+        sizes = {f'{n_layer}/{n_embd}/{n_head}': (n_layer, n_head, n_embd)}
+    try:
+        check_ranges({'plan_world_size': plan_world_size, 'block_size': block_size, 'vocab_size': vocab_size},
+                     at_least_one=('plan_world_size', 'block_size', 'vocab_size'))
+        if not 0 < plan_usable_fraction <= 1:
+            raise ValueError(f"plan_usable_fraction={plan_usable_fraction} must be in (0, 1]")
+        plan_rows = memory_plan(variants, sizes, block_size, vocab_size, bias, plan_world_size, plan_usable_fraction)
+    except ValueError as e:
+        fail(e)
+    print(format_plan(plan_rows, plan_world_size, plan_usable_fraction))
+    if json_out:
+        with open(json_out, 'w') as f:
+            json.dump(dict(command=' '.join(['python', 'bench.py'] + sys.argv[1:]), world_size=plan_world_size,
+                           usable_fraction=plan_usable_fraction, rows=plan_rows), f, indent=2)
+        print(f"\nwrote {json_out}")
+    sys.exit(0)
 try:
     # warm-up at least 1: the first step pays for allocation, kernel selection, compiling
     check_ranges({k: globals()[k] for k in config_keys},

@@ -24,6 +24,7 @@ from dataclasses import dataclass, fields
 
 import torch
 import torch.nn as nn
+import torch.utils.checkpoint
 from torch.nn import functional as F
 
 
@@ -484,6 +485,10 @@ class GPT(nn.Module):
         assert config.vocab_size is not None
         assert config.block_size is not None
         self.config = config
+        # True: in training, each block's forward runs again in the backward instead of keeping its
+        # activations (train.py's activation_checkpointing). torch.utils.checkpoint restores the RNG
+        # state for the rerun, so NoiseFormer's noise and dropout draw the same numbers.
+        self.activation_checkpointing = False
 
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(config.vocab_size, config.n_embd),
@@ -529,8 +534,12 @@ class GPT(nn.Module):
 
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
         caches = kv_cache.layers if kv_cache is not None else [None] * self.config.n_layer
+        recompute = self.activation_checkpointing and self.training and kv_cache is None and torch.is_grad_enabled()
         for block, cache in zip(self.transformer.h, caches):
-            x = block(x, cache)
+            if recompute:
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x, cache)
         x = self.transformer.ln_f(x)
         if kv_cache is not None:
             kv_cache.length += t

@@ -116,6 +116,7 @@ dtype = 'auto'  # 'auto', 'float32', 'bfloat16' or 'float16' (float16 only on CU
 compile = 'auto'  # torch.compile: True, False or 'auto' (on where it measured faster: CUDA, Gaudi eager mode)
 backend = 'auto'  # DDP backend: 'auto' follows the device (nccl / hccl / gloo)
 seed = 1337  # initial weights, data order and noise all follow from it (a non-negative int)
+activation_checkpointing = False  # recompute each block's forward in the backward: far less activation memory for ~1/3 more compute (bench.py --plan=True)
 # -----------------------------------------------------------------------------
 config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str, type(None)))]
 given = set()  # the keys a config file or --key=value set (even to the default's value)
@@ -255,6 +256,7 @@ if master_process:
     print(f"number of parameters: {model.get_num_params() / 1e6:.2f}M ({model.config.attn_type}); "
           f"{trainable_summary(model)}")
 model.to(device)
+model.activation_checkpointing = activation_checkpointing
 
 # data loaders
 try:

@@ -176,3 +176,21 @@ def test_compile_both_times_eager_and_compiled():
     eager_first, compiled_first = (float(cells[8][:-1]) for cells in lines)
     assert compiled_first > eager_first  # the cold compile is in the compiled run's first step
     assert lines[0][-1] == "1.00x" and re.fullmatch(r"\d+\.\d\dx", lines[1][-1])
+
+
+def test_memory_plan(tmp_path):
+    """--plan=True: arithmetic only, no device and no timing; a row per attn_type x (ddp, fsdp) x checkpointing,
+    and a row saying why a size cannot be built (diff needs an even head count)."""
+    out = tmp_path / "plan.json"
+    proc = subprocess.run([sys.executable, "bench.py", "--plan=True", "--attn_types=base,diff", "--n_layer=2",
+                           "--n_head=3", "--n_embd=48", "--plan_world_size=4", f"--json_out={out}"], cwd=ROOT,
+                          env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "fsdp over 4 GPUs" in proc.stdout and "ms/iter" not in proc.stdout
+    rows = [line.split() for line in proc.stdout.splitlines() if line.startswith("2/48/3 ")]
+    assert [r[1:4] for r in rows if r[1] == "base"] == [["base", "ddp", "off"], ["base", "ddp", "on"],
+                                                         ["base", "fsdp", "off"], ["base", "fsdp", "on"]]
+    assert [r[1:3] for r in rows if r[1] == "diff"] == [["diff", "n/a:"]]
+    report = json.loads(out.read_text())
+    ddp, fsdp = (r for r in report["rows"] if r["attn_type"] == "base" and not r.get("checkpointing"))
+    assert report["world_size"] == 4 and ddp["param_bytes"] == 4 * fsdp["param_bytes"] == 4 * ddp["params"]

@@ -1,0 +1,56 @@
+"""denoised_gpt.memory_plan (bench.py --plan=True): the activation estimate against the tensor peak
+torch.profiler measures on CPU for every attn_type, with activation checkpointing off and on, and the
+per-GPU bookkeeping of DDP and FSDP."""
+import pytest
+import torch
+
+from denoised_gpt.device import cpu_tensor_peak
+from denoised_gpt.memory_plan import activation_bytes, matmul_weight_count, plan_row
+from model import ATTENTION_TYPES, GPT, GPTConfig
+
+# small, but with every term of the estimate present: T a multiple of linear attention's chunk (64)
+SIZE = dict(n_layer=3, n_head=4, n_embd=64, block_size=128, vocab_size=256, bias=False)
+BATCH = 4
+
+
+@pytest.mark.parametrize('checkpointing', [False, True], ids=['plain', 'checkpointed'])
+@pytest.mark.parametrize('attn_type', list(ATTENTION_TYPES))
+def test_activation_estimate_within_15_percent_of_the_measured_peak(attn_type, checkpointing):
+    config = GPTConfig(**SIZE, attn_type=attn_type)
+    torch.manual_seed(0)
+    model = GPT(config).train()
+    model.activation_checkpointing = checkpointing
+    g = torch.Generator().manual_seed(0)
+    x, y = (torch.randint(SIZE['vocab_size'], (BATCH, SIZE['block_size']), generator=g) for _ in range(2))
+
+    def step():  # train.py's micro-step on CPU: bf16 autocast, the fused loss, backward outside autocast
+        torch.manual_seed(1)
+        with torch.autocast('cpu', dtype=torch.bfloat16):
+            _, ce = model(x, y, return_logits=False)
+            loss = ce + 5e-6 * model.kl_divergence()
+        loss.backward()
+
+    step()  # the gradients exist from now on: static memory, like the weights (and AdamW's state)
+    measured = cpu_tensor_peak(step)
+    if measured is None:
+        pytest.skip("this torch's profiler has no allocation trace")
+    estimate = activation_bytes(config, BATCH, checkpointing, matmul_weight_count(model))
+    assert 0.85 < estimate / measured < 1.15, (estimate, measured, estimate / measured)
+
+
+def test_checkpointing_and_fsdp_shrink_what_they_should():
+    config = GPTConfig(n_layer=12, n_head=12, n_embd=768, block_size=1024, vocab_size=50304, bias=False)
+    counts = (124_000_000, 85_000_000, 7_000_000)  # (parameters, blocks' matmul weights, one block): round figures
+    ddp, fsdp = (plan_row(config, p, False, 8, counts=counts) for p in ('ddp', 'fsdp'))
+    ddp_ckpt = plan_row(config, 'ddp', True, 8, counts=counts)
+    assert ddp['param_bytes'] == 4 * 124e6 and ddp['adamw_bytes'] == 8 * 124e6 and ddp['gathered_bytes'] == 0
+    assert fsdp['param_bytes'] == ddp['param_bytes'] / 8 and fsdp['grad_bytes'] == ddp['grad_bytes'] / 8
+    assert fsdp['gathered_bytes'] > 0
+    assert ddp['comm_bytes'] == pytest.approx(2 * 7 / 8 * 4 * 124e6)  # ring all-reduce of float32 gradients
+    assert fsdp['comm_bytes'] == pytest.approx(3 * 7 / 8 * 4 * 124e6)  # 2 all-gathers + 1 reduce-scatter
+    # checkpointing keeps one float32 residual per block and token instead of ~34 bytes x n_embd
+    assert ddp_ckpt['activation_bytes_per_sequence'] < ddp['activation_bytes_per_sequence'] / 3
+    for row in (ddp, fsdp, ddp_ckpt):
+        fits = row['largest_micro_batch']
+        assert 0 < fits['40'] < fits['80'] < fits['96']
+    assert ddp_ckpt['largest_micro_batch']['80'] > 3 * ddp['largest_micro_batch']['80']
