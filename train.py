@@ -7,6 +7,8 @@ $ python train.py config/train_shakespeare_char.py --max_iters=2000
 
 With DDP on 8 devices of one node (the paper recipe):
 $ torchrun --standalone --nproc_per_node=8 train.py config/noiseformer_v2.py
+With FSDP2 instead (weights, gradients and AdamW state sharded over the ranks, for models whose
+training state does not fit one device): the same command with --parallel=fsdp.
 
 Across 2 nodes (8 devices each): on the first (master) node, with IP 123.456.123.456:
 $ torchrun --nproc_per_node=8 --nnodes=2 --node_rank=0 --master_addr=123.456.123.456 --master_port=1234 train.py
@@ -47,6 +49,8 @@ from denoised_gpt.device import (autocast_context, compile_model, ddp_backend, d
 from denoised_gpt.finetune import (apply_trainable, is_checkpoint, load_start, model_from_checkpoint,
                                    start_model_args, trainable_summary, write_merged_checkpoint)
 from denoised_gpt.lr_schedule import get_lr
+from denoised_gpt.parallel import (broadcast_from_rank0, check_parallel, full_state, learned_values, shard_model,
+                                   shard_optimizer_state, sharded_kl)
 from denoised_gpt.run_dir import (StopRequest, checkpoint_note, clear_for_new_run, lock_out_dir, log_metrics,
                                   peak_memory_mib, restart_advice, start_wandb, trim_metrics, wandb_learned_values)
 from denoised_gpt.training import (MODEL_KEYS, StepSpeed, batch_seed, check_training_settings, compile_training_step,
@@ -115,6 +119,7 @@ device = 'auto'  # 'auto' (cuda > hpu > mps > cpu), 'cuda', 'cuda:1', 'hpu', 'mp
 dtype = 'auto'  # 'auto', 'float32', 'bfloat16' or 'float16' (float16 only on CUDA, with a GradScaler)
 compile = 'auto'  # torch.compile: True, False or 'auto' (on where it measured faster: CUDA, Gaudi eager mode)
 backend = 'auto'  # DDP backend: 'auto' follows the device (nccl / hccl / gloo)
+parallel = 'ddp'  # under torchrun: 'ddp' (every rank holds the whole model) or 'fsdp' (FSDP2: weights, gradients and AdamW state sharded over the ranks)
 seed = 1337  # initial weights, data order and noise all follow from it (a non-negative int)
 activation_checkpointing = False  # recompute each block's forward in the backward: far less activation memory for ~1/3 more compute (bench.py --plan=True)
 # -----------------------------------------------------------------------------
@@ -138,6 +143,7 @@ if init_from == 'resume':  # every setting the run was trained with comes from i
 try:
     check_training_settings(config, given)
     device = resolve_device(device)
+    check_parallel(parallel, trainable, compile, device, resolve_dtype(dtype, device))
 except ValueError as e:
     fail(e)
 
@@ -167,17 +173,24 @@ if ddp:
     setup(device)
     dist.init_process_group(backend=ddp_backend(device) if backend == 'auto' else backend)
     master_process = ddp_rank == 0  # this process will do logging, checkpointing etc.
+    if master_process and parallel == 'fsdp':
+        print(f"FSDP2: weights, gradients and AdamW state sharded over {ddp_world_size} ranks")
 else:
     # if not ddp, we are running on a single device and one process
     setup(device)
     master_process = True
     ddp_rank = 0
     ddp_world_size = 1
+fsdp = ddp and parallel == 'fsdp'  # (one process has nothing to shard: it trains as without)
 try:
     dtype = resolve_dtype(dtype, device)
     compile = resolve_compile(compile, device)  # True / False / 'auto' (where it measured faster) -> bool
 except ValueError as e:
     fail(e)
+if compile and fsdp:  # compile=True was refused (check_parallel): this is 'auto'
+    compile = False
+    if master_process:
+        print("compile=auto stays off under parallel='fsdp' (not supported with it yet)")
 
 if master_process:
     print(f"device {device} ({dtype}), {ddp_world_size} process(es)")
@@ -255,7 +268,8 @@ except (ValueError, FileNotFoundError, CheckpointError) as e:
 if master_process:
     print(f"number of parameters: {model.get_num_params() / 1e6:.2f}M ({model.config.attn_type}); "
           f"{trainable_summary(model)}")
-model.to(device)
+if not fsdp:  # FSDP moves each rank's shard to the device as it shards (shard_model, below)
+    model.to(device)
 model.activation_checkpointing = activation_checkpointing
 
 # data loaders
@@ -288,6 +302,10 @@ if master_process:
 # initialize a GradScaler. If enabled=False scaler is a no-op
 scaler = grad_scaler(device, dtype)
 
+# FSDP: shard before building the optimizer, whose state then lives next to each rank's shard
+if fsdp:
+    shard_model(model, device, dtype)
+
 # optimizer
 optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type(device))
 optimizer = fused_optimizer(optimizer, device)
@@ -296,11 +314,15 @@ if init_from == 'resume':
         note = restore_training_state(checkpoint, model, optimizer, scaler, batches['train'], device_type(device))
     except CheckpointError as e:
         fail(e)
+    if fsdp:
+        shard_optimizer_state(optimizer)
     if note and master_process:
         print(note)
 checkpoint = None  # free up memory
 
 raw_model = model  # the plain module: its state_dict, KL and MFU, whatever wraps it below
+# under FSDP the noise parameters are shards after the forward: the KL is summed over the ranks
+kl_divergence = sharded_kl(raw_model) if fsdp else raw_model.kl_divergence
 if compile:
     model = compile_model(model, device)
     if model is not raw_model and not ddp:  # under DDP the first step compiles, inside DDP
@@ -309,8 +331,8 @@ if compile:
     elif model is not raw_model and master_process:
         print("compiling the model at the first step (takes a minute or more; iter 0's time includes it)")
 
-# wrap model into DDP container
-if ddp:
+# wrap model into DDP container (FSDP2 works on the module itself: shard_model above)
+if ddp and not fsdp:
     model = DDP(model, device_ids=ddp_device_ids(device))
 
 
@@ -320,18 +342,22 @@ def estimate_loss():
     seeded by (seed, split, j) for its data and noise, rank r evaluates batches r, r + W, ...,
     and sums of losses and counts are all-reduced."""
     out = {}
-    net = model.module if ddp else model  # no DDP: no gradients here, and ranks do unequal counts
+    net = model.module if ddp and not fsdp else model  # no DDP: no gradients here, and ranks do unequal counts
+    # FSDP: each forward gathers weights with every rank, so all ranks do as many; one without a batch
+    # left evaluates one again and does not count it
+    stop = -(-eval_iters // ddp_world_size) * ddp_world_size if fsdp else eval_iters
     net.eval()
     for split in ('train', 'val'):
         totals = torch.zeros(2, device=device)
-        for j in range(ddp_rank, eval_iters, ddp_world_size):
-            s = batch_seed(seed, 2, SPLIT_KEYS[split], j)  # 2: evaluation (training uses (0, it, m))
+        for j in range(ddp_rank, stop, ddp_world_size):
+            s = batch_seed(seed, 2, SPLIT_KEYS[split], j % eval_iters)  # 2: evaluation (training uses (0, it, m))
             X, Y = get_batch(split, s)
             manual_seed(s)  # the same noise every evaluation
             with ctx:
                 _, loss = net(X, Y)
-            totals[0] += loss.float()
-            totals[1] += 1
+            if j < eval_iters:
+                totals[0] += loss.float()
+                totals[1] += 1
             mark_step()
         if ddp:
             dist.all_reduce(totals)
@@ -341,9 +367,17 @@ def estimate_loss():
 
 
 def save(reason):
+    """Rank 0 writes ckpt.pt; under FSDP every rank calls this (the shards are gathered to rank 0)."""
+    if fsdp:  # the same single file as a DDP run's: whole tensors, the tied weight stored once
+        model_state, optimizer_state = full_state((raw_model.state_dict(keep_vars=True), optimizer.state_dict()),
+                                                  keep=master_process)
+    else:
+        model_state, optimizer_state = raw_model.state_dict(), optimizer.state_dict()
+    if not master_process:
+        return
     state = {
-        'model': raw_model.state_dict(),
-        'optimizer': optimizer.state_dict(),
+        'model': model_state,
+        'optimizer': optimizer_state,
         'optimizer_param_names': optimizer_param_names(raw_model, optimizer),
         'model_args': model_args,
         'iter_num': iter_num,
@@ -434,13 +468,17 @@ while True:
             print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
             row = {"iter": iter_num, "train_loss": losses['train'], "val_loss": losses['val'], "lr": lr,
                    "time": train_time, "peak_memory_mib": peak_memory_mib(device)}
-            learned = raw_model.learned_values()  # e.g. {'sigma': [[per head] per layer]}
+        # e.g. {'sigma': [[per head] per layer]}; under FSDP every rank takes part in gathering them
+        learned = learned_values(raw_model) if fsdp else raw_model.learned_values() if master_process else None
+        if master_process:
             if not eval_only:
                 log_row({**row, **learned})
             if wandb_log:
                 wandb.log({**row, **wandb_learned_values(learned)})
         t0 = time.time()  # evaluation time is not training time
     reason = checkpoint_reason(val_loss, improved, done) if master_process else None
+    if fsdp and (val_loss is not None or done or stopping):  # every rank takes part in gathering the state
+        reason = broadcast_from_rank0(reason)
     if reason:
         save(reason)
         saved_iter, saved_val_loss = iter_num, val_loss
@@ -455,7 +493,9 @@ while True:
     s = batch_seed(seed, 0, iter_num, m)
     X, Y = get_batch('train', s)
     for micro_step in range(gradient_accumulation_steps):
-        if ddp:
+        if fsdp:  # the same for FSDP: reduce-scatter the gradients after the last micro step only
+            model.set_requires_gradient_sync(micro_step == gradient_accumulation_steps - 1)
+        elif ddp:
             # in DDP training we only need to sync gradients at the last micro step.
             # the official way to do this is with model.no_sync() context manager, but
             # I really dislike that this bloats the code and forces us to repeat code
@@ -464,7 +504,7 @@ while True:
         manual_seed(s)  # noise and dropout of micro-batch m
         with ctx:
             _, ce = model(X, Y, return_logits=False)  # fused, chunked lm_head + cross-entropy
-            kl = raw_model.kl_divergence()
+            kl = kl_divergence()
             loss = ce + kl_weight * kl
         loss_sum += loss.detach().float()
         ce_sum += ce.detach().float()
@@ -479,6 +519,8 @@ while True:
     # clip the gradient (max_norm=inf only measures it, for the non-finite check)
     scaler.unscale_(optimizer)
     grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), grad_clip if grad_clip != 0.0 else float('inf'))
+    if fsdp:  # the norm of the sharded gradients, summed over the ranks: the same value on every rank
+        grad_norm = grad_norm.full_tensor()
     # one all-reduce for what every rank must agree on: the logged means, non-finite values, SIGTERM.
     # Under fp16 an inf grad norm is the GradScaler's business (it skips the step), not an error.
     local_bad = ~torch.isfinite(loss_sum) if scaler.is_enabled() else ~(torch.isfinite(loss_sum) & torch.isfinite(grad_norm))
