@@ -16,6 +16,7 @@ model card) says what the folder holds and how to load it; training_run.json kee
 and settings, which sample.py and eval.py show and use to find a char-level vocabulary.
 """
 import dataclasses
+import hashlib
 import json
 import os
 import shutil
@@ -26,6 +27,7 @@ import torch
 from denoised_gpt.batches import load_meta, read_meta_pkl
 from denoised_gpt.checkpoint import CKPT_NAME
 
+OP_NAMESPACE = 'denoised_gpt'  # model.py's custom op: torch.ops.denoised_gpt.lm_head_cross_entropy
 MODEL_TYPE = 'denoised_gpt'  # config.json's model_type of a folder with our own modeling code
 WEIGHTS_FILE = 'model.safetensors'
 RUN_FILE = 'training_run.json'
@@ -177,7 +179,15 @@ def write_denoised_gpt_model(model, folder, end_of_text):
               'bos_token_id': end_of_text, 'eos_token_id': end_of_text}
     with open(os.path.join(folder, 'config.json'), 'w') as f:
         json.dump(config, f, indent=2)
-    shutil.copy(model_module.__file__, os.path.join(folder, 'model.py'))
+    with open(model_module.__file__) as f:
+        source = f.read()
+    # the copy registers its fused-loss custom op under a namespace of its own (named by the source's
+    # hash): loaded next to this repository's model.py (or another version's copy), it must not replace
+    # the op that code runs
+    digest = hashlib.sha256(source.encode()).hexdigest()[:12]
+    assert source.count(f'"{OP_NAMESPACE}::') == 1, "model.py's custom op moved: update write_denoised_gpt_model"
+    with open(os.path.join(folder, 'model.py'), 'w') as f:
+        f.write(source.replace(f'"{OP_NAMESPACE}::', f'"{OP_NAMESPACE}_{digest}::'))
     for name in CODE_FILES:
         shutil.copy(os.path.join(TEMPLATES, name), os.path.join(folder, name))
 

@@ -96,8 +96,11 @@ def exported(tmp_path_factory, char_data):
 @pytest.mark.parametrize('kind', KINDS)
 def test_transformers_gives_model_pys_logits_and_greedy_tokens(exported, kind):
     model, _, folder, notes = exported[kind]
+    op = torch.ops.denoised_gpt.lm_head_cross_entropy.default
     hf = load_hf(folder)
     own_code = kind != 'base'
+    # the folder's model.py registers its fused loss under a namespace of its own: ours is not replaced
+    assert torch.ops.denoised_gpt.lm_head_cross_entropy.default is op
     assert (type(hf).__name__ == 'DenoisedGPTForCausalLM') == own_code  # base with biases: GPT2LMHeadModel
     assert os.path.isfile(folder / 'modeling_denoised_gpt.py') == own_code
     if kind == 'base-no-bias':
