@@ -57,6 +57,7 @@ import time
 import torch
 
 from denoised_gpt.batches import load_meta, read_meta_pkl
+from denoised_gpt.checkpoint import checkpoint_path
 from denoised_gpt.cli import (check_inference_source, check_ranges, fail, gpt2_encoding, load_model, log, noise_on,
                               prepare_device, read_config)
 from denoised_gpt.device import autocast_context, manual_seed, torch_dtype
@@ -160,7 +161,7 @@ else:
 if checkpoint is not None:
     val = checkpoint['best_val_loss']
     val = float(val.item() if torch.is_tensor(val) else val)
-    source = os.path.join(out_dir, 'ckpt.pt') if init_from == 'resume' else init_from  # or an exported folder
+    source = checkpoint_path(out_dir) if init_from == 'resume' else init_from  # or an exported folder (or sharded)
     model_info = dict(attn_type=attn_type, checkpoint=source,
                       iter=int(checkpoint['iter_num']), best_val_loss=val if val < 1e9 else None)
 else:

@@ -40,17 +40,19 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from denoised_gpt.batches import TokenBatches, check_token_files, load_meta
-from denoised_gpt.checkpoint import (CheckpointError, capture_rng_state, load_checkpoint, optimizer_param_names,
-                                     restore_training_state, save_checkpoint)
-from denoised_gpt.cli import fail, load_gpt2, model_with_weights, read_config
+from denoised_gpt.checkpoint import (CheckpointError, capture_rng_state, checkpoint_path, load_checkpoint,
+                                     optimizer_param_names, restore_training_state, save_checkpoint)
+from denoised_gpt.cli import empty_model, fail, load_gpt2, model_with_weights, read_config
 from denoised_gpt.device import (autocast_context, compile_model, ddp_backend, ddp_device_ids, device_type,
                                  fused_optimizer, grad_scaler, manual_seed, mark_step, peak_flops, resolve_compile,
                                  resolve_device, resolve_dtype, setup)
 from denoised_gpt.finetune import (apply_trainable, is_checkpoint, load_start, model_from_checkpoint,
                                    start_model_args, trainable_summary, write_merged_checkpoint)
 from denoised_gpt.lr_schedule import get_lr
-from denoised_gpt.parallel import (broadcast_from_rank0, check_parallel, full_state, learned_values, shard_model,
+from denoised_gpt.parallel import (broadcast_from_rank0, check_parallel, learned_values, shard_model,
                                    shard_optimizer_state, sharded_kl)
+from denoised_gpt.sharded_checkpoint import (is_sharded_checkpoint, load_sharded_state, model_and_optimizer_state,
+                                             save_sharded)
 from denoised_gpt.run_dir import (StopRequest, checkpoint_note, clear_for_new_run, lock_out_dir, log_metrics,
                                   peak_memory_mib, restart_advice, start_wandb, trim_metrics, wandb_learned_values)
 from denoised_gpt.training import (MODEL_KEYS, StepSpeed, batch_seed, check_training_settings, compile_training_step,
@@ -60,7 +62,7 @@ from model import GPT, GPTConfig
 # -----------------------------------------------------------------------------
 # default config values designed to train a gpt2 (124M) on OpenWebText
 # I/O
-out_dir = 'out'  # where ckpt.pt (and ckpt.prev.pt) are written and resumed from
+out_dir = 'out'  # where ckpt.pt (and ckpt.prev.pt) are written and resumed from (fsdp runs: sharded checkpoints)
 eval_interval = 2000  # evaluate (and checkpoint) every this many iterations
 log_interval = 1  # print the training loss every this many iterations
 eval_iters = 200  # batches per split in each evaluation (the same batches every time)
@@ -131,15 +133,20 @@ globals().update(config)  # config is also useful for logging and checkpoints
 
 checkpoint = None
 resume_changes = []  # given settings that differ from the resumed checkpoint's
+sharded_resume = False  # an fsdp run resuming from a sharded checkpoint: each rank reads its shards, later
 if init_from == 'resume':  # every setting the run was trained with comes from its checkpoint unless given
     if not out_dir:
         fail("out_dir='' is empty: name the directory that holds ckpt.pt")
+    resume_from = checkpoint_path(out_dir)  # ckpt.pt, or a sharded checkpoint's folder (the newer)
     try:
-        checkpoint = load_checkpoint(out_dir, map_location='cpu')
+        checkpoint = load_checkpoint(resume_from, map_location='cpu', metadata_only=is_sharded_checkpoint(resume_from))
         config, resume_changes = resumed_config(checkpoint['config'], config, given, out_dir)
+        globals().update(config)
+        sharded_resume = checkpoint['model'] is None and parallel == 'fsdp' and 'RANK' in os.environ
+        if checkpoint['model'] is None and not sharded_resume:  # one process or DDP: the whole tensors
+            checkpoint = load_checkpoint(resume_from, map_location='cpu')
     except (FileNotFoundError, CheckpointError, ValueError) as e:
         fail(e)
-    globals().update(config)
 try:
     check_training_settings(config, given)
     device = resolve_device(device)
@@ -235,8 +242,11 @@ try:
         block_size = model_args['block_size']
         # built empty (meta device), then the checkpoint's tensors become its parameters: no initialisation
         # to throw away. The same LoRA adapters and frozen parameters as the run, before the weights go in.
-        model = model_with_weights(GPTConfig(**model_args), checkpoint['model'], prepare=lambda m: apply_trainable(
-            m, trainable, lora_rank, lora_alpha, lora_dropout, lora_targets))
+        prepare = lambda m: apply_trainable(m, trainable, lora_rank, lora_alpha, lora_dropout, lora_targets)
+        if sharded_resume:  # each rank reads its shards once the model is sharded (below)
+            model = empty_model(GPTConfig(**model_args), prepare)
+        else:
+            model = model_with_weights(GPTConfig(**model_args), checkpoint['model'], prepare)
         iter_num = checkpoint['iter_num']
         best_val_loss = checkpoint['best_val_loss']
         train_time = checkpoint.get('train_time', 0.0)
@@ -305,16 +315,21 @@ scaler = grad_scaler(device, dtype)
 # FSDP: shard before building the optimizer, whose state then lives next to each rank's shard
 if fsdp:
     shard_model(model, device, dtype)
+    if sharded_resume:  # room for this rank's shards, read below
+        model.to_empty(device=device)
 
 # optimizer
 optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type(device))
 optimizer = fused_optimizer(optimizer, device)
 if init_from == 'resume':
     try:
-        note = restore_training_state(checkpoint, model, optimizer, scaler, batches['train'], device_type(device))
+        if sharded_resume:  # weights and AdamW state: this rank's part of the files, however many ranks wrote them
+            load_sharded_state(resume_from, model, optimizer)
+        note = restore_training_state(checkpoint, model, optimizer, scaler, batches['train'], device_type(device),
+                                      optimizer_loaded=sharded_resume)
     except CheckpointError as e:
         fail(e)
-    if fsdp:
+    if fsdp and not sharded_resume:  # every rank read the whole file: each keeps its shard
         shard_optimizer_state(optimizer)
     if note and master_process:
         print(note)
@@ -367,18 +382,10 @@ def estimate_loss():
 
 
 def save(reason):
-    """Rank 0 writes ckpt.pt; under FSDP every rank calls this (the shards are gathered to rank 0)."""
-    if fsdp:  # the same single file as a DDP run's: whole tensors, the tied weight stored once
-        model_state, optimizer_state = full_state((raw_model.state_dict(keep_vars=True), optimizer.state_dict()),
-                                                  keep=master_process)
-    else:
-        model_state, optimizer_state = raw_model.state_dict(), optimizer.state_dict()
-    if not master_process:
+    """Rank 0 writes ckpt.pt; under FSDP every rank calls this and writes its shards (sharded_checkpoint.py)."""
+    if not master_process and not fsdp:
         return
     state = {
-        'model': model_state,
-        'optimizer': optimizer_state,
-        'optimizer_param_names': optimizer_param_names(raw_model, optimizer),
         'model_args': model_args,
         'iter_num': iter_num,
         'best_val_loss': best_val_loss,
@@ -391,10 +398,16 @@ def save(reason):
         'train_batches': batches['train'].state_dict(),
     }
     try:
-        path = save_checkpoint(state, out_dir)
+        if fsdp:
+            path = save_sharded(*model_and_optimizer_state(raw_model, optimizer), state, out_dir, writer=master_process)
+        else:
+            path = save_checkpoint({'model': raw_model.state_dict(), 'optimizer': optimizer.state_dict(),
+                                    'optimizer_param_names': optimizer_param_names(raw_model, optimizer), **state},
+                                   out_dir)
     except CheckpointError as e:  # disk full, ...: the files already there are intact
         fail(e)
-    print(f"saved checkpoint to {path} (iter {iter_num}, {reason})")
+    if master_process:
+        print(f"saved checkpoint to {path} (iter {iter_num}, {reason})")
 
 
 def checkpoint_reason(val_loss, improved, done):
@@ -409,7 +422,7 @@ def checkpoint_reason(val_loss, improved, done):
         return stop_request.signal or "stop signal"
     if val_loss is not None and iter_num > 0 and (improved or always_save_checkpoint):
         return f"val loss {val_loss:.4f}"
-    if done and (always_save_checkpoint or not os.path.exists(os.path.join(out_dir, 'ckpt.pt'))):
+    if done and (always_save_checkpoint or not os.path.exists(checkpoint_path(out_dir))):
         return "end of training"
     return None
 

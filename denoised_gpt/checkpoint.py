@@ -5,6 +5,8 @@ laid out so that nanoGPT's scripts read ours and ours read nanoGPT's.
 out_dir/ckpt.pt       the newest checkpoint
 out_dir/ckpt.prev.pt  the one before it, kept in case the newest is damaged later (disk full, a
                       copy cut short): loadable directly with load_checkpoint('out_dir/ckpt.prev.pt')
+(fsdp runs write sharded checkpoints instead, sharded_checkpoint.py; load_checkpoint(out_dir) reads the
+newer of the two kinds, so every script reads both.)
 
 A save writes ckpt.pt.tmp-<pid>, fsyncs it, hard-links the current ckpt.pt to ckpt.prev.pt (so
 ckpt.pt never disappears, not even for an instant) and renames the temp file over ckpt.pt.
@@ -47,8 +49,12 @@ import zlib
 import numpy as np
 import torch
 
+from denoised_gpt.sharded_checkpoint import (POINTER_NAME, is_sharded_checkpoint, newest_sharded, read_sharded,
+                                             read_train_state, sharded_pointer)
+
 CKPT_NAME = 'ckpt.pt'
 PREV_NAME = 'ckpt.prev.pt'
+SHARDED_GLOB = POINTER_NAME + '-*'  # the sharded checkpoints' folders in an out_dir
 REQUIRED_KEYS = ('model', 'optimizer', 'model_args', 'iter_num', 'best_val_loss', 'config')
 # nanoGPT's GPTConfig fields: what its sample.py / train.py pass to GPTConfig(**model_args)
 NANOGPT_MODEL_ARGS = ('n_layer', 'n_head', 'n_embd', 'block_size', 'bias', 'vocab_size', 'dropout')
@@ -168,8 +174,22 @@ def _fsync_dir(directory):
 
 
 def checkpoint_path(out_dir_or_file):
-    """out_dir -> out_dir/ckpt.pt; a file path is returned unchanged."""
-    return out_dir_or_file if os.path.isfile(out_dir_or_file) else os.path.join(out_dir_or_file, CKPT_NAME)
+    """out_dir -> its newest checkpoint: out_dir/ckpt.pt, or the sharded checkpoint's folder (fsdp runs,
+    sharded_checkpoint.py) when out_dir has no ckpt.pt or the sharded one is as new or newer. A file or a
+    sharded checkpoint's folder is returned unchanged."""
+    if os.path.isfile(out_dir_or_file) or is_sharded_checkpoint(out_dir_or_file):
+        return out_dir_or_file
+    path = os.path.join(out_dir_or_file, CKPT_NAME)
+    folder = newest_sharded(out_dir_or_file)
+    if folder is None:
+        return path
+    if not os.path.isfile(path) or not is_sharded_checkpoint(folder):
+        return folder if not os.path.isfile(path) else path
+    try:  # both: e.g. an fsdp run resumed in one process, or a sharded checkpoint consolidated
+        file_iter = torch.load(path, map_location='cpu', weights_only=True, mmap=True)['iter_num']
+    except Exception:
+        return path  # damaged: load_checkpoint says so, naming the fallback
+    return folder if read_train_state(folder)['iter_num'] >= file_iter else path
 
 
 def load_checkpoint(out_dir_or_file, map_location='cpu', metadata_only=False, model_only=False):
@@ -180,6 +200,8 @@ def load_checkpoint(out_dir_or_file, map_location='cpu', metadata_only=False, mo
     model_only: for running the model (sample.py, eval.py): memory-mapped too, and only the model's
     tensors are read and checked against their records' CRC-32s; the optimizer state is never read."""
     path = checkpoint_path(out_dir_or_file)
+    if is_sharded_checkpoint(path):
+        return _load_sharded(path, metadata_only, model_only)
     prev = os.path.join(os.path.dirname(path), PREV_NAME)
     has_fallback = os.path.basename(path) == CKPT_NAME and os.path.isfile(prev)
     use_prev = (f"The previous checkpoint {prev} was kept for this: resume from it with "
@@ -226,6 +248,30 @@ def load_checkpoint(out_dir_or_file, map_location='cpu', metadata_only=False, mo
     # without flash attention (torch < 2) saved each layer's causal mask, a buffer, as attn.bias
     model = {_clean_name(k): v for k, v in ckpt['model'].items()}
     ckpt['model'] = {k: v for k, v in model.items() if not NANOGPT_MASK_KEY.fullmatch(k)}
+    ckpt['model_args'] = full_model_args(ckpt)
+    ckpt.pop('attn_args', None)
+    return ckpt
+
+
+def _load_sharded(folder, metadata_only, model_only):
+    """load_checkpoint for a sharded checkpoint's folder: the same dict (metadata_only: no tensors read,
+    'model' and 'optimizer' None)."""
+    from torch.distributed.checkpoint import CheckpointException  # a BaseException: named below
+    try:
+        if metadata_only:
+            ckpt = {**read_train_state(folder), 'model': None, 'optimizer': None}
+            ckpt.pop('optimizer_param_groups')
+        else:
+            ckpt = read_sharded(folder, model_only=model_only)
+    except (Exception, CheckpointException) as e:  # a missing or truncated shard, a damaged train_state.pt
+        cause = next(iter(e.failures.values()))[0] if isinstance(e, CheckpointException) and e.failures else e
+        others = sorted(glob.glob(os.path.join(os.path.dirname(folder), SHARDED_GLOB)))
+        others = [o for o in others if o != folder and is_sharded_checkpoint(o)]
+        fallback = (f"The previous one, {others[-1]}, was kept for this: load it directly, or resume from it by "
+                    f"writing its name into {sharded_pointer(os.path.dirname(folder))}" if others else
+                    "No previous sharded checkpoint exists next to it.")
+        raise CheckpointError(f"sharded checkpoint {folder} is incomplete or corrupt ({type(cause).__name__}: "
+                              f"{_first_line(cause)}). {fallback}") from e
     ckpt['model_args'] = full_model_args(ckpt)
     ckpt.pop('attn_args', None)
     return ckpt
@@ -333,12 +379,30 @@ def load_optimizer_state(optimizer, model, checkpoint):
     optimizer.load_state_dict({'state': state, 'param_groups': groups})
 
 
+def optimizer_state_by_name(checkpoint):
+    """checkpoint['optimizer'] keyed by parameter name: ({name: state}, the param groups with names in
+    place of slot numbers), or ({}, None) for a checkpoint without optimizer state. Names as
+    load_optimizer_state reads them (ours: optimizer_param_names; nanoGPT's: its grouping)."""
+    saved = checkpoint['optimizer']
+    if saved is None:
+        return {}, None
+    names = checkpoint.get('optimizer_param_names') or _nanogpt_param_names(checkpoint, None)
+    groups = [{**group, 'params': [_clean_name(n) for n in group_names]}
+              for group, group_names in zip(saved['param_groups'], names)]
+    state = {name: saved['state'][i] for group, group_names in zip(saved['param_groups'], names)
+             for i, name in zip(group['params'], group_names) if i in saved['state']}
+    return state, groups
+
+
 def _nanogpt_param_names(checkpoint, model):
     """Slot names in the order nanoGPT's configure_optimizers builds them: named_parameters order
     (= checkpoint['model'] order without the tied lm_head.weight and buffers such as its causal
     mask attn.bias), split into dim >= 2 (decayed) and dim < 2 (not decayed). Older checkpoints of
     ours (attn.c_proj registered before attn.c_attn) follow their own key order the same way."""
-    own = {_clean_name(n) for n, _ in model.named_parameters()}  # excludes the tied lm_head, buffers
+    if model is None:  # the checkpoint alone: every tensor but the tied lm_head (load_checkpoint dropped the masks)
+        own = {_clean_name(k) for k in checkpoint['model']} - {'lm_head.weight'}
+    else:
+        own = {_clean_name(n) for n, _ in model.named_parameters()}  # excludes the tied lm_head, buffers
     weights = [(k, v) for k, v in ((_clean_name(k), v) for k, v in checkpoint['model'].items()) if k in own]
     return [[k for k, v in weights if v.dim() >= 2], [k for k, v in weights if v.dim() < 2]]
 
@@ -372,12 +436,15 @@ def _first_line(e):
 # ----------------------------------------------------------------------------------------------
 # RNG states, as tensors and plain values so that weights_only loading accepts them
 
-def restore_training_state(checkpoint, model, optimizer, scaler, train_batches, device_type):
+def restore_training_state(checkpoint, model, optimizer, scaler, train_batches, device_type, optimizer_loaded=False):
     """What a resumed run takes from its checkpoint besides the weights: the optimizer state (by parameter
-    name), and where train.py wrote it, the GradScaler, the RNGs and the training batches' sampler.
-    Returns a note for the user, or None. CheckpointError when the optimizer state does not fit."""
+    name; optimizer_loaded: already loaded, from a sharded checkpoint), and where train.py wrote it, the
+    GradScaler, the RNGs and the training batches' sampler. Returns a note for the user, or None.
+    CheckpointError when the optimizer state does not fit."""
     note = None
-    if checkpoint['optimizer'] is None:  # grow.py's and --merge_lora's: moments of other weights would not fit
+    if optimizer_loaded:
+        pass
+    elif checkpoint['optimizer'] is None:  # grow.py's and --merge_lora's: moments of other weights would not fit
         note = "the checkpoint has no optimizer state (grow.py or --merge_lora changed its weights): AdamW starts fresh"
     else:  # by parameter name: nanoGPT's checkpoints order their optimizer state differently
         # loading puts back the saved hyperparameters too; the run's own (weight_decay, betas: the

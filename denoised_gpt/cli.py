@@ -169,14 +169,20 @@ def model_with_weights(config, state_dict, prepare=None):
     themselves, not copies. prepare(model), if given, changes the empty model before the weights go in
     (resume: the LoRA adapters and frozen parameters of the run). Raises RuntimeError (load_state_dict's)
     when a tensor is missing or does not fit."""
+    model = empty_model(config, prepare)
+    model.load_state_dict(state_dict, assign=True)  # requires_grad stays the model's (prepare's freezing)
+    # assign gives each key its own Parameter: tie lm_head to the token embedding again, as GPT does
+    model.lm_head.weight = model.transformer.wte.weight
+    return model
+
+
+def empty_model(config, prepare=None):
+    """GPT(config) on the meta device, its parameters without storage or values (see model_with_weights)."""
     from model import GPT
     with torch.device('meta'), _NoRandomDraws():
         model = GPT(config)
         if prepare is not None:
             prepare(model)
-    model.load_state_dict(state_dict, assign=True)  # requires_grad stays the model's (prepare's freezing)
-    # assign gives each key its own Parameter: tie lm_head to the token embedding again, as GPT does
-    model.lm_head.weight = model.transformer.wte.weight
     return model
 
 

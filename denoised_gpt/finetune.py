@@ -101,11 +101,11 @@ def extends_base():
 
 
 def is_checkpoint(init_from):
-    """A checkpoint file, a directory holding ckpt.pt, or a folder export_hf.py wrote with the model's own
+    """A checkpoint file, a directory holding ckpt.pt (or a sharded checkpoint), or a folder export_hf.py wrote with the model's own
     code (config.json's model_type 'denoised_gpt'). A GPT-2 folder (saved by transformers, or export_hf.py's
     of a base model) is a GPT-2 model, read by GPT.from_pretrained as before."""
     return (os.path.isfile(init_from) or os.path.isfile(os.path.join(init_from, CKPT_NAME))
-            or exported_model_type(init_from) == MODEL_TYPE)
+            or os.path.exists(checkpoint_path(init_from)) or exported_model_type(init_from) == MODEL_TYPE)
 
 
 def load_start(init_from):

@@ -19,8 +19,9 @@ How it maps onto train.py's DDP step, so that the two train the same model:
   counts sharded gradients and a reduce-scatter per micro-batch instead).
 - The KL term: after the forward a block's weights are shards again, so each layer's KL is summed
   from the shards and over the ranks (sharded_kl).
-- Checkpoints: the full state gathered to rank 0 and written as the single-file ckpt.pt that DDP
-  runs write (full_state); on resume every rank loads the whole file before sharding, as DDP does.
+- Checkpoints: sharded, each rank writing its own shards (sharded_checkpoint.py); a resume reads them
+  on any number of ranks. Resuming from a single-file ckpt.pt (a DDP run's, or one converted with
+  convert_checkpoint.py), every rank loads the whole file and keeps its shard (shard_optimizer_state).
 """
 import torch
 import torch.distributed as dist
@@ -104,31 +105,6 @@ def learned_values(model):
             values.setdefault(name, []).append(layer_values)
         block.reshard()
     return values
-
-
-@torch.no_grad()
-def full_state(state, keep):
-    """`state` (nested dicts / lists, e.g. a model's state_dict(keep_vars=True) or an optimizer's
-    state_dict()) with each DTensor replaced by the whole tensor on CPU where keep (rank 0), by None
-    elsewhere. A collective: every rank calls it with the same structure. A tensor that appears
-    twice (the tied wte / lm_head) is gathered once and stays one tensor, as in a DDP run's file."""
-    gathered = {}
-
-    def walk(x):
-        if isinstance(x, DTensor):
-            if id(x) not in gathered:
-                full = x.full_tensor()
-                gathered[id(x)] = full.detach().cpu() if keep else None
-            return gathered[id(x)]
-        if isinstance(x, dict):  # a state_dict's OrderedDict keeps its type and version _metadata
-            out = type(x)((k, walk(v)) for k, v in x.items())
-            if hasattr(x, '_metadata'):
-                out._metadata = x._metadata
-            return out
-        if isinstance(x, (list, tuple)):
-            return type(x)(walk(v) for v in x)
-        return x
-    return walk(state)
 
 
 @torch.no_grad()

@@ -2,16 +2,19 @@
 wandb, and the peak memory figure logged at each evaluation."""
 import contextlib
 import errno
+import glob
 import json
 import netrc
 import os
+import shutil
 import signal
 import socket
 import sys
 import tempfile
 import time
 
-from denoised_gpt.checkpoint import CKPT_NAME, PREV_NAME
+from denoised_gpt.checkpoint import CKPT_NAME, PREV_NAME, SHARDED_GLOB, checkpoint_path
+from denoised_gpt.sharded_checkpoint import POINTER_NAME
 from denoised_gpt.device import max_memory_allocated
 
 # out_dir/metrics.jsonl: one JSON line per logged iteration and per evaluation, for compare.py and
@@ -57,11 +60,14 @@ def lock_out_dir(out_dir):
 def clear_for_new_run(out_dir, overwrite):
     """A new run never destroys another run's checkpoint in out_dir: it is moved to a replaced-<time>/
     folder inside it unless overwrite=True. Returns a message saying what happened, or None."""
-    old = [os.path.join(out_dir, name) for name in (CKPT_NAME, PREV_NAME, METRICS_NAME)]
-    had_checkpoint = os.path.exists(old[0])
+    old = [os.path.join(out_dir, name) for name in (CKPT_NAME, POINTER_NAME, PREV_NAME, METRICS_NAME)]
+    had_checkpoint = os.path.exists(old[0]) or os.path.exists(old[1])
+    old += sorted(glob.glob(os.path.join(out_dir, SHARDED_GLOB)))  # the sharded checkpoints' folders
     if not had_checkpoint or overwrite:
         for path in old:  # with no checkpoint, a metrics log is from a run that never saved: not ours
-            if os.path.exists(path):
+            if os.path.isdir(path):
+                shutil.rmtree(path)
+            elif os.path.exists(path):
                 os.remove(path)
         return f"overwrite=True: deleted the previous run's checkpoint in {out_dir}" if had_checkpoint else None
     aside = tempfile.mkdtemp(prefix=time.strftime('replaced-%Y%m%d-%H%M%S-'), dir=out_dir)  # a new name every time
@@ -113,14 +119,14 @@ def restart_advice(out_dir, saved_iter):
     """What to do after a divergence, given the iteration of the checkpoint on disk (None: none yet)."""
     if saved_iter is None:
         return "No checkpoint was written yet: start the run again with a lower learning_rate"
-    return (f"Resume from the last checkpoint ({os.path.join(out_dir, CKPT_NAME)}, iter {saved_iter}) with a "
+    return (f"Resume from the last checkpoint ({checkpoint_path(out_dir)}, iter {saved_iter}) with a "
             f"lower learning_rate: --init_from=resume --learning_rate=...")
 
 
 def checkpoint_note(out_dir, saved_iter, saved_val_loss, best_val_loss):
-    """The last line of a run: which state ckpt.pt holds. saved_val_loss: the val loss of the state this
+    """The last line of a run: which state its checkpoint holds. saved_val_loss: the val loss of the state this
     process saved last (None: not evaluated, or nothing saved by this process)."""
-    path = os.path.join(out_dir, CKPT_NAME)
+    path = checkpoint_path(out_dir)
     if saved_val_loss is not None and saved_val_loss > best_val_loss:  # always_save_checkpoint, or SIGTERM
         return (f"checkpoint: {path} holds the last state (iter {saved_iter}, val loss {saved_val_loss:.4f}); "
                 f"the best val loss, {best_val_loss:.4f}, was an earlier state that it replaced "

@@ -3,10 +3,13 @@ training steps of the tiny model sharded with denoised_gpt.parallel (as train.py
 step does them) against the same steps on an unsharded copy in this process (what one process of
 train.py does with the same total accumulation). Rank 0 prints one JSON line: per case, the largest
 difference of any weight and of the summed loss, and how far the noise mean moved (it moves through
-the KL term alone, whose gradient FSDP must not drop).
+the KL term alone, whose gradient FSDP must not drop). Each case's sharded model and AdamW state is
+saved as train.py saves it (sharded_checkpoint.py) into OUT_DIR/<attn_type>-<dtype>[-recompute], with
+its gathered weights (gathered.pt) and the unsharded reference's checkpoint (reference/) beside it.
 
-    python -m torch.distributed.run --standalone --nproc_per_node=2 tests/fsdp_steps.py
+    python -m torch.distributed.run --standalone --nproc_per_node=2 tests/fsdp_steps.py OUT_DIR
 """
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -16,7 +19,11 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from denoised_gpt.device import autocast_context  # noqa: E402
-from denoised_gpt.parallel import full_state, shard_model, sharded_kl  # noqa: E402
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict  # noqa: E402
+
+from denoised_gpt.checkpoint import optimizer_param_names, save_checkpoint  # noqa: E402
+from denoised_gpt.parallel import shard_model, sharded_kl  # noqa: E402
+from denoised_gpt.sharded_checkpoint import model_and_optimizer_state, save_sharded  # noqa: E402
 from helpers import VOCAB, tiny_gpt  # noqa: E402
 from model import ATTENTION_TYPES  # noqa: E402
 
@@ -26,7 +33,7 @@ KL_WEIGHT = 0.1  # large, so that a KL gradient lost on the way would show in th
 
 def train(model, kl_divergence, micro_batches, rank, world, ctx, sync=None):
     """STEPS AdamW steps; this process does micro-batches rank, rank + world, ... of each; returns the
-    losses summed over this process's micro-batches."""
+    losses summed over this process's micro-batches, and the optimizer."""
     optimizer = model.configure_optimizers(0.1, 3e-3, (0.9, 0.99), 'cpu')
     losses = []
     for step in range(STEPS):
@@ -49,7 +56,7 @@ def train(model, kl_divergence, micro_batches, rank, world, ctx, sync=None):
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(total)
-    return losses
+    return losses, optimizer
 
 
 def main():
@@ -67,23 +74,34 @@ def main():
         reference = tiny_gpt(attn_type)
         reference.activation_checkpointing = recompute
         start = {k: v.clone() for k, v in reference.state_dict().items()}
-        ref_losses = train(reference, reference.kl_divergence, micro_batches, 0, 1, ctx)
+        ref_losses, ref_optimizer = train(reference, reference.kl_divergence, micro_batches, 0, 1, ctx)
         model = shard_model(tiny_gpt(attn_type), 'cpu', dtype)
         model.activation_checkpointing = recompute
         assert model.transformer.wte.weight is model.lm_head.weight, "the tie was lost"
-        losses = train(model, sharded_kl(model), micro_batches, rank, world, ctx, model.set_requires_gradient_sync)
+        losses, optimizer = train(model, sharded_kl(model), micro_batches, rank, world, ctx,
+                                  model.set_requires_gradient_sync)
         summed = torch.tensor(losses, dtype=torch.float64)
         dist.all_reduce(summed)  # this rank's losses + the other's = the reference's
-        weights = full_state(model.state_dict(keep_vars=True), keep=True)
+        weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))  # gathered
         ref_weights = reference.state_dict()
         assert list(weights) == list(ref_weights)
         name = f"{attn_type}/{dtype}" + ("/recompute" if recompute else "")
+        train_state = {'model_args': dataclasses.asdict(reference.config), 'iter_num': STEPS, 'best_val_loss': 1e9,
+                       'config': {'attn_type': attn_type}}
+        out = Path(sys.argv[1]) / name.replace('/', '-')
+        save_sharded(*model_and_optimizer_state(model, optimizer), train_state, out, writer=rank == 0)
+        if rank == 0:
+            torch.save(weights, out / 'gathered.pt')
+            save_checkpoint({'model': ref_weights, 'optimizer': ref_optimizer.state_dict(),
+                             'optimizer_param_names': optimizer_param_names(reference, ref_optimizer), **train_state},
+                            out / 'reference')
         mu = [k for k in weights if k.endswith('noise_mu')]
         results[name] = {
             'weights': max((weights[k] - ref_weights[k]).abs().max().item() for k in weights),
             'loss': (summed - torch.tensor(ref_losses, dtype=torch.float64)).abs().max().item(),
             'mu_moved': min(((weights[k] - start[k]).abs().max().item() for k in mu), default=None),
-            'tied': weights['lm_head.weight'] is weights['transformer.wte.weight'],
+            'tied': model.lm_head.weight is model.transformer.wte.weight and torch.equal(
+                weights['lm_head.weight'], weights['transformer.wte.weight']),
         }
     if rank == 0:
         print(json.dumps(results))

@@ -1,31 +1,61 @@
 """parallel='fsdp' (FSDP2, denoised_gpt/parallel.py) on CPU with gloo: train.py under torchrun trains the
-same model as DDP and as one process, writes DDP's single-file checkpoint and resumes from it exactly;
-every attn_type's sharded step equals the unsharded one (tests/fsdp_steps.py, one launch for all);
-settings it cannot train with are refused before out_dir is touched."""
+same model as DDP and as one process, writes sharded checkpoints and resumes from them exactly after a
+kill -9, on two ranks or in one process; convert_checkpoint.py consolidates them into a ckpt.pt; every
+attn_type's sharded step equals the unsharded one and its sharded checkpoint reads back as the gathered
+weights (tests/fsdp_steps.py, one launch for all); settings it cannot train with are refused before
+out_dir is touched."""
 import json
+import os
+import pickle
 import shutil
+import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import torch
 
 from denoised_gpt.checkpoint import load_checkpoint
-from helpers import (ROOT, TINY, eval_losses, iter_losses, make_dataset, run_script_in_process, run_train,
-                     subprocess_env, tiny_checkpoint)
-from model import ATTENTION_TYPES
+from denoised_gpt.cli import model_with_weights
+from helpers import (ITER_LINE, ROOT, TINY, VOCAB, eval_losses, iter_losses, make_dataset, run_script_in_process,
+                     run_train, subprocess_env, tiny_checkpoint, train_command)
+from model import ATTENTION_TYPES, GPTConfig
+from nanogpt_reference import NanoConfig, NanoGPT
+
+
+CHARS = ''.join(chr(ord('a') + i % 26) if i < 26 else chr(ord('A') + i - 26) for i in range(VOCAB))
+
+
+def descendants(pid):
+    """The processes below `pid` (from /proc: Linux)."""
+    children = {}
+    for stat in Path('/proc').glob('[0-9]*/stat'):
+        try:
+            fields = stat.read_text().rsplit(')', 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        below = children.get(todo.pop(), [])
+        found += below
+        todo += below
+    return found
 
 
 def weights_differ(a, b):
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
-def test_fsdp_matches_ddp_and_one_process_and_resumes_exactly(tmp_path):
+def test_fsdp_matches_ddp_and_one_process_and_resumes_after_kill_9_on_two_ranks_or_one(tmp_path):
     data = make_dataset(tmp_path)
-    args = ['--attn_type=noiseformer_v2', '--gradient_accumulation_steps=4', '--max_iters=8',
-            '--eval_interval=4', '--eval_iters=5', '--lr_decay_iters=8']  # 5 eval batches: 3 + 2 per rank
-    one = run_train(tmp_path / 'one', data, *args)
-    ddp = run_train(tmp_path / 'ddp', data, *args, nproc=2)
-    fsdp = run_train(tmp_path / 'fsdp', data, *args, '--parallel=fsdp', nproc=2)
+    with open(data / 'meta.pkl', 'wb') as f:  # the characters, for sample.py
+        pickle.dump({'vocab_size': VOCAB, 'itos': dict(enumerate(CHARS)), 'stoi': {c: i for i, c in enumerate(CHARS)}}, f)
+    args = ['--attn_type=noiseformer_v2', '--gradient_accumulation_steps=4', '--eval_interval=4', '--eval_iters=5',
+            '--lr_decay_iters=8']  # 5 eval batches: 3 + 2 per rank
+    one = run_train(tmp_path / 'one', data, *args, '--max_iters=8')
+    ddp = run_train(tmp_path / 'ddp', data, *args, '--max_iters=8', nproc=2)
+    fsdp = run_train(tmp_path / 'fsdp', data, *args, '--max_iters=8', '--parallel=fsdp', nproc=2)
     assert 'FSDP2: weights, gradients and AdamW state sharded over 2 ranks' in fsdp.stdout
     l1, ld, lf = iter_losses(one.stdout), iter_losses(ddp.stdout), iter_losses(fsdp.stdout)
     assert sorted(lf) == list(range(8))
@@ -35,10 +65,15 @@ def test_fsdp_matches_ddp_and_one_process_and_resumes_exactly(tmp_path):
         assert abs(lf[it] - l1[it]) <= 1e-6 and abs(lf[it] - ld[it]) <= 1e-6, (it, l1[it], ld[it], lf[it])
     e1, ef = eval_losses(one.stdout), eval_losses(fsdp.stdout)
     assert sorted(ef) == [0, 4, 8] and all(abs(ef[it] - e1[it]) <= 1e-4 for it in e1)  # printed to 4 decimals
-    # rank 0 writes DDP's files: one ckpt.pt of whole tensors, the tied weight stored once
-    assert sorted(p.name for p in (tmp_path / 'fsdp').iterdir()) == ['.lock', 'ckpt.prev.pt', 'ckpt.pt', 'metrics.jsonl']
-    ck1, ckd, ckf = (load_checkpoint(tmp_path / name) for name in ('one', 'ddp', 'fsdp'))
-    assert ckf['model']['lm_head.weight'].data_ptr() == ckf['model']['transformer.wte.weight'].data_ptr()
+    # each rank wrote its own shards; the newest and the one before are kept
+    fsdp_dir = tmp_path / 'fsdp'
+    assert sorted(p.name for p in fsdp_dir.iterdir()) == ['.lock', 'ckpt.sharded', 'ckpt.sharded-0000004',
+                                                         'ckpt.sharded-0000008', 'metrics.jsonl']
+    assert sorted(p.name for p in (fsdp_dir / 'ckpt.sharded-0000008').iterdir()) == [
+        '.metadata', '__0_0.distcp', '__1_0.distcp', 'train_state.pt']
+    assert f"checkpoint: {fsdp_dir / 'ckpt.sharded-0000008'} (best val loss" in fsdp.stdout
+    ck1, ckd, ckf = (load_checkpoint(tmp_path / name) for name in ('one', 'ddp', 'fsdp'))  # ckf: shards read whole
+    assert ckf['model']['lm_head.weight'] is ckf['model']['transformer.wte.weight']
     assert list(ckf['model']) == list(ckd['model']) and ckf['optimizer_param_names'] == ckd['optimizer_param_names']
     assert weights_differ(ckf['model'], ckd['model']) < 1e-7 and weights_differ(ckf['model'], ck1['model']) < 1e-6
     for slot, state in ckd['optimizer']['state'].items():
@@ -46,27 +81,63 @@ def test_fsdp_matches_ddp_and_one_process_and_resumes_exactly(tmp_path):
             assert ckf['optimizer']['state'][slot][key].shape == value.shape
             torch.testing.assert_close(ckf['optimizer']['state'][slot][key], value, rtol=0, atol=1e-7)
     # noise_mu moves through the KL term alone (sharded_kl): it moved, and as in one process (above)
-    ck4 = load_checkpoint(tmp_path / 'fsdp' / 'ckpt.prev.pt')
+    ck4 = load_checkpoint(fsdp_dir / 'ckpt.sharded-0000004')
     assert ck4['iter_num'] == 4
     mu = [k for k in ckf['model'] if k.endswith('noise_mu')]
     assert mu and min((ckf['model'][k] - ck4['model'][k]).abs().max().item() for k in mu) > 1e-3
 
-    # resume from the iter-4 checkpoint (ckpt.prev.pt) under fsdp: iters 4-7 and the result as uninterrupted
-    (tmp_path / 'resumed').mkdir()
-    shutil.copy(tmp_path / 'fsdp' / 'ckpt.prev.pt', tmp_path / 'resumed' / 'ckpt.pt')
-    resumed = run_train(tmp_path / 'resumed', data, *args, '--parallel=fsdp', '--init_from=resume', nproc=2)
+    # kill -9 of every process of the run (as when its node dies) after the iter-4 checkpoint, then resume
+    killed = tmp_path / 'killed'
+    proc = subprocess.Popen(train_command(killed, data, *args, '--max_iters=1000000', '--parallel=fsdp', nproc=2),
+                            cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            text=True, start_new_session=True)
+    for line in proc.stdout:
+        m = ITER_LINE.match(line)
+        if m and int(m[1]) >= 5:
+            for pid in [proc.pid, *descendants(proc.pid)]:  # torchrun starts its workers in sessions of their own
+                os.kill(pid, signal.SIGKILL)
+            break
+    proc.wait(timeout=60)
+    assert load_checkpoint(killed)['iter_num'] == 4
+    (tmp_path / 'one_rank').mkdir()  # a copy of it, for the one-process resume below
+    shutil.copytree(killed / 'ckpt.sharded-0000004', tmp_path / 'one_rank' / 'ckpt.sharded-0000004')
+    shutil.copy(killed / 'ckpt.sharded', tmp_path / 'one_rank')
+    resumed = run_train(killed, data, *args, '--max_iters=8', '--parallel=fsdp', '--init_from=resume', nproc=2)
     l_resumed = iter_losses(resumed.stdout)
     assert sorted(l_resumed) == [4, 5, 6, 7] and all(l_resumed[it] == lf[it] for it in l_resumed), (l_resumed, lf)
     assert eval_losses(resumed.stdout)[8] == ef[8]
-    ckr = load_checkpoint(tmp_path / 'resumed')
+    ckr = load_checkpoint(killed)
     for name, w in ckf['model'].items():
-        torch.testing.assert_close(ckr['model'][name], w, rtol=0, atol=0)
+        assert torch.equal(ckr['model'][name], w), name
+    for slot, state in ckf['optimizer']['state'].items():
+        assert all(torch.equal(ckr['optimizer']['state'][slot][k], v) for k, v in state.items()), slot
+
+    # the 2-rank sharded checkpoint resumes in one process (the other arithmetic of one process: within 1e-6)
+    proc = run_script_in_process('train.py', [TINY, f'--dataset={data}', f'--out_dir={tmp_path / "one_rank"}', *args,
+                                              '--max_iters=8', '--init_from=resume'])
+    assert proc.returncode == 0, proc.stderr
+    l_one_rank = iter_losses(proc.stdout)
+    assert sorted(l_one_rank) == [4, 5, 6, 7] and all(abs(l_one_rank[it] - lf[it]) <= 1e-6 for it in l_one_rank)
+    assert weights_differ(load_checkpoint(tmp_path / 'one_rank' / 'ckpt.pt')['model'], ckf['model']) < 1e-6
+
+    # consolidated into one ckpt.pt: the same tensors, the tied weight stored once; sample.py reads either
+    proc = run_script_in_process('convert_checkpoint.py', [f'--out_dir={fsdp_dir}'])
+    assert proc.returncode == 0 and f"wrote {fsdp_dir / 'ckpt.pt'}" in proc.stdout, proc.stderr
+    whole = torch.load(fsdp_dir / 'ckpt.pt', weights_only=True)
+    assert whole['model']['lm_head.weight'].data_ptr() == whole['model']['transformer.wte.weight'].data_ptr()
+    assert all(torch.equal(whole['model'][k], v) for k, v in ckf['model'].items())
+    assert whole['optimizer_param_names'] == ckd['optimizer_param_names']
+    sample = ['--start=ab', '--num_samples=2', '--max_new_tokens=12', '--device=cpu', '--dtype=float32']
+    from_sharded = run_script_in_process('sample.py', [f'--out_dir={killed}', *sample])
+    from_file = run_script_in_process('sample.py', [f'--out_dir={fsdp_dir}', *sample])
+    assert from_sharded.returncode == from_file.returncode == 0, from_file.stderr
+    assert from_file.stdout == from_sharded.stdout and from_file.stdout.count('---------------') == 2
 
 
 def test_every_attention_variant_steps_sharded_as_unsharded(tmp_path):
     proc = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
-                           'tests/fsdp_steps.py'], cwd=ROOT, env=subprocess_env(), capture_output=True, text=True,
-                          timeout=300)
+                           'tests/fsdp_steps.py', str(tmp_path)], cwd=ROOT, env=subprocess_env(), capture_output=True,
+                          text=True, timeout=300)
     assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
     results = json.loads([line for line in proc.stdout.splitlines() if line.startswith('{')][-1])
     assert {k.split('/')[0] for k in results} == set(ATTENTION_TYPES)
@@ -79,6 +150,36 @@ def test_every_attention_variant_steps_sharded_as_unsharded(tmp_path):
         assert r['tied'], case
         if case.startswith('noiseformer'):
             assert r['mu_moved'] > 1e-3, (case, r)  # its only gradient, the KL's, arrived
+        # its sharded checkpoint (2 ranks, uneven shards for noiseformer_v1's one mu) read whole in this process:
+        # exactly the gathered weights; AdamW's state by the same names as the unsharded run's, and as close
+        saved, gathered = load_checkpoint(tmp_path / case.replace('/', '-')), torch.load(
+            tmp_path / case.replace('/', '-') / 'gathered.pt', weights_only=True)
+        reference = load_checkpoint(tmp_path / case.replace('/', '-') / 'reference')
+        assert list(saved['model']) == list(gathered) and all(torch.equal(saved['model'][k], v) for k, v in gathered.items())
+        assert saved['optimizer_param_names'] == reference['optimizer_param_names'] and saved['iter_num'] == 3
+        for slot, state in reference['optimizer']['state'].items():
+            for key, value in state.items():
+                torch.testing.assert_close(saved['optimizer']['state'][slot][key], value, rtol=0,
+                                           atol=2e-3 if bf16 else 1e-6)
+
+    # base, consolidated by convert_checkpoint.py, is a checkpoint nanoGPT's code loads (strictly, by position)
+    base = tmp_path / 'base-float32'
+    assert run_script_in_process('convert_checkpoint.py', [f'--out_dir={base}']).returncode == 0
+    checkpoint = torch.load(base / 'ckpt.pt', map_location='cpu', weights_only=True)
+    nano = NanoGPT(NanoConfig(**checkpoint['model_args']))
+    nano.load_state_dict(checkpoint['model'])
+    nano_opt = nano.configure_optimizers(0.1, 3e-3, (0.9, 0.99))
+    nano_opt.load_state_dict(checkpoint['optimizer'])
+    ours = load_checkpoint(base)
+    params = dict(nano.named_parameters())
+    for group, names in zip(nano_opt.param_groups, ours['optimizer_param_names']):  # nanoGPT's order is the file's
+        assert len(names) == len(group['params']) and all(params[n] is p for n, p in zip(names, group['params']))
+    x = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
+    ours_model = model_with_weights(GPTConfig(**ours['model_args']), ours['model']).eval()
+    y = torch.roll(x, -1, dims=1)
+    (nano_logits, nano_loss), (our_logits, our_loss) = nano.eval()(x, y), ours_model(x, y)
+    torch.testing.assert_close(nano_logits, our_logits, rtol=0, atol=1e-5)
+    torch.testing.assert_close(nano_loss, our_loss, rtol=0, atol=1e-6)
 
 
 def refused(tmp_path, *args):

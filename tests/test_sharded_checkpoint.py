@@ -1,0 +1,133 @@
+"""Sharded checkpoints (denoised_gpt/sharded_checkpoint.py) in one process: a kill at any point of a save
+leaves the previous one loadable, convert_checkpoint.py turns ckpt.pt into a sharded checkpoint and back
+without changing a bit, load_checkpoint takes the newer kind, a damaged shard is reported with the
+fallback, and a new run moves an old run's sharded checkpoints aside. (Written by 2 ranks: test_fsdp.py.)"""
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from denoised_gpt.checkpoint import (CheckpointError, checkpoint_path, load_checkpoint, optimizer_param_names,
+                                     save_checkpoint)
+from denoised_gpt.run_dir import clear_for_new_run
+from denoised_gpt.sharded_checkpoint import checkpoint_as_sharded, newest_sharded, save_sharded
+from helpers import ROOT, VOCAB, run_script_in_process, subprocess_env, tiny_gpt
+
+
+def trained_checkpoint(out_dir, iter_num, attn_type='noiseformer_v1'):
+    """ckpt.pt of a tiny model after two AdamW steps, as train.py writes it."""
+    model = tiny_gpt(attn_type, seed=iter_num)
+    optimizer = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), 'cpu')
+    for seed in range(2):
+        x = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(seed))
+        model(x, x)[1].backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    save_checkpoint({'model': model.state_dict(), 'optimizer': optimizer.state_dict(),
+                     'optimizer_param_names': optimizer_param_names(model, optimizer),
+                     'model_args': dataclasses.asdict(model.config), 'iter_num': iter_num, 'best_val_loss': 2.5,
+                     'config': {'dataset': 'x'}, 'rng': {'torch': torch.get_rng_state()}}, out_dir)
+    return load_checkpoint(out_dir)
+
+
+def assert_same_checkpoint(a, b):
+    assert list(a['model']) == list(b['model']) and all(torch.equal(a['model'][k], b['model'][k]) for k in a['model'])
+    assert a['model']['lm_head.weight'] is a['model']['transformer.wte.weight']
+    assert a['optimizer']['param_groups'] == b['optimizer']['param_groups']
+    assert a['optimizer_param_names'] == b['optimizer_param_names']
+    assert a['optimizer']['state'].keys() == b['optimizer']['state'].keys()
+    for slot, state in a['optimizer']['state'].items():
+        assert all(torch.equal(v, b['optimizer']['state'][slot][k]) for k, v in state.items()), slot
+    for key in ('model_args', 'iter_num', 'best_val_loss', 'config'):
+        assert a[key] == b[key], key
+    assert torch.equal(a['rng']['torch'], b['rng']['torch'])
+
+
+def test_convert_to_sharded_and_back_changes_nothing_and_the_newer_kind_is_read(tmp_path):
+    original = trained_checkpoint(tmp_path, iter_num=7)
+    proc = run_script_in_process('convert_checkpoint.py', [f'--out_dir={tmp_path}', '--to=sharded'])
+    assert proc.returncode == 0, proc.stderr
+    folder = tmp_path / 'ckpt.sharded-0000007'
+    assert f"wrote {folder} from {tmp_path / 'ckpt.pt'}, iter 7" in proc.stdout
+    assert checkpoint_path(tmp_path) == str(folder)  # as new as ckpt.pt: the sharded one is read
+    assert_same_checkpoint(load_checkpoint(tmp_path), original)
+    only_model = load_checkpoint(tmp_path, model_only=True)
+    assert only_model['optimizer'] is None and only_model['model'].keys() == original['model'].keys()
+
+    os.remove(tmp_path / 'ckpt.pt')
+    proc = run_script_in_process('convert_checkpoint.py', [f'--out_dir={tmp_path}'])
+    assert proc.returncode == 0, proc.stderr
+    assert_same_checkpoint(load_checkpoint(tmp_path / 'ckpt.pt'), original)
+
+    trained_checkpoint(tmp_path, iter_num=9)  # a newer ckpt.pt (an fsdp run resumed in one process, say)
+    assert checkpoint_path(tmp_path) == str(tmp_path / 'ckpt.pt') and load_checkpoint(tmp_path)['iter_num'] == 9
+    proc = run_script_in_process('convert_checkpoint.py', [f'--out_dir={tmp_path}'])  # the older, said so
+    assert proc.returncode == 0 and "is the newer checkpoint" in proc.stdout
+
+    empty = tmp_path / 'empty'
+    empty.mkdir()
+    for to in ('file', 'sharded'):
+        proc = run_script_in_process('convert_checkpoint.py', [f'--out_dir={empty}', f'--to={to}'])
+        assert proc.returncode != 0 and f"{empty} holds no" in proc.stderr
+
+
+KILL_POINTS = {
+    # after every shard is written, while train_state.pt is being written
+    'shards written': "torch.save = die",
+    # after the folder got its final name, before ckpt.sharded points at it
+    'folder renamed': "sharded_checkpoint._write_pointer = die",
+}
+
+
+@pytest.mark.parametrize('point', KILL_POINTS)
+def test_a_kill_during_a_save_leaves_the_previous_checkpoint(tmp_path, point):
+    first = trained_checkpoint(tmp_path / 'src1', iter_num=1)
+    save_sharded(*checkpoint_as_sharded(first), tmp_path / 'out')
+    trained_checkpoint(tmp_path / 'src2', iter_num=2)
+    script = f"""
+import os, signal, torch
+from denoised_gpt import sharded_checkpoint
+from denoised_gpt.checkpoint import load_checkpoint
+def die(*args, **kwargs):
+    os.kill(os.getpid(), signal.SIGKILL)
+{KILL_POINTS[point]}
+sharded_checkpoint.save_sharded(*sharded_checkpoint.checkpoint_as_sharded(load_checkpoint({str(tmp_path / 'src2')!r})),
+                                {str(tmp_path / 'out')!r})
+"""
+    proc = subprocess.run([sys.executable, '-c', script], cwd=ROOT, env=subprocess_env(), capture_output=True)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    assert newest_sharded(tmp_path / 'out') == str(tmp_path / 'out' / 'ckpt.sharded-0000001')
+    assert_same_checkpoint(load_checkpoint(tmp_path / 'out'), first)
+    # the next save clears what the killed one left and keeps the newest two
+    third = trained_checkpoint(tmp_path / 'src3', iter_num=3)
+    save_sharded(*checkpoint_as_sharded(third), tmp_path / 'out')
+    assert sorted(os.listdir(tmp_path / 'out')) == ['ckpt.sharded', 'ckpt.sharded-0000001', 'ckpt.sharded-0000003']
+    assert_same_checkpoint(load_checkpoint(tmp_path / 'out'), third)
+
+
+def test_a_damaged_shard_is_reported_with_the_previous_checkpoint(tmp_path):
+    for it in (1, 2):
+        save_sharded(*checkpoint_as_sharded(trained_checkpoint(tmp_path / f'src{it}', iter_num=it)), tmp_path / 'out')
+    shard = tmp_path / 'out' / 'ckpt.sharded-0000002' / '__0_0.distcp'
+    shard.write_bytes(shard.read_bytes()[:100])  # a copy cut short
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(tmp_path / 'out')
+    assert "is incomplete or corrupt" in str(e.value) and "ckpt.sharded-0000001, was kept for this" in str(e.value)
+    assert load_checkpoint(tmp_path / 'out' / 'ckpt.sharded-0000001')['iter_num'] == 1
+
+
+def test_a_new_run_moves_an_old_runs_sharded_checkpoints_aside_or_deletes_them(tmp_path):
+    for out, overwrite in ((tmp_path / 'keep', False), (tmp_path / 'delete', True)):
+        save_sharded(*checkpoint_as_sharded(trained_checkpoint(tmp_path / 'src', iter_num=1)), out)
+        (out / 'metrics.jsonl').write_text('{}\n')
+        message = clear_for_new_run(str(out), overwrite)
+        left = sorted(os.listdir(out))
+        if overwrite:
+            assert left == [] and "deleted the previous run's checkpoint" in message
+        else:
+            assert len(left) == 1 and left[0].startswith('replaced-') and "moved it to" in message
+            assert sorted(os.listdir(out / left[0])) == ['ckpt.sharded', 'ckpt.sharded-0000001', 'metrics.jsonl']
