@@ -98,6 +98,7 @@ json_out = ''  # write the results here as JSON too
 plan = False  # print the memory plan for every attn_type x (ddp, fsdp) x activation checkpointing off / on, and exit
 plan_world_size = 8  # plan: GPUs that FSDP shards the weights, gradients and AdamW state over
 plan_usable_fraction = 0.9  # plan: share of each device's memory planned for (the rest: CUDA context, fragmentation)
+plan_micro_steps = 1  # plan: micro-batches per rank per optimizer step (train.py's gradient_accumulation_steps / ranks)
 # -----------------------------------------------------------------------------
 config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str, type(None)))]
 SIZE_KEYS = ('batch_size', 'block_size', 'n_layer', 'n_head', 'n_embd')
@@ -128,18 +129,21 @@ if plan:  # arithmetic on the model's shapes only: before any device is touched
     if given & {'n_layer', 'n_head', 'n_embd'}:
         sizes = {f'{n_layer}/{n_embd}/{n_head}': (n_layer, n_head, n_embd)}
     try:
-        check_ranges({'plan_world_size': plan_world_size, 'block_size': block_size, 'vocab_size': vocab_size},
-                     at_least_one=('plan_world_size', 'block_size', 'vocab_size'))
+        check_ranges({'plan_world_size': plan_world_size, 'block_size': block_size, 'vocab_size': vocab_size,
+                      'plan_micro_steps': plan_micro_steps},
+                     at_least_one=('plan_world_size', 'block_size', 'vocab_size', 'plan_micro_steps'))
         if not 0 < plan_usable_fraction <= 1:
             raise ValueError(f"plan_usable_fraction={plan_usable_fraction} must be in (0, 1]")
-        plan_rows = memory_plan(variants, sizes, block_size, vocab_size, bias, plan_world_size, plan_usable_fraction)
+        plan_rows = memory_plan(variants, sizes, block_size, vocab_size, bias, plan_world_size, plan_usable_fraction,
+                                plan_micro_steps)
     except ValueError as e:
         fail(e)
-    print(format_plan(plan_rows, plan_world_size, plan_usable_fraction))
+    print(format_plan(plan_rows, plan_world_size, plan_usable_fraction, plan_micro_steps))
     if json_out:
         with open(json_out, 'w') as f:
             json.dump(dict(command=' '.join(['python', 'bench.py'] + sys.argv[1:]), world_size=plan_world_size,
-                           usable_fraction=plan_usable_fraction, rows=plan_rows), f, indent=2)
+                           usable_fraction=plan_usable_fraction, micro_steps=plan_micro_steps, rows=plan_rows), f,
+                      indent=2)
         print(f"\nwrote {json_out}")
     sys.exit(0)
 try:

@@ -180,14 +180,18 @@ def largest_micro_batch(room, bytes_at):
     return low
 
 
-def plan_row(config, parallelism, checkpointing, world_size, usable_fraction=0.9, counts=None):
+def plan_row(config, parallelism, checkpointing, world_size, usable_fraction=0.9, counts=None, micro_steps=1):
     """One line of the plan as a dict of bytes (per GPU) and micro-batch sizes. parallelism: 'ddp'
     (every rank holds everything) or 'fsdp' (weights, gradients and AdamW state sharded over
     world_size; the blocks being computed are gathered whole: one block's float32 weights twice
-    (computing one, prefetching the next) and its gradient, and the tied embedding / lm_head)."""
+    (computing one, prefetching the next) and its gradient, and the tied embedding / lm_head).
+    micro_steps: micro-batches per rank per optimizer step. train.py's fsdp reduce-scatters the
+    gradients after the last one only, so with more than one each rank holds whole float32 gradients
+    in between, as under DDP."""
     n_params, weight_count, block_params = counts or count_parameters(config)
     shards = world_size if parallelism == 'fsdp' else 1
-    params, grads, adamw = F * n_params / shards, F * n_params / shards, 2 * F * n_params / shards
+    grad_shards = shards if micro_steps == 1 else 1
+    params, grads, adamw = F * n_params / shards, F * n_params / grad_shards, 2 * F * n_params / shards
     gathered = 0
     if parallelism == 'fsdp':
         gathered = F * (3 * block_params + 2 * config.vocab_size * config.n_embd)
@@ -200,15 +204,16 @@ def plan_row(config, parallelism, checkpointing, world_size, usable_fraction=0.9
     ring = (world_size - 1) / world_size  # each rank sends (and receives) this share of the whole
     if parallelism == 'ddp':  # all-reduce of the float32 gradients, once per optimizer step
         comm = 2 * ring * F * n_params
-    else:  # all-gather the weights in the forward and again in the backward, reduce-scatter the gradients
-        comm = 3 * ring * F * n_params
+    else:  # every micro-batch all-gathers the bf16 weights in the forward and again in the backward; the
+        # float32 gradients are reduce-scattered once per optimizer step
+        comm = micro_steps * 2 * ring * A * n_params + ring * F * n_params
     return dict(attn_type=config.attn_type, parallelism=parallelism, checkpointing=checkpointing,
                 params=n_params, param_bytes=params, grad_bytes=grads, adamw_bytes=adamw, gathered_bytes=gathered,
                 activation_bytes_per_sequence=per_sequence, activation_bytes_fixed=fixed,
                 largest_micro_batch={str(g): b for g, b in largest.items()}, comm_bytes=comm)
 
 
-def plan(attn_types, sizes, block_size, vocab_size, bias, world_size, usable_fraction=0.9):
+def plan(attn_types, sizes, block_size, vocab_size, bias, world_size, usable_fraction=0.9, micro_steps=1):
     """Rows for every size x attn_type x (ddp, fsdp) x (checkpointing off, on); a size the attn_type
     cannot take gives one row with 'not_possible' (GPTConfig's reason)."""
     rows = []
@@ -223,19 +228,22 @@ def plan(attn_types, sizes, block_size, vocab_size, bias, world_size, usable_fra
             counts = count_parameters(config)
             for parallelism in ('ddp', 'fsdp'):
                 for checkpointing in (False, True):
-                    row = plan_row(config, parallelism, checkpointing, world_size, usable_fraction, counts)
+                    row = plan_row(config, parallelism, checkpointing, world_size, usable_fraction, counts,
+                                   micro_steps)
                     rows.append({'size': size_name, **row})
     return rows
 
 
-def format_plan(rows, world_size, usable_fraction):
+def format_plan(rows, world_size, usable_fraction, micro_steps=1):
     def gb(b):
         return f"{b / 1e9:.2f}"
     lines = [f"memory per GPU in GB (1e9 bytes), float32 weights + AdamW, bf16 autocast; fsdp over {world_size} GPUs; "
-             f"micro-batch = the most sequences that fit in {usable_fraction:.0%} of the device",
+             f"micro-batch = the most sequences that fit in {usable_fraction:.0%} of the device; {micro_steps} "
+             f"micro-batch(es) per rank per step" + (" (fsdp holds whole gradients between them)" if micro_steps > 1 else ""),
              "act/seq: activations per sequence; act fix: per micro-batch whatever its size (bf16 weight copies, "
-             "lm_head working set, NoiseFormer's batch-shared noise); comm: what each rank sends, per optimizer "
-             "step (ddp: all-reduce of the float32 gradients) or per micro-batch (fsdp: 2 all-gathers + a reduce-scatter)",
+             "lm_head working set, NoiseFormer's batch-shared noise); comm: what each rank sends per optimizer "
+             "step (ddp: all-reduce of the float32 gradients; fsdp: 2 all-gathers of the bf16 weights per "
+             "micro-batch, one reduce-scatter of the float32 gradients)",
              f"{'size':<12}{'attn_type':<16}{'par':<6}{'ckpt':<6}{'params':>8}{'weights':>9}{'grads':>7}{'AdamW':>7}"
              f"{'gathered':>9}{'act/seq':>9}{'act fix':>8}" + ''.join(f"{f'B@{g}G':>7}" for g in DEVICE_GIB)
              + f"{'comm':>11}"]

@@ -208,7 +208,8 @@ def test_given_records_every_key_set_even_to_its_default(tmp_path):
 
 # each script once (a subprocess costs seconds of imports); -h and --help are the same code path
 @pytest.mark.parametrize('script, flag', [('train.py', '--help'), ('sample.py', '-h'), ('bench.py', '--help'),
-                                          ('compare.py', '--help'), ('eval.py', '-h'), ('export_hf.py', '--help')])
+                                          ('compare.py', '--help'), ('eval.py', '-h'), ('export_hf.py', '--help'),
+                                          ('convert_checkpoint.py', '--help')])
 def test_help_lists_every_key_with_default_and_meaning(script, flag):
     import subprocess
     import sys
@@ -254,7 +255,8 @@ def test_help_is_answered_before_torch_is_imported():
     import sys
     code = '''
 import contextlib, io, runpy, sys
-for script in ('train.py', 'sample.py', 'bench.py', 'eval.py', 'compare.py', 'grow.py', 'export_hf.py'):
+for script in ('train.py', 'sample.py', 'bench.py', 'eval.py', 'compare.py', 'grow.py', 'export_hf.py',
+               'convert_checkpoint.py'):
     sys.argv = [script, '--help']
     out = io.StringIO()
     with contextlib.redirect_stdout(out):

@@ -47,7 +47,13 @@ def test_checkpointing_and_fsdp_shrink_what_they_should():
     assert fsdp['param_bytes'] == ddp['param_bytes'] / 8 and fsdp['grad_bytes'] == ddp['grad_bytes'] / 8
     assert fsdp['gathered_bytes'] > 0
     assert ddp['comm_bytes'] == pytest.approx(2 * 7 / 8 * 4 * 124e6)  # ring all-reduce of float32 gradients
-    assert fsdp['comm_bytes'] == pytest.approx(3 * 7 / 8 * 4 * 124e6)  # 2 all-gathers + 1 reduce-scatter
+    # 2 all-gathers of bf16 weights + 1 reduce-scatter of float32 gradients
+    assert fsdp['comm_bytes'] == pytest.approx((2 * 2 + 4) * 7 / 8 * 124e6)
+    # accumulating over 4 micro-batches: whole float32 gradients between them, 4 x the all-gathers
+    fsdp4 = plan_row(config, 'fsdp', False, 8, counts=counts, micro_steps=4)
+    assert fsdp4['grad_bytes'] == ddp['grad_bytes'] and fsdp4['param_bytes'] == fsdp['param_bytes']
+    assert fsdp4['comm_bytes'] == pytest.approx((4 * 2 * 2 + 4) * 7 / 8 * 124e6)
+    assert fsdp4['largest_micro_batch']['80'] < fsdp['largest_micro_batch']['80']
     # checkpointing keeps one float32 residual per block and token instead of ~34 bytes x n_embd
     assert ddp_ckpt['activation_bytes_per_sequence'] < ddp['activation_bytes_per_sequence'] / 3
     for row in (ddp, fsdp, ddp_ckpt):
