@@ -49,8 +49,8 @@ import zlib
 import numpy as np
 import torch
 
-from denoised_gpt.sharded_checkpoint import (POINTER_NAME, is_sharded_checkpoint, newest_sharded, read_sharded,
-                                             read_train_state, sharded_pointer)
+from denoised_gpt.sharded_checkpoint import (POINTER_NAME, failure_cause, is_sharded_checkpoint, newest_sharded,
+                                             read_sharded, read_train_state, sharded_pointer)
 
 CKPT_NAME = 'ckpt.pt'
 PREV_NAME = 'ckpt.prev.pt'
@@ -264,7 +264,7 @@ def _load_sharded(folder, metadata_only, model_only):
         else:
             ckpt = read_sharded(folder, model_only=model_only)
     except (Exception, CheckpointException) as e:  # a missing or truncated shard, a damaged train_state.pt
-        cause = next(iter(e.failures.values()))[0] if isinstance(e, CheckpointException) and e.failures else e
+        cause = failure_cause(e)
         others = sorted(glob.glob(os.path.join(os.path.dirname(folder), SHARDED_GLOB)))
         others = [o for o in others if o != folder and is_sharded_checkpoint(o)]
         fallback = (f"The previous one, {others[-1]}, was kept for this: load it directly, or resume from it by "

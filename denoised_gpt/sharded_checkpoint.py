@@ -89,7 +89,9 @@ def save_sharded(weights, optimizer_state, param_groups, train_state, out_dir, w
     except (OSError, dcp.CheckpointException) as e:  # disk full, quota, I/O error on some rank
         from denoised_gpt.checkpoint import CheckpointError
         intact = f"{current} is intact" if current else "no sharded checkpoint was written"
-        raise CheckpointError(f"could not write a sharded checkpoint in {out_dir} ({str(e).strip()[:300]}); "
+        cause = failure_cause(e)
+        reason = getattr(cause, 'strerror', None) or f"{type(cause).__name__}: {str(cause).strip()[:200]}"
+        raise CheckpointError(f"could not write a sharded checkpoint in {out_dir} ({reason}); "
                               f"{intact}. Fix the cause and resume with init_from='resume'") from e
     if writer:
         if os.path.exists(final) and final != current:  # an older run's folder of the same iteration
@@ -104,6 +106,12 @@ def save_sharded(weights, optimizer_state, param_groups, train_state, out_dir, w
     if distributed:
         dist.barrier()  # the pointer is in place before any rank goes on (and, say, saves again)
     return final
+
+
+def failure_cause(e):
+    """The exception behind a DCP CheckpointException (it gathers each failed rank's), else e itself."""
+    failures = getattr(e, 'failures', None)  # CheckpointException: {rank: (exception, traceback)}
+    return next(iter(failures.values()))[0] if failures else e
 
 
 def _unused_name(path):

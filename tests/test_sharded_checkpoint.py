@@ -3,6 +3,7 @@ leaves the previous one loadable, convert_checkpoint.py turns ckpt.pt into a sha
 without changing a bit, load_checkpoint takes the newer kind, a damaged shard is reported with the
 fallback, and a new run moves an old run's sharded checkpoints aside. (Written by 2 ranks: test_fsdp.py.)"""
 import dataclasses
+import errno
 import os
 import signal
 import subprocess
@@ -131,3 +132,21 @@ def test_a_new_run_moves_an_old_runs_sharded_checkpoints_aside_or_deletes_them(t
         else:
             assert len(left) == 1 and left[0].startswith('replaced-') and "moved it to" in message
             assert sorted(os.listdir(out / left[0])) == ['ckpt.sharded', 'ckpt.sharded-0000001', 'metrics.jsonl']
+
+
+def test_a_failed_write_says_so_in_one_line_and_keeps_the_previous(tmp_path, monkeypatch):
+    first = trained_checkpoint(tmp_path / 'src1', iter_num=1)
+    save_sharded(*checkpoint_as_sharded(first), tmp_path / 'out')
+
+    second = checkpoint_as_sharded(trained_checkpoint(tmp_path / 'src2', iter_num=2))
+
+    def disk_full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(torch, 'save', disk_full)  # train_state.pt, after every shard was written
+    with pytest.raises(CheckpointError) as e:
+        save_sharded(*second, tmp_path / 'out')
+    monkeypatch.undo()
+    message = str(e.value)
+    assert len(message.splitlines()) == 1 and "No space left on device" in message
+    assert f"{tmp_path / 'out' / 'ckpt.sharded-0000001'} is intact" in message
+    assert_same_checkpoint(load_checkpoint(tmp_path / 'out'), first)
