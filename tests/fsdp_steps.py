@@ -5,7 +5,8 @@ train.py does with the same total accumulation). Rank 0 prints one JSON line: pe
 difference of any weight and of the summed loss, and how far the noise mean moved (it moves through
 the KL term alone, whose gradient FSDP must not drop). Each case's sharded model and AdamW state is
 saved as train.py saves it (sharded_checkpoint.py) into OUT_DIR/<attn_type>-<dtype>[-recompute], with
-its gathered weights (gathered.pt) and the unsharded reference's checkpoint (reference/) beside it.
+its gathered weights (gathered.pt) and the unsharded reference's checkpoint (reference/) beside it;
+'reloaded': loading it into a fresh sharded model and optimizer gives back every tensor bit for bit.
 
     python -m torch.distributed.run --standalone --nproc_per_node=2 tests/fsdp_steps.py OUT_DIR
 """
@@ -19,11 +20,13 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from denoised_gpt.device import autocast_context  # noqa: E402
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict  # noqa: E402
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,  # noqa: E402
+                                                     get_optimizer_state_dict)
 
 from denoised_gpt.checkpoint import optimizer_param_names, save_checkpoint  # noqa: E402
+from denoised_gpt.cli import empty_model  # noqa: E402
 from denoised_gpt.parallel import shard_model, sharded_kl  # noqa: E402
-from denoised_gpt.sharded_checkpoint import model_and_optimizer_state, save_sharded  # noqa: E402
+from denoised_gpt.sharded_checkpoint import load_sharded_state, model_and_optimizer_state, save_sharded  # noqa: E402
 from helpers import VOCAB, tiny_gpt  # noqa: E402
 from model import ATTENTION_TYPES  # noqa: E402
 
@@ -95,8 +98,21 @@ def main():
             save_checkpoint({'model': ref_weights, 'optimizer': ref_optimizer.state_dict(),
                              'optimizer_param_names': optimizer_param_names(reference, ref_optimizer), **train_state},
                             out / 'reference')
+        # read back in place as a resume does: a model built empty (meta), sharded, given room, then loaded
+        again = shard_model(empty_model(reference.config), 'cpu', dtype)
+        again.to_empty(device='cpu')
+        again_optimizer = again.configure_optimizers(0.1, 3e-3, (0.9, 0.99), 'cpu')
+        load_sharded_state(str(out / f'ckpt.sharded-{STEPS:07d}'), again, again_optimizer)
+        again_weights = get_model_state_dict(again, options=StateDictOptions(full_state_dict=True))
+        full = StateDictOptions(full_state_dict=True)
+        state, again_state = (get_optimizer_state_dict(m, o, options=full)['state']
+                              for m, o in ((model, optimizer), (again, again_optimizer)))
         mu = [k for k in weights if k.endswith('noise_mu')]
         results[name] = {
+            'reloaded': again.lm_head.weight is again.transformer.wte.weight
+            and all(torch.equal(again_weights[k], v) for k, v in weights.items())
+            and state.keys() == again_state.keys()
+            and all(torch.equal(again_state[n][k], v) for n in state for k, v in state[n].items()),
             'weights': max((weights[k] - ref_weights[k]).abs().max().item() for k in weights),
             'loss': (summed - torch.tensor(ref_losses, dtype=torch.float64)).abs().max().item(),
             'mu_moved': min(((weights[k] - start[k]).abs().max().item() for k in mu), default=None),
