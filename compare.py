@@ -49,7 +49,7 @@ from tqdm import tqdm
 
 from configurator import ConfigError, apply_config, script_defaults
 from denoised_gpt.batches import ExampleLayout
-from denoised_gpt.checkpoint import CheckpointError, load_checkpoint
+from denoised_gpt.checkpoint import CheckpointError, checkpoint_path, load_checkpoint
 from denoised_gpt.cli import check_attn_types, fail, read_config
 from denoised_gpt.evaluation import mean_std
 from denoised_gpt.training import NOT_RESUMED
@@ -138,7 +138,7 @@ def settings_changes():
     that have a checkpoint whose training settings differ from what this sweep gives them."""
     found = []
     for run in runs:
-        if not os.path.exists(os.path.join(run.dir, 'ckpt.pt')):
+        if not os.path.exists(checkpoint_path(run.dir)):
             continue
         try:
             ckpt = load_checkpoint(run.dir, metadata_only=True)
@@ -198,7 +198,7 @@ def read_metrics(run_dir):
 def finished(run):
     """Trained to max_iters: the final evaluation is logged and the checkpoint written after it."""
     _, evals = read_metrics(run.dir)
-    return bool(evals) and evals[-1]['iter'] >= run.max_iters and os.path.exists(os.path.join(run.dir, 'ckpt.pt'))
+    return bool(evals) and evals[-1]['iter'] >= run.max_iters and os.path.exists(checkpoint_path(run.dir))
 
 
 def die_with_parent():
@@ -245,7 +245,7 @@ class Progress:
 def train(run, slot, progress):
     """One train.py process; returns its exit code. Progress goes to the bar, output to train.log."""
     os.makedirs(run.dir, exist_ok=True)
-    resume = os.path.exists(os.path.join(run.dir, 'ckpt.pt'))
+    resume = os.path.exists(checkpoint_path(run.dir))
     launcher = [sys.executable] if nproc == 1 else [sys.executable, '-m', 'torch.distributed.run', '--standalone',
                                                      f'--nproc_per_node={nproc}']
     cmd = [*launcher, 'train.py', base_config, *extra, *run.args, f'--attn_type={run.attn_type}', f'--seed={run.seed}',
@@ -348,7 +348,7 @@ def recall_results(run):
     except ValueError:
         return {}  # its meta.json is damaged: training said so already
     path = os.path.join(run.dir, 'recall.json')
-    if not os.path.exists(path) or os.path.getmtime(path) < os.path.getmtime(os.path.join(run.dir, 'ckpt.pt')):
+    if not os.path.exists(path) or os.path.getmtime(path) < os.path.getmtime(checkpoint_path(run.dir)):
         cmd = [sys.executable, 'eval.py', f'--out_dir={run.dir}', '--recall=True', '--batch_size=64']
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
