@@ -21,7 +21,7 @@ import os
 
 import torch
 
-from denoised_gpt.checkpoint import CKPT_NAME, checkpoint_path, load_checkpoint, save_checkpoint
+from denoised_gpt.checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
 from denoised_gpt.cli import model_with_weights
 from denoised_gpt.hf_format import MODEL_TYPE, exported_model_type, read_exported
 from model import ATTENTION_TYPES, GPT, GPTConfig
@@ -101,11 +101,10 @@ def extends_base():
 
 
 def is_checkpoint(init_from):
-    """A checkpoint file, a directory holding ckpt.pt (or a sharded checkpoint), or a folder export_hf.py wrote with the model's own
-    code (config.json's model_type 'denoised_gpt'). A GPT-2 folder (saved by transformers, or export_hf.py's
-    of a base model) is a GPT-2 model, read by GPT.from_pretrained as before."""
-    return (os.path.isfile(init_from) or os.path.isfile(os.path.join(init_from, CKPT_NAME))
-            or os.path.exists(checkpoint_path(init_from)) or exported_model_type(init_from) == MODEL_TYPE)
+    """A checkpoint file, a directory holding ckpt.pt or a sharded checkpoint, or a folder export_hf.py wrote
+    with the model's own code (config.json's model_type 'denoised_gpt'). A GPT-2 folder (saved by transformers,
+    or export_hf.py's of a base model) is a GPT-2 model, read by GPT.from_pretrained as before."""
+    return os.path.exists(checkpoint_path(init_from)) or exported_model_type(init_from) == MODEL_TYPE
 
 
 def load_start(init_from):

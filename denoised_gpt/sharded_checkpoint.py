@@ -90,7 +90,7 @@ def save_sharded(weights, optimizer_state, param_groups, train_state, out_dir, w
         from denoised_gpt.checkpoint import CheckpointError
         intact = f"{current} is intact" if current else "no sharded checkpoint was written"
         cause = failure_cause(e)
-        reason = getattr(cause, 'strerror', None) or f"{type(cause).__name__}: {str(cause).strip()[:200]}"
+        reason = getattr(cause, 'strerror', None) or f"{type(cause).__name__}: {_first_line(cause)}"
         raise CheckpointError(f"could not write a sharded checkpoint in {out_dir} ({reason}); "
                               f"{intact}. Fix the cause and resume with init_from='resume'") from e
     if writer:
@@ -112,6 +112,10 @@ def failure_cause(e):
     """The exception behind a DCP CheckpointException (it gathers each failed rank's), else e itself."""
     failures = getattr(e, 'failures', None)  # CheckpointException: {rank: (exception, traceback)}
     return next(iter(failures.values()))[0] if failures else e
+
+
+def _first_line(e):
+    return (str(e).strip().splitlines() or [''])[0][:200]
 
 
 def _unused_name(path):
@@ -209,7 +213,13 @@ def load_sharded_state(folder, model, optimizer):
     weights.pop(TIED[0], None)
     optim = get_optimizer_state_dict(model, optimizer)  # (creates AdamW's state to read into)
     template = {'model': weights, 'optimizer': optim['state']}
-    dcp.load(template, checkpoint_id=folder)
+    try:
+        dcp.load(template, checkpoint_id=folder)
+    except (Exception, dcp.CheckpointException) as e:  # a missing or truncated shard, no optimizer state in it
+        from denoised_gpt.checkpoint import CheckpointError
+        cause = failure_cause(e)
+        raise CheckpointError(f"cannot resume from the sharded checkpoint {folder} ({type(cause).__name__}: "
+                              f"{_first_line(cause)}); load_checkpoint({folder!r}) says more") from e
     set_model_state_dict(model, template['model'], options=_non_strict())
     set_optimizer_state_dict(model, optimizer, {'state': template['optimizer'], 'param_groups': optim['param_groups']})
 

@@ -15,7 +15,7 @@ import torch
 from denoised_gpt.checkpoint import (CheckpointError, checkpoint_path, load_checkpoint, optimizer_param_names,
                                      save_checkpoint)
 from denoised_gpt.run_dir import clear_for_new_run
-from denoised_gpt.sharded_checkpoint import checkpoint_as_sharded, newest_sharded, save_sharded
+from denoised_gpt.sharded_checkpoint import checkpoint_as_sharded, load_sharded_state, newest_sharded, save_sharded
 from helpers import ROOT, VOCAB, run_script_in_process, subprocess_env, tiny_gpt
 
 
@@ -119,6 +119,12 @@ def test_a_damaged_shard_is_reported_with_the_previous_checkpoint(tmp_path):
         load_checkpoint(tmp_path / 'out')
     assert "is incomplete or corrupt" in str(e.value) and "ckpt.sharded-0000001, was kept for this" in str(e.value)
     assert load_checkpoint(tmp_path / 'out' / 'ckpt.sharded-0000001')['iter_num'] == 1
+    # what an fsdp resume does with it (each rank reading its part): the same kind of error, in one line
+    model = tiny_gpt('noiseformer_v1')
+    optimizer = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), 'cpu')
+    with pytest.raises(CheckpointError) as e:
+        load_sharded_state(str(shard.parent), model, optimizer)
+    assert len(str(e.value).splitlines()) == 1 and "cannot resume from the sharded checkpoint" in str(e.value)
 
 
 def test_a_new_run_moves_an_old_runs_sharded_checkpoints_aside_or_deletes_them(tmp_path):
