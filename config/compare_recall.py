@@ -4,9 +4,9 @@
 # $ python3 data/mqar/prepare.py
 # $ python3 compare.py config/compare_recall.py
 # 48 runs of config/train_mqar.py's 8000 iterations (past the plateau where recall forms), two at a
-# time: about 3.5 hours on 2 CPU cores (4x the 52 minutes measured at 2000 iterations). Run it again
-# after an interruption: it resumes. docs/recall.md's table is the 2000-iteration study:
-# overrides = '--max_iters=2000 --lr_decay_iters=2000' reproduces it (out_dir another folder).
+# time: about 2.5 hours on 2 CPU cores (measured: 2 h 25 min of training). Run it again after an
+# interruption: it resumes. docs/recall.md has this study and the earlier 2000-iteration one, which
+# overrides = '--max_iters=2000 --lr_decay_iters=2000' reproduces (out_dir another folder).
 # Literal assignments only; every key is one of compare.py's settings.
 
 attn_types = ['base', 'symmetric', 'noiseformer_v1', 'noiseformer_v2', 'diff', 'dint', 'dint_lowrank', 'linear']
