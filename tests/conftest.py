@@ -28,6 +28,22 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 
+# the libraries whose APIs the project calls into, named with their versions at the top of every run:
+# README's "Tested with" table is this line of the last green run
+TESTED_WITH = ('torch', 'numpy', 'tiktoken', 'datasets', 'pyarrow', 'wandb', 'transformers', 'tokenizers',
+               'safetensors', 'huggingface_hub', 'peft', 'lm_eval', 'accelerate', 'matplotlib', 'pytest')
+
+
+def pytest_report_header(config):
+    from importlib.metadata import PackageNotFoundError, version
+
+    def installed(name):
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return 'not installed'
+    return "tested with: " + ", ".join(f"{name} {installed(name)}" for name in TESTED_WITH)
+
 
 @pytest.fixture
 def fake_habana(tmp_path):

@@ -129,6 +129,13 @@ def iter_losses(stdout):
     return {int(m[1]): float(m[2]) for m in ITER_LINE.finditer(stdout)}
 
 
+def logged_losses(out_dir):
+    """{iter: loss} as train.py logged it in out_dir/metrics.jsonl: the float32 value, not the printed digits."""
+    with open(os.path.join(out_dir, 'metrics.jsonl')) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return {row['iter']: row['loss'] for row in rows if 'loss' in row}
+
+
 def eval_losses(stdout):
     """{iter: printed val loss} of train.py's evaluation lines."""
     return {int(m[1]): float(m[3]) for m in EVAL_LINE.finditer(stdout)}

@@ -3,8 +3,8 @@ the transformers, safetensors, tokenizers and lm-eval installed here, offline.
 
 For every attn_type the exported folder, loaded by transformers' AutoModelForCausalLM (plain GPT-2 for a
 base model with biases, our own code with trust_remote_code=True for the others), gives model.py's logits
-and, with generate() and its cache, model.py's greedy tokens. lm-eval's own `hf` model on exported folders
-scores a local task as our adapter scores the checkpoints. init_from=<folder> (train.py, sample.py,
+and, with generate() (greedy, sampled, beam search; with its cache and without), model.py's tokens.
+lm-eval's own `hf` model on exported folders scores a local task as our adapter scores the checkpoints. init_from=<folder> (train.py, sample.py,
 eval.py) gets the checkpoint's weights bit for bit. The tokenizers encode as the model's data did; an
 export never half-writes or overwrites what it should not, and bad input fails in one line.
 """
@@ -94,7 +94,7 @@ def exported(tmp_path_factory, char_data):
 
 
 @pytest.mark.parametrize('kind', KINDS)
-def test_transformers_gives_model_pys_logits_and_greedy_tokens(exported, kind):
+def test_transformers_gives_model_pys_logits_and_generated_tokens(exported, kind):
     model, _, folder, notes = exported[kind]
     op = torch.ops.denoised_gpt.lm_head_cross_entropy.default
     hf = load_hf(folder)
@@ -115,16 +115,49 @@ def test_transformers_gives_model_pys_logits_and_greedy_tokens(exported, kind):
     print(f"{kind}: max |logits difference| {diff:.2e}")
     assert ours.shape == theirs.shape and diff <= 1e-5
 
-    prompt = idx[:2, :6]
-    torch.manual_seed(7)
-    expected = model.generate(prompt, 16, temperature=0)
-    torch.manual_seed(7)
-    out = hf.generate(prompt, max_new_tokens=16, do_sample=False, use_cache=True, return_dict_in_generate=True)
-    assert out.sequences.tolist() == expected.tolist()
-    assert len(set(expected[:, 6:].flatten().tolist())) > 3  # not one token repeated
-    if own_code:  # decoded with model.py's own cache, one token per step
-        assert type(out.past_key_values).__name__ == 'DenoisedGPTCache'
-        assert out.past_key_values.get_seq_length() == 6 + 16 - 1
+    if 'noiseformer' in kind:  # noise drawn under one seed, and off
+        decodes_as_model_py(model, hf, idx[:2, :6], own_code, deterministic=False)
+        model, hf = noise_off(model), load_hf(folder, noise_at_eval=False)
+    decodes_as_model_py(model, hf, idx[:2, :6], own_code, deterministic=True)
+
+
+def noise_off(model):
+    """model with NoiseFormer's noise off at eval time: exactly symmetric attention."""
+    off = GPT(GPTConfig(**{**vars(model.config), 'noise_at_eval': False})).eval()
+    off.load_state_dict(model.state_dict())
+    return off
+
+
+def cached_length(out):
+    """The decoding state generate() returned has seen this many positions (transformers 5 names it `cache`)."""
+    cache = out.cache if 'cache' in out else out.past_key_values
+    assert type(cache).__name__ == 'DenoisedGPTCache'
+    return cache.get_seq_length()
+
+
+def decodes_as_model_py(model, hf, prompt, own_code, deterministic, new=16):
+    """hf.generate gives model.generate's tokens, greedy and sampled under one seed, with its cache (one position
+    per step: after generate it has seen prompt + new - 1 of them) and without; beam search reorders the cache
+    (compared with beam search without one) where the model is deterministic (no noise drawn)."""
+    for use_cache in (True, False):
+        for temperature in (0, 0.8):
+            torch.manual_seed(7)
+            expected = model.generate(prompt, new, temperature=temperature, use_cache=use_cache)
+            sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature else \
+                dict(do_sample=False)
+            torch.manual_seed(7)
+            out = hf.generate(prompt, max_new_tokens=new, use_cache=use_cache, return_dict_in_generate=True,
+                              **sampling)
+            case = f"use_cache={use_cache} temperature={temperature}"
+            assert out.sequences.tolist() == expected.tolist(), case
+            assert len(set(expected[:, prompt.size(1):].flatten().tolist())) > 3, case  # not one token repeated
+            if own_code and use_cache:  # decoded with model.py's own cache, one token per step
+                assert cached_length(out) == prompt.size(1) + new - 1, case
+    if deterministic:
+        beams = dict(max_new_tokens=new, num_beams=3, num_return_sequences=3, do_sample=False, length_penalty=0.0)
+        with_cache = hf.generate(prompt, use_cache=True, **beams)
+        assert with_cache.tolist() == hf.generate(prompt, use_cache=False, **beams).tolist()
+        assert len(set(map(tuple, with_cache.tolist()))) == 6  # three distinct beams per prompt
 
 
 def test_gpt2s_format_holds_base_attention_with_biases_and_gpt2s_head_shape_only():

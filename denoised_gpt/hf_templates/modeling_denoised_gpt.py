@@ -9,6 +9,10 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from .configuration_denoised_gpt import DenoisedGPTConfig
 from .model import GPT, KVCache
 
+# transformers 5 renamed the decoding state `past_key_values` to `cache` (in generate's calls to forward and in
+# the output classes); 4.x knows only the old name. forward takes both and answers under the installed one.
+CACHE_FIELD = 'cache' if 'cache' in CausalLMOutputWithPast.__dataclass_fields__ else 'past_key_values'
+
 
 class DenoisedGPTCache(KVCache):
     """model.py's decoding state, carried by generate() from step to step: per layer the keys and values,
@@ -50,15 +54,15 @@ class DenoisedGPTForCausalLM(PreTrainedModel, GenerationMixin):
     def get_output_embeddings(self):
         return self.gpt.lm_head
 
-    def forward(self, input_ids, attention_mask=None, past_key_values=None, use_cache=False, labels=None,
+    def forward(self, input_ids, attention_mask=None, cache=None, past_key_values=None, use_cache=False, labels=None,
                 logits_to_keep=0, **kwargs):
-        """Logits of every position (or the last logits_to_keep); past_key_values: the cache of the tokens
-        before input_ids; labels: the input ids, shifted here (the loss is the mean cross-entropy).
-        Other keyword arguments generate() and pipelines pass (return_dict, ...) change nothing."""
+        """Logits of every position (or the last logits_to_keep); cache (past_key_values before transformers 5):
+        the state of the tokens before input_ids; labels: the input ids, shifted here (the loss is the mean
+        cross-entropy). Other keyword arguments generate() and pipelines pass (return_dict, ...) change nothing."""
         if attention_mask is not None and not bool(attention_mask.all()):
             raise ValueError("padded batches are not supported (attention_mask has zeros): the model attends to "
                              "every token before the current one; run sequences of different lengths separately")
-        cache = past_key_values
+        cache = cache if cache is not None else past_key_values
         if cache is None and use_cache:
             cache = DenoisedGPTCache(self.config.n_layer)
         # GPT.forward computes lm_head at the last position only; its final hidden states give all of them
@@ -72,4 +76,4 @@ class DenoisedGPTForCausalLM(PreTrainedModel, GenerationMixin):
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=cache)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, **{CACHE_FIELD: cache})
