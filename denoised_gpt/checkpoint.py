@@ -50,7 +50,8 @@ import numpy as np
 import torch
 
 from denoised_gpt.sharded_checkpoint import (POINTER_NAME, failure_cause, is_sharded_checkpoint, newest_sharded,
-                                             read_sharded, read_train_state, sharded_pointer)
+                                             raise_if_refused, read_sharded, read_train_state, sharded_pointer,
+                                             short_reason)
 
 CKPT_NAME = 'ckpt.pt'
 PREV_NAME = 'ckpt.prev.pt'
@@ -189,7 +190,11 @@ def checkpoint_path(out_dir_or_file):
         file_iter = torch.load(path, map_location='cpu', weights_only=True, mmap=True)['iter_num']
     except Exception:
         return path  # damaged: load_checkpoint says so, naming the fallback
-    return folder if read_train_state(folder)['iter_num'] >= file_iter else path
+    try:
+        folder_iter = read_train_state(folder)['iter_num']
+    except Exception:
+        return folder  # damaged, or holding code: load_checkpoint says which
+    return folder if folder_iter >= file_iter else path
 
 
 def load_checkpoint(out_dir_or_file, map_location='cpu', metadata_only=False, model_only=False):
@@ -228,16 +233,11 @@ def load_checkpoint(out_dir_or_file, map_location='cpu', metadata_only=False, mo
         else:
             damaged = None if metadata_only else _first_damaged_record(path)
     except pickle.UnpicklingError as e:
-        weights_only_refusal = 'weights_only' in str(e).lower() or 'weights only' in str(e).lower()
-        if not weights_only_refusal or _is_damaged(path):  # damaged bytes read as garbage, not as code
-            raise CheckpointError(f"checkpoint {path} is truncated or corrupt ({_first_line(e)}). "
-                                  f"{use_prev}") from e
-        raise CheckpointError(f"checkpoint {path} holds Python objects other than tensors and plain "
-                              f"values, which are not loaded because unpickling them can run code "
-                              f"({_first_line(e)})") from e
+        raise_if_refused(path, e)  # holds code: refused as such
+        raise CheckpointError(f"checkpoint {path} is truncated or corrupt ({short_reason(e)}). {use_prev}") from e
     except Exception as e:  # short reads, bad zips, damaged records: torch raises many kinds
         raise CheckpointError(f"checkpoint {path} is truncated or corrupt ({type(e).__name__}: "
-                              f"{_first_line(e)}). {use_prev}") from e
+                              f"{short_reason(e)}). {use_prev}") from e
     if damaged:
         raise CheckpointError(f"checkpoint {path} is truncated or corrupt ({damaged} does not "
                               f"match its CRC-32). {use_prev}")
@@ -257,6 +257,7 @@ def _load_sharded(folder, metadata_only, model_only):
     """load_checkpoint for a sharded checkpoint's folder: the same dict (metadata_only: no tensors read,
     'model' and 'optimizer' None)."""
     from torch.distributed.checkpoint import CheckpointException  # a BaseException: named below
+    folder = os.path.normpath(folder)  # a Path, a trailing slash: compared with the other folders' names below
     try:
         if metadata_only:
             ckpt = {**read_train_state(folder), 'model': None, 'optimizer': None}
@@ -264,6 +265,7 @@ def _load_sharded(folder, metadata_only, model_only):
         else:
             ckpt = read_sharded(folder, model_only=model_only)
     except (Exception, CheckpointException) as e:  # a missing or truncated shard, a damaged train_state.pt
+        raise_if_refused(folder, e)  # a file holding code: said as such, not as damage
         cause = failure_cause(e)
         others = sorted(glob.glob(os.path.join(os.path.dirname(folder), SHARDED_GLOB)))
         others = [o for o in others if o != folder and is_sharded_checkpoint(o)]
@@ -271,10 +273,25 @@ def _load_sharded(folder, metadata_only, model_only):
                     f"writing its name into {sharded_pointer(os.path.dirname(folder))}" if others else
                     "No previous sharded checkpoint exists next to it.")
         raise CheckpointError(f"sharded checkpoint {folder} is incomplete or corrupt ({type(cause).__name__}: "
-                              f"{_first_line(cause)}). {fallback}") from e
+                              f"{short_reason(cause)}). {fallback}") from e
     ckpt['model_args'] = full_model_args(ckpt)
     ckpt.pop('attn_args', None)
     return ckpt
+
+
+def untrusted_file_error(path, e):
+    """The CheckpointError for a file (or a folder of them) at path that torch.load(weights_only=True)
+    refused (e) because it holds pickled objects other than tensors and plain values; None when e is any
+    other error or the file is damaged (bytes that read as garbage, not as code). The message names what
+    was refused, and never repeats torch's advice to load the file some other way."""
+    text = str(e).lower()
+    if not isinstance(e, pickle.UnpicklingError) or not ('weights_only' in text or 'weights only' in text) \
+            or _is_damaged(path):
+        return None
+    refused = re.search(r"GLOBAL ([\w.]+)", str(e))
+    what = f" (it references {refused[1]})" if refused else ""
+    return CheckpointError(f"checkpoint {path} holds Python objects other than tensors and plain values{what}, "
+                           f"which are not loaded because unpickling them can run code")
 
 
 def _is_damaged(path):
@@ -427,10 +444,6 @@ def _check_state_shapes(name, param_state, param):
 
 def _clean_name(name):
     return name.removeprefix('_orig_mod.')  # torch.compile's wrapper prefixes every name
-
-
-def _first_line(e):
-    return (str(e).strip().splitlines() or [''])[0][:300]
 
 
 # ----------------------------------------------------------------------------------------------

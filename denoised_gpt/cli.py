@@ -5,6 +5,7 @@ import dataclasses
 import difflib
 import math
 import os
+import pickle
 import socket
 import sys
 import urllib.parse
@@ -223,6 +224,10 @@ def load_gpt2(name, override_args):
              f"or pass --init_from=/path/to/a/folder/saved/by/transformers/save_pretrained")
     except ValueError as e:  # weights that do not fit the attn_type asked for
         fail(f"cannot load the {name!r} weights: {e}")
+    except pickle.UnpicklingError as e:  # weights_only refused what its pytorch_model.bin holds, or it is damaged
+        from denoised_gpt.checkpoint import untrusted_file_error
+        from denoised_gpt.sharded_checkpoint import short_reason
+        fail(untrusted_file_error(name, e) or f"cannot load the {name!r} weights: {short_reason(e)}")
 
 
 def noise_on(model):

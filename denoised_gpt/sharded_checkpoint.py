@@ -17,10 +17,18 @@ Reading: a run under fsdp loads its shards in place (load_sharded_state), reshar
 ranks it has now; everything else (one process, DDP, sample.py, eval.py, convert_checkpoint.py) reads
 the whole tensors into a ckpt.pt's dict (read_sharded), through load_checkpoint, which takes the newer of
 ckpt.pt and the sharded checkpoint. DCP needs every rank to see out_dir (a shared filesystem across nodes).
+
+No file of a sharded checkpoint may run code when read. DCP itself unpickles .metadata with plain pickle,
+so every DCP read goes through checkpoint_reader, whose .metadata unpickler admits DCP's metadata classes
+and nothing else (read_metadata); the shards' tensors and train_state.pt are read with weights_only. A
+refusal is a one-line CheckpointError saying the file holds code, never that it is corrupt.
 """
 import contextlib
+import functools
 import glob
 import os
+import pickle
+import re
 import shutil
 import warnings
 
@@ -90,7 +98,7 @@ def save_sharded(weights, optimizer_state, param_groups, train_state, out_dir, w
         from denoised_gpt.checkpoint import CheckpointError
         intact = f"{current} is intact" if current else "no sharded checkpoint was written"
         cause = failure_cause(e)
-        reason = getattr(cause, 'strerror', None) or f"{type(cause).__name__}: {_first_line(cause)}"
+        reason = getattr(cause, 'strerror', None) or f"{type(cause).__name__}: {short_reason(cause)}"
         raise CheckpointError(f"could not write a sharded checkpoint in {out_dir} ({reason}); "
                               f"{intact}. Fix the cause and resume with init_from='resume'") from e
     if writer:
@@ -114,8 +122,11 @@ def failure_cause(e):
     return next(iter(failures.values()))[0] if failures else e
 
 
-def _first_line(e):
-    return (str(e).strip().splitlines() or [''])[0][:200]
+def short_reason(e):
+    """e's message up to its first full stop: torch's errors go on for lines (advice included) after the
+    sentence that names the problem."""
+    line = (str(e).strip().splitlines() or [''])[0]
+    return re.split(r'\.\s+(?=[A-Z])', line, maxsplit=1)[0][:200]
 
 
 def _unused_name(path):
@@ -153,8 +164,90 @@ def checkpoint_as_sharded(ckpt):
 # ----------------------------------------------------------------------------------------------
 # Reading
 
+# what DCP pickles into .metadata (torch 2.13): its metadata dataclasses, the shapes, dtypes, layout and
+# memory format of the tensors, and the path the checkpoint was saved to. Not BytesStorageMetadata: DCP
+# reads such an entry with torch.load(weights_only=False), and save_sharded writes tensors only.
+METADATA_GLOBALS = {
+    'torch.distributed.checkpoint.metadata': {'Metadata', 'TensorStorageMetadata', 'ChunkStorageMetadata',
+                                              'TensorProperties', 'MetadataIndex', 'StorageMeta',
+                                              '_MEM_FORMAT_ENCODING'},
+    'torch.distributed.checkpoint.filesystem': {'_StorageInfo'},
+    'torch': {'Size'} | {name for name, v in vars(torch).items() if isinstance(v, torch.dtype)},
+    'torch.serialization': {'_get_layout'},  # layouts by name, from torch's own table
+    'pathlib': {'PosixPath', 'WindowsPath'},
+    'pathlib._local': {'PosixPath', 'WindowsPath'},  # where Python 3.13 defines them
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles a .metadata file, refusing any global outside METADATA_GLOBALS before it is looked up:
+    a crafted file never gets hold of a callable that could run code."""
+
+    def __init__(self, file, path):
+        super().__init__(file)
+        self.path = path
+
+    def find_class(self, module, name):
+        if name not in METADATA_GLOBALS.get(module, ()):
+            from denoised_gpt.checkpoint import CheckpointError
+            raise CheckpointError(f"sharded checkpoint file {self.path} holds Python objects other than DCP's "
+                                  f"checkpoint metadata (it references {module}.{name}), which are not loaded "
+                                  f"because unpickling them can run code")
+        return super().find_class(module, name)
+
+
+def read_metadata(path):
+    """DCP's Metadata from the .metadata file at path, unpickled by _MetadataUnpickler: CheckpointError
+    for a file that references anything else, ValueError for one that holds no Metadata of tensors."""
+    from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+    with open(path, 'rb') as f:
+        metadata = _MetadataUnpickler(f, path).load()
+    entries = getattr(metadata, 'state_dict_metadata', None)
+    if not isinstance(metadata, Metadata) or not isinstance(entries, dict) or not all(
+            isinstance(m, TensorStorageMetadata) for m in entries.values()):
+        raise ValueError(f"{path} is not DCP's metadata of a checkpoint of tensors")
+    return metadata
+
+
+def checkpoint_reader(folder):
+    """DCP's FileSystemReader for folder, its .metadata read by read_metadata: the storage_reader of every
+    dcp.load here (without one, DCP builds its own reader, which unpickles .metadata with plain pickle)."""
+    return _reader_class()(folder)
+
+
+@functools.cache
+def _reader_class():
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class CheckedReader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            metadata = read_metadata(self._get_metadata_path(kwargs.get('rank')))
+            # what FileSystemReader.read_metadata does after its own unpickling
+            metadata.storage_meta = getattr(metadata, 'storage_meta', None) or StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+    return CheckedReader
+
+
+def raise_if_refused(path, e):
+    """Raise the one-line CheckpointError that refuses a file holding pickled code, when e is one or wraps
+    one (DCP gathers each rank's errors), or is torch.load(weights_only=True)'s refusal of a file at path
+    (train_state.pt; a shard's tensor record: path is then the folder). Any other error: return."""
+    from denoised_gpt.checkpoint import CheckpointError, untrusted_file_error
+    cause = failure_cause(e)
+    refused = cause if isinstance(cause, CheckpointError) else untrusted_file_error(path, cause)
+    if refused is not None:
+        raise refused from (None if refused is e else e)
+
+
 def read_train_state(folder):
-    return torch.load(os.path.join(folder, STATE_NAME), map_location='cpu', weights_only=True)
+    path = os.path.join(folder, STATE_NAME)
+    try:
+        return torch.load(path, map_location='cpu', weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise_if_refused(path, e)
+        raise  # damaged: the caller says so
 
 
 def read_sharded(folder, model_only=False):
@@ -162,9 +255,8 @@ def read_sharded(folder, model_only=False):
     optimizer state positional, with optimizer_param_names, as train.py writes it). model_only: the
     weights alone ('optimizer': None)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
     state = read_train_state(folder)
-    reader = FileSystemReader(folder)
+    reader = checkpoint_reader(folder)
     wanted = ('model.',) if model_only else ('model.', 'optimizer.')
     # the saved tensors' names and shapes are in DCP's metadata: whole tensors to read each into
     tensors = {key: torch.empty(meta.size, dtype=meta.properties.dtype)
@@ -213,13 +305,16 @@ def load_sharded_state(folder, model, optimizer):
     weights.pop(TIED[0], None)
     optim = get_optimizer_state_dict(model, optimizer)  # (creates AdamW's state to read into)
     template = {'model': weights, 'optimizer': optim['state']}
+    reader = checkpoint_reader(folder)
     try:
-        dcp.load(template, checkpoint_id=folder)
+        reader.read_metadata()  # a refusal here, in one line, rather than inside DCP's collective
+        dcp.load(template, storage_reader=reader)
     except (Exception, dcp.CheckpointException) as e:  # a missing or truncated shard, no optimizer state in it
         from denoised_gpt.checkpoint import CheckpointError
+        raise_if_refused(folder, e)
         cause = failure_cause(e)
         raise CheckpointError(f"cannot resume from the sharded checkpoint {folder} ({type(cause).__name__}: "
-                              f"{_first_line(cause)}); load_checkpoint({folder!r}) says more") from e
+                              f"{short_reason(cause)}); load_checkpoint({folder!r}) says more") from e
     set_model_state_dict(model, template['model'], options=_non_strict())
     set_optimizer_state_dict(model, optimizer, {'state': template['optimizer'], 'param_groups': optim['param_groups']})
 

@@ -1,0 +1,290 @@
+"""Files a user loads that would run code if unpickled as they are: a sharded checkpoint's .metadata (which
+torch's own DCP reader unpickles with plain pickle), its train_state.pt and its shards, a ckpt.pt, a GPT-2
+folder's pytorch_model.bin. Each is refused in one line that says the file holds code (never "corrupt",
+never torch's advice to load it with weights_only=False), before the payload runs, by the library and by
+the scripts that read it. A real sharded checkpoint (model, AdamW state, bf16 weights) still loads through
+the restricted reader, and a truncated checkpoint is one short line naming the fallback."""
+import dataclasses
+import io
+import os
+import pickle
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from denoised_gpt.checkpoint import CheckpointError, checkpoint_path, load_checkpoint
+from denoised_gpt.sharded_checkpoint import checkpoint_as_sharded, load_sharded_state, read_metadata, save_sharded
+from helpers import ROOT, make_dataset, run_script_in_process, subprocess_env, tiny_gpt
+from test_sample import CreatesFile
+from test_sharded_checkpoint import assert_same_checkpoint, trained_checkpoint
+
+ATTN = 'noiseformer_v1'  # trained_checkpoint's model
+
+
+@pytest.fixture(scope='module')
+def source(tmp_path_factory):
+    """An out_dir holding a trained ckpt.pt (iter 7) and the same checkpoint sharded (as new: the one read)."""
+    out = tmp_path_factory.mktemp('untrusted') / 'out'
+    save_sharded(*checkpoint_as_sharded(trained_checkpoint(out, iter_num=7, attn_type=ATTN)), out)
+    return out
+
+
+def folder_of(out):
+    return out / 'ckpt.sharded-0000007'
+
+
+# ----------------------------------------------------------------------------------------------
+# payloads: each makes `marker` exist when its file is unpickled without restriction
+
+def metadata_payload(folder, marker):
+    with open(folder / '.metadata', 'wb') as f:
+        pickle.dump(CreatesFile(marker), f)
+
+
+def train_state_payload(folder, marker):
+    state = torch.load(folder / 'train_state.pt', weights_only=True)
+    torch.save({**state, 'extra': CreatesFile(marker)}, folder / 'train_state.pt')
+
+
+def _point_at_payload(folder, marker, as_bytes):
+    """The shard's first weight, in .metadata, pointed at a pickled payload appended to the shard: as a
+    tensor record (DCP reads those with weights_only), or as a bytes entry (DCP's torch.load of those
+    runs code)."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+    with open(folder / '.metadata', 'rb') as f:
+        metadata = pickle.load(f)  # written by save_sharded just now: trusted
+    shard = folder / '__0_0.distcp'
+    payload = io.BytesIO()
+    torch.save(CreatesFile(marker), payload)
+    offset = shard.stat().st_size
+    with open(shard, 'ab') as f:
+        f.write(payload.getvalue())
+    fqn = 'model.transformer.wte.weight'
+    index, info = next((i, s) for i, s in metadata.storage_data.items() if i.fqn == fqn)
+    where = dataclasses.replace(info, offset=offset, length=len(payload.getvalue()))
+    if as_bytes:
+        metadata.state_dict_metadata[fqn] = BytesStorageMetadata()
+        index = MetadataIndex(fqn)
+    metadata.storage_data[index] = where
+    with open(folder / '.metadata', 'wb') as f:
+        pickle.dump(metadata, f)
+
+
+def shard_payload(folder, marker):
+    _point_at_payload(folder, marker, as_bytes=False)
+
+
+def bytes_entry_payload(folder, marker):
+    _point_at_payload(folder, marker, as_bytes=True)
+
+
+PAYLOADS = {'.metadata': metadata_payload, 'train_state.pt': train_state_payload, 'shard': shard_payload,
+            'bytes entry': bytes_entry_payload}
+
+
+@pytest.fixture
+def evil(source, tmp_path, request):
+    """(out_dir, marker): a copy of source whose sharded checkpoint carries request.param's payload."""
+    out, marker = tmp_path / 'out', tmp_path / 'marker'
+    shutil.copytree(source, out)
+    PAYLOADS[request.param](folder_of(out), marker)
+    return out, marker
+
+
+def assert_refused(message, marker):
+    """One line saying the file holds code, the payload not run, nothing unsafe advised."""
+    assert not marker.exists(), "the payload ran"
+    assert len(message.strip().splitlines()) == 1, message
+    assert "not loaded because unpickling them can run code" in message, message
+    assert "corrupt" not in message, message
+    assert "weights_only" not in message and "still be loaded" not in message, message  # torch's advice
+
+
+def test_the_payloads_are_live(source, tmp_path):
+    """torch's own reader runs a crafted .metadata: what every test below guards against."""
+    from torch.distributed.checkpoint import FileSystemReader
+    folder = tmp_path / 'folder'
+    shutil.copytree(folder_of(source), folder)
+    metadata_payload(folder, tmp_path / 'marker')
+    FileSystemReader(folder).read_metadata()
+    assert (tmp_path / 'marker').exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# the library
+
+LOADS = {
+    'load_checkpoint': lambda out: load_checkpoint(out),
+    'model_only': lambda out: load_checkpoint(out, model_only=True),
+    'the folder itself': lambda out: load_checkpoint(folder_of(out)),
+    'metadata_only': lambda out: load_checkpoint(out, metadata_only=True),  # reads train_state.pt alone
+}
+EVERY_PAYLOAD = pytest.mark.parametrize('evil', list(PAYLOADS), indirect=True)
+
+
+@pytest.mark.parametrize('evil,load', [(p, load) for p in PAYLOADS for load in LOADS if load != 'metadata_only']
+                         + [('train_state.pt', 'metadata_only')], indirect=['evil'])
+def test_load_checkpoint_refuses_in_one_line(evil, load):
+    out, marker = evil
+    with pytest.raises(CheckpointError) as e:
+        LOADS[load](out)
+    assert_refused(str(e.value), marker)
+
+
+@EVERY_PAYLOAD
+def test_the_newest_is_chosen_and_refused_even_with_a_good_ckpt_pt_beside_it(evil):
+    out, marker = evil
+    assert (out / 'ckpt.pt').is_file()
+    assert checkpoint_path(out) == str(folder_of(out))  # as new as ckpt.pt; choosing it runs nothing
+    assert not marker.exists()
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(out)
+    assert_refused(str(e.value), marker)
+
+
+@pytest.mark.parametrize('evil', ['.metadata', 'shard', 'bytes entry'], indirect=True)
+def test_an_fsdp_resume_refuses_in_one_line(evil):
+    """load_sharded_state, what train.py --init_from=resume --parallel=fsdp runs on every rank (here in
+    one process, with a plain model and optimizer)."""
+    out, marker = evil
+    model = tiny_gpt(ATTN)
+    optimizer = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), 'cpu')
+    with pytest.raises(CheckpointError) as e:
+        load_sharded_state(str(folder_of(out)), model, optimizer)
+    assert_refused(str(e.value), marker)
+
+
+def test_a_real_sharded_checkpoint_loads_through_the_restricted_reader(source, tmp_path):
+    """Everything torch writes into .metadata is admitted: the same Metadata as plain pickle reads, for
+    model and AdamW state in float32 and bfloat16; load_checkpoint and load_sharded_state read it all."""
+    original = load_checkpoint(source / 'ckpt.pt')
+    bf16 = dict(original, model={k: v.to(torch.bfloat16) for k, v in original['model'].items()})
+    bf16['model']['lm_head.weight'] = bf16['model']['transformer.wte.weight']
+    folder = save_sharded(*checkpoint_as_sharded(bf16), tmp_path)
+    with open(os.path.join(folder, '.metadata'), 'rb') as f:
+        assert read_metadata(os.path.join(folder, '.metadata')) == pickle.load(f)
+    loaded = load_checkpoint(folder)
+    assert all(v.dtype == torch.bfloat16 for v in loaded['model'].values())
+    assert_same_checkpoint(loaded, bf16)
+    assert_same_checkpoint(load_checkpoint(source), original)
+
+    model = tiny_gpt(ATTN, seed=1)
+    optimizer = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), 'cpu')
+    load_sharded_state(str(folder_of(source)), model, optimizer)
+    assert all(torch.equal(p, original['model'][n]) for n, p in model.state_dict().items())
+    state = optimizer.state[model.transformer.wte.weight]
+    saved = original['optimizer']['state'][original['optimizer_param_names'][0].index('transformer.wte.weight')]
+    assert all(torch.equal(state[k], saved[k]) for k in ('step', 'exp_avg', 'exp_avg_sq'))
+
+
+# ----------------------------------------------------------------------------------------------
+# the scripts
+
+SCRIPTS = {
+    'sample.py': ['--out_dir={out}', '--device=cpu'],
+    'eval.py': ['--out_dir={out}', '--val_loss=True', '--device=cpu'],
+    'eval.py --compare_to': ['--out_dir={tmp}/good', '--compare_to={out}', '--entropy=True', '--device=cpu'],
+    'convert_checkpoint.py': ['--out_dir={out}'],
+    'grow.py': ['--out_dir={out}', '--grow_to=32', '--out={tmp}/grown'],
+    'export_hf.py': ['--out_dir={out}', '--hf_dir={tmp}/hf'],
+    'train.py resume': ['--init_from=resume', '--out_dir={out}', '--device=cpu'],
+    'train.py init_from': ['--init_from={out}', '--out_dir={tmp}/new', '--dataset={data}', '--device=cpu'],
+}
+
+
+@pytest.mark.parametrize('evil', ['.metadata', 'train_state.pt'], indirect=True)
+@pytest.mark.parametrize('command', SCRIPTS)
+def test_every_script_refuses_in_one_line(evil, command, source, tmp_path):
+    out, marker = evil
+    if command == 'eval.py --compare_to':
+        shutil.copytree(source, tmp_path / 'good')
+    data = make_dataset(tmp_path) if command == 'train.py init_from' else None
+    script = command.split()[0]
+    args = [a.format(out=out, tmp=tmp_path, data=data) for a in SCRIPTS[command]]
+    if script == 'train.py':
+        args.insert(0, str(ROOT / 'tests' / 'config_tiny.py'))
+    proc = run_script_in_process(script, args)
+    assert proc.returncode == 2, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(errors) == 1 and errors[0].startswith(f"{script}: error: "), proc.stderr
+    assert_refused(errors[0], marker)
+    assert not (tmp_path / 'hf').exists() and not (tmp_path / 'grown').exists()
+
+
+@pytest.mark.parametrize('evil', ['.metadata'], indirect=True)
+def test_a_process_prints_the_refusal_alone(evil):
+    """The whole stderr of a real process: no warning, log line or traceback from DCP around the refusal."""
+    out, marker = evil
+    proc = subprocess.run([sys.executable, 'convert_checkpoint.py', f'--out_dir={out}'], cwd=ROOT,
+                          env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.startswith("convert_checkpoint.py: error: "), proc.stderr
+    assert_refused(proc.stderr, marker)
+
+
+# ----------------------------------------------------------------------------------------------
+# the other files a user loads
+
+def test_a_ckpt_pt_holding_code_is_refused_without_torchs_advice(source, tmp_path):
+    marker = tmp_path / 'marker'
+    checkpoint = torch.load(source / 'ckpt.pt', weights_only=True)
+    torch.save({**checkpoint, 'extra': CreatesFile(marker)}, tmp_path / 'ckpt.pt')
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(tmp_path)
+    assert_refused(str(e.value), marker)
+    assert "io.open" in str(e.value)  # what it references, named
+
+
+def gpt2_folder(folder, marker):
+    """A tiny GPT-2 saved by transformers, its weights in a pytorch_model.bin that also holds a payload."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    model = GPT2LMHeadModel(GPT2Config(n_positions=32, vocab_size=48, n_layer=1, n_head=2, n_embd=16,
+                                       bos_token_id=0, eos_token_id=0))
+    model.save_pretrained(folder)
+    os.remove(folder / 'model.safetensors')
+    torch.save({**model.state_dict(), 'extra': CreatesFile(marker)}, folder / 'pytorch_model.bin')
+    return folder
+
+
+@pytest.mark.parametrize('script', ['sample.py', 'train.py'])
+def test_a_gpt2_folder_holding_code_is_refused_in_one_line(script, tmp_path):
+    marker = tmp_path / 'marker'
+    folder = gpt2_folder(tmp_path / 'gpt2', marker)
+    args = ([f'--init_from={folder}', '--device=cpu'] if script == 'sample.py' else
+            [str(ROOT / 'tests' / 'config_tiny.py'), f'--init_from={folder}', f'--out_dir={tmp_path / "out"}',
+             f'--dataset={make_dataset(tmp_path)}', '--device=cpu', '--attn_type=base'])
+    proc = run_script_in_process(script, args)
+    assert proc.returncode == 2, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith(f"{script}: error: ")]
+    assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert_refused(errors[0], marker)
+    assert "weights_only" not in proc.stdout + proc.stderr
+
+
+def test_a_truncated_checkpoint_is_one_short_line_naming_the_fallback(source, tmp_path):
+    """torch's zip reader goes on for lines after its first sentence: only that sentence is kept."""
+    out = tmp_path / 'out'
+    shutil.copytree(source, out)
+    shutil.copy(out / 'ckpt.pt', out / 'ckpt.prev.pt')
+    data = (out / 'ckpt.pt').read_bytes()
+    (out / 'ckpt.pt').write_bytes(data[:len(data) // 2])
+    with pytest.raises(Exception) as torch_error:
+        torch.load(out / 'ckpt.pt', weights_only=True)
+    first_sentence = re.split(r'\.\s', str(torch_error.value))[0]
+    assert len(first_sentence) < len(str(torch_error.value).splitlines()[0])  # torch's line says more
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(out / 'ckpt.pt')
+    message = str(e.value)
+    assert len(message.splitlines()) == 1 and "truncated or corrupt" in message
+    assert f"(RuntimeError: {first_sentence}). The previous checkpoint {out / 'ckpt.prev.pt'} was kept" in message
+
+    folder = folder_of(out)
+    state = (folder / 'train_state.pt').read_bytes()
+    (folder / 'train_state.pt').write_bytes(state[:len(state) // 2])
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(folder)
+    assert len(str(e.value).splitlines()) == 1
+    assert f"incomplete or corrupt (RuntimeError: {first_sentence}). No previous sharded" in str(e.value)
