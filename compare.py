@@ -1,19 +1,29 @@
 """
-Train several attention variants under identical conditions, over several seeds, and write a report
-(tables, plots, results.json) of how they compare.
+Train several attention variants, over several seeds, and write a report (tables, plots, results.json)
+of how they compare: each at its own best settings (`tune`), or all at the same settings.
 
 $ python3 compare.py config/compare_shakespeare_char.py
 $ python3 compare.py config/compare_shakespeare_char.py --attn_types=base,diff --seeds=1,2,3
 $ python3 compare.py config/compare_paper.py              # the NoiseFormer recipe, on 8 GPUs per run
 
+Tuning (`tune`, e.g. {'learning_rate': [1e-3, 3e-3, 1e-2]}; denoised_gpt/tuning.py): first every
+candidate (each combination of the values) is trained for every variant on `tune_seeds`, in
+out_dir/tune/<attn_type>[-<point>]-<candidate>-seed<seed>; each variant's best candidate by final val
+loss (on recall data: answer accuracy, ties by val loss) is chosen, a candidate that diverged ranking
+last; then the comparison below runs each variant at its own choice. A learning rate tuned alone takes
+min_lr along at base_config's ratio. The report opens with the protocol and every candidate's score.
+Without `tune`, every variant trains with the same settings, and the report names them.
+
 Every (attn_type, seed) pair is one train.py process: `base_config`, then `overrides`, then
---attn_type, --seed and --out_dir=<out_dir>/runs/<attn_type>-seed<seed>; its output goes to
-train.log in that folder. Only attn_type and seed differ between runs: same data, batches, schedule
-and evaluation batches. `grid` adds one more axis: each of its entries (train.py settings, e.g.
-'--n_embd=64') is a point every (attn_type, seed) is trained at, in runs/<attn_type>-<point>-seed<seed>,
-and each variant is compared with base at the same point. Running the command again skips finished runs and resumes interrupted ones
-(train.py's resume is exact, so the numbers equal those of an uninterrupted sweep); a run that fails
-is reported and the others go on. Killing compare.py kills its train.py too (Linux), to be resumed.
+--attn_type, --seed (and, tuned, the variant's chosen settings) and
+--out_dir=<out_dir>/runs/<attn_type>-seed<seed>; its output goes to train.log in that folder.
+Otherwise the runs share everything: data, batches, schedule and evaluation batches. `grid` adds one
+more axis: each of its entries (train.py settings, e.g. '--n_embd=64') is a point every (attn_type,
+seed) is trained at, in runs/<attn_type>-<point>-seed<seed>, and each variant is compared with base at
+the same point. Running the command again skips finished runs (tuning runs too) and resumes
+interrupted ones (train.py's resume is exact, so the numbers equal those of an uninterrupted sweep); a
+run that fails is reported and the others go on. Killing compare.py kills its train.py too (Linux), to
+be resumed.
 
 The report (out_dir/report/): report.md, results.json and PNGs. Every number in it is read from the
 runs' metrics.jsonl (train.py writes one row per logged iteration and per evaluation): final and
@@ -54,6 +64,8 @@ from denoised_gpt.cli import check_attn_types, fail, read_config
 from denoised_gpt.evaluation import mean_std
 from denoised_gpt.training import NOT_RESUMED
 from denoised_gpt.run_dir import lock_out_dir
+from denoised_gpt.tuning import (METRICS, candidate_args, candidate_label, candidate_settings, candidate_tag, candidates,
+                                 choose, edge_warnings, score)
 from model import GPT, GPTConfig
 
 # -----------------------------------------------------------------------------
@@ -69,8 +81,12 @@ samples = True  # put one sample per variant (sample.py on its first seed's chec
 sample_tokens = 200  # new tokens in each sample
 report_only = False  # only write the report from the runs already in out_dir
 continue_changed = False  # continue runs that were trained with other settings than this sweep's (the report says so)
+# tuning: each variant compared at its own best settings ({} compares every variant at the same settings)
+tune = {}  # train.py settings to tune per variant, e.g. {'learning_rate': [1e-3, 3e-3, 1e-2]}: every combination is a candidate, trained on tune_seeds
+tune_seeds = [1]  # seeds for tuning only (never one of seeds): a candidate's score is its mean over them
+tune_metric = 'auto'  # 'val_loss' (lowest final val loss), 'accuracy' (highest answer accuracy, ties by val loss: recall data) or 'auto' (accuracy on recall data, else val_loss)
 # -----------------------------------------------------------------------------
-config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str, list))]
+config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str, list, dict))]
 
 globals().update(read_config(__file__, {k: globals()[k] for k in config_keys}))
 try:
@@ -86,14 +102,16 @@ if not 1 <= jobs * nproc <= (os.cpu_count() or 1):
     fail(f"jobs={jobs} runs of nproc={nproc} processes must fit this machine's {os.cpu_count()} CPU cores "
          f"(jobs x nproc at most {os.cpu_count()})")
 extra = shlex.split(overrides)
+train_defaults = script_defaults('train.py')
 # the settings every run trains with, checked now (a typo fails here, not in the eighth run)
 try:
-    train_config = apply_config([base_config, *extra], script_defaults('train.py'))
+    train_config = apply_config([base_config, *extra], train_defaults)
 except ConfigError as e:
     fail(e)
 if train_config['init_from'] not in ('scratch',) and not train_config['init_from'].startswith('gpt2'):
     fail("the runs must start from scratch or gpt2 weights: leave init_from out of base_config and overrides "
          "(compare.py resumes interrupted runs itself)")
+RESERVED = ('attn_type', 'seed', 'out_dir', 'init_from')  # compare.py sets them for each run
 points = []  # (the point's train.py arguments, its name in run folders, its label in the report)
 point_configs = {}  # tag -> every train.py setting at that point
 for point in grid or ['']:
@@ -101,10 +119,10 @@ for point in grid or ['']:
         fail(f"grid entry {point!r} must be a string of train.py settings, e.g. '--n_embd=64'")
     args = shlex.split(point)
     try:
-        config_at_point = apply_config([base_config, *extra, *args], script_defaults('train.py'))
+        config_at_point = apply_config([base_config, *extra, *args], train_defaults)
     except ConfigError as e:
         fail(f"grid entry {point!r}: {e}")
-    if any(a.split('=')[0].lstrip('-') in ('attn_type', 'seed', 'out_dir', 'init_from') for a in args):
+    if any(a.split('=')[0].lstrip('-') in RESERVED for a in args):
         fail(f"grid entry {point!r}: attn_type, seed, out_dir and init_from are compare.py's to set; sweep other keys")
     tag = '-'.join(a.lstrip('-').replace('=', '') for a in args)
     point_configs[tag] = config_at_point
@@ -114,26 +132,70 @@ if len({tag for _, tag, _ in points}) != len(points):
 max_iters = train_config['max_iters']
 
 
+def is_recall_data(config):
+    """Whether the runs train on a recall dataset (data/mqar: its meta.json marks the answers)."""
+    try:
+        return ExampleLayout(os.path.join('data', config['dataset']), 'val').labels_path is not None
+    except ValueError:
+        return False  # its meta.json is damaged: training says so
+
+
+if tune:
+    if (not all(isinstance(k, str) and isinstance(v, list) and v for k, v in tune.items())
+            or any(len(set(map(repr, v))) != len(v) for v in tune.values())):
+        fail(f"tune={tune!r} must map train.py settings to lists of distinct values to try, e.g. "
+             f"--tune=\"{{'learning_rate': [1e-3, 3e-3, 1e-2]}}\"")
+    if set(tune) & set(RESERVED):
+        fail(f"tune: {', '.join(sorted(set(tune) & set(RESERVED)))} cannot be tuned (compare.py sets them per run)")
+    if (not tune_seeds or not all(isinstance(s, int) and s >= 0 for s in tune_seeds)
+            or len(set(tune_seeds)) != len(tune_seeds)):
+        fail(f"tune_seeds={tune_seeds!r} must be distinct non-negative integers, e.g. --tune_seeds=1,2")
+    if set(tune_seeds) & set(seeds):
+        fail(f"tune_seeds and seeds share {sorted(set(tune_seeds) & set(seeds))}: the comparison must not reuse "
+             f"the runs its settings were chosen on; choose other tune_seeds")
+    for candidate in candidates(tune):  # every candidate's settings checked now, at every point
+        for args, tag, _ in points:
+            settings = candidate_settings(candidate, point_configs[tag])
+            try:
+                apply_config([base_config, *extra, *args, *candidate_args(settings)], train_defaults)
+            except ConfigError as e:
+                fail(f"tune candidate {candidate_label(candidate)}: {e}")
+if tune_metric not in ('auto', *METRICS):
+    fail(f"tune_metric={tune_metric!r} must be one of 'auto', {', '.join(map(repr, METRICS))}")
+if tune and tune_metric == 'accuracy' and not all(is_recall_data(c) for c in point_configs.values()):
+    fail("tune_metric='accuracy' needs a recall dataset (data/mqar), whose answers eval.py scores; use 'val_loss'")
+
+
 def variant_name(attn_type, label):
     """How the report names a variant at a grid point: 'diff' or 'diff n_embd=64'."""
     return f"{attn_type} {label}" if label else attn_type
 
 
 class Run:
-    """One train.py run of the sweep: attn_type and seed at a grid point (args: its train.py settings)."""
+    """One train.py run of the sweep: attn_type and seed at a grid point (its train.py arguments, name and
+    label), with `settings` on top (a tuning candidate's, or the variant's chosen ones). The comparison's
+    runs are in out_dir/runs/<attn_type>[-<point>]-seed<seed>, the tuning runs in out_dir/tune/, named by
+    their candidate too."""
 
-    def __init__(self, attn_type, seed, args, tag, label):
-        self.attn_type, self.seed, self.args, self.tag = attn_type, seed, args, tag
+    def __init__(self, attn_type, seed, point, settings=None, folder='runs', name=''):
+        point_args, self.tag, label = point
+        self.attn_type, self.seed, self.settings = attn_type, seed, settings or {}
+        self.args = [*point_args, *candidate_args(self.settings)]
+        self.config = apply_config([base_config, *extra, *self.args], train_defaults)  # what train.py runs with
         self.variant, self.base = variant_name(attn_type, label), variant_name('base', label)
-        self.max_iters = point_configs[tag]['max_iters']
-        self.dir = os.path.join(out_dir, 'runs', f'{attn_type}-{tag}-seed{seed}' if tag else f'{attn_type}-seed{seed}')
+        self.max_iters = self.config['max_iters']
+        self.metric = tune_metric if tune_metric != 'auto' else 'accuracy' if is_recall_data(self.config) else 'val_loss'
+        self.dir = os.path.join(out_dir, folder, '-'.join(filter(None, (attn_type, self.tag, name, f'seed{seed}'))))
 
 
-runs = [Run(a, s, args, tag, label) for args, tag, label in points for a in attn_types for s in seeds]
+# the settings an untuned report names as every variant's (the optimiser's, the batch and the schedule)
+SHARED_SETTINGS = ('learning_rate', 'min_lr', 'weight_decay', 'beta2', 'warmup_iters', 'batch_size',
+                   'gradient_accumulation_steps', 'max_iters', 'dropout')
 CHANGES_NAME = 'settings_changes.jsonl'  # in out_dir: each run continued with other settings, and from when
+DIVERGED_NAME = 'diverged.txt'  # in a tuning run's folder: train.py stopped it for a non-finite loss (exit 3)
 
 
-def settings_changes():
+def settings_changes(runs):
     """[(attn_type, seed, the checkpoint's iter, {key: (trained with, this sweep's)})] for the runs in out_dir
     that have a checkpoint whose training settings differ from what this sweep gives them."""
     found = []
@@ -144,7 +206,7 @@ def settings_changes():
             ckpt = load_checkpoint(run.dir, metadata_only=True)
         except CheckpointError as e:
             fail(e)
-        want = {**point_configs[run.tag], 'attn_type': run.attn_type, 'seed': run.seed}
+        want = {**run.config, 'attn_type': run.attn_type, 'seed': run.seed}
         differ = {k: (ckpt['config'][k], v) for k, v in want.items()
                   if k not in NOT_RESUMED + ('wandb_run_name',) and k in ckpt['config'] and ckpt['config'][k] != v}
         if differ:
@@ -152,9 +214,9 @@ def settings_changes():
     return found
 
 
-def check_settings_unchanged():
+def check_settings_unchanged(runs):
     """A sweep continues its runs only with the settings they were trained with, unless told otherwise."""
-    changes = settings_changes()
+    changes = settings_changes(runs)
     if not changes:
         return
     keys = sorted({k for *_, differ in changes for k in differ})
@@ -164,7 +226,7 @@ def check_settings_unchanged():
         n = sum(k in d for *_, d in changes)
         lines.append(f"  {k}: {' / '.join(olds)} in {n} run{'s' if n > 1 else ''}, this sweep {new!r}")
     if not continue_changed:
-        fail(f"the runs in {out_dir}/runs were trained with other settings than this sweep gives them:\n"
+        fail(f"the runs in {out_dir} were trained with other settings than this sweep gives them:\n"
              + "\n".join(lines) + "\nChoose a new --out_dir for a sweep with these settings, or continue these "
              "runs with them with --continue_changed=True (the report then lists the change)")
     print("continuing runs with changed settings (listed in the report):\n" + "\n".join(lines))
@@ -201,6 +263,10 @@ def finished(run):
     return bool(evals) and evals[-1]['iter'] >= run.max_iters and os.path.exists(checkpoint_path(run.dir))
 
 
+def diverged(run):
+    return os.path.exists(os.path.join(run.dir, DIVERGED_NAME))
+
+
 def die_with_parent():
     """Linux: the kernel sends SIGKILL to this train.py when compare.py dies, so an orphan never trains
     on beside the resumed run; the next compare.py resumes from the last checkpoint, exactly."""
@@ -226,8 +292,8 @@ def job_environment(slot):
 class Progress:
     """The sweep's progress bar: iterations done over all runs, updated from the job threads."""
 
-    def __init__(self):
-        self.bar = tqdm(total=sum(run.max_iters for run in runs), unit='it', desc=f'{len(runs)} runs',
+    def __init__(self, runs, what):
+        self.bar = tqdm(total=sum(run.max_iters for run in runs), unit='it', desc=f'{len(runs)} {what}',
                         dynamic_ncols=True)
         self.done, self.lock = {}, threading.Lock()
 
@@ -265,13 +331,14 @@ def train(run, slot, progress):
         return proc.wait()
 
 
-def train_all():
-    """Every unfinished run, `jobs` at a time; returns {(variant, seed): why} for the runs that failed."""
+def train_all(runs, tuning=False):
+    """Every unfinished run, `jobs` at a time; returns {(variant, seed): why} for the runs that failed.
+    A tuning run that diverges is marked so: its candidate ranks last, and it is not trained again."""
     failures = {}
-    progress = Progress()
+    progress = Progress(runs, 'tuning runs' if tuning else 'runs')
     todo = []
     for run in runs:
-        if finished(run):
+        if finished(run) or diverged(run):
             progress.update(run, run.max_iters, "already done")
         else:
             todo.append(run)
@@ -287,7 +354,12 @@ def train_all():
         finally:
             slots.put(slot)
         ok = rc == 0 and finished(run)
-        if not ok:
+        if rc == 3 and tuning:  # train.py's exit status for a non-finite loss or gradient
+            with open(os.path.join(run.dir, DIVERGED_NAME), 'w') as f:
+                f.write("train.py stopped it: non-finite loss or gradient (see train.log)\n")
+            progress.write(f"tuning run {run.variant} {candidate_label(run.settings)} seed {run.seed} diverged: "
+                           f"ranked below every candidate that did not")
+        elif not ok:
             failures[(run.variant, run.seed)] = f"exit code {rc} (see its train.log)"
             with open(os.path.join(run.dir, 'train.log')) as f:
                 tail = f.read().strip().splitlines()[-3:]
@@ -341,12 +413,8 @@ def run_results(run):
 def recall_results(run):
     """On a recall dataset: {'accuracy', 'accuracy_by_pairs'} from eval.py --recall=True on the run's final
     checkpoint (its recall.json, computed again only when ckpt.pt is newer); {} on other datasets."""
-    data_dir = os.path.join('data', point_configs[run.tag]['dataset'])
-    try:
-        if ExampleLayout(data_dir, 'val').labels_path is None:
-            return {}
-    except ValueError:
-        return {}  # its meta.json is damaged: training said so already
+    if not is_recall_data(run.config):
+        return {}
     path = os.path.join(run.dir, 'recall.json')
     if not os.path.exists(path) or os.path.getmtime(path) < os.path.getmtime(checkpoint_path(run.dir)):
         cmd = [sys.executable, 'eval.py', f'--out_dir={run.dir}', '--recall=True', '--batch_size=64']
@@ -382,6 +450,55 @@ def summarize(results):
     return summary
 
 
+def tune_variants():
+    """Train every candidate of `tune` for every variant (and grid point) on tune_seeds, skipping what is
+    trained already, and choose each variant's best. Returns {(attn_type, point tag): its tuning record}:
+    every candidate's settings, per-seed results and score, the chosen candidate and its settings (None
+    when every candidate diverged) and the edge-of-range warnings."""
+    options = candidates(tune)
+    table = {(a, point[1]): [[Run(a, s, point, candidate_settings(c, point_configs[point[1]]), 'tune', candidate_tag(c))
+                              for s in tune_seeds] for c in options]
+             for point in points for a in attn_types}
+    every = [run for rows in table.values() for seed_runs in rows for run in seed_runs]
+    if not report_only:
+        check_settings_unchanged(every)
+        train_all(every, tuning=True)
+    unfinished = [run for run in every if not finished(run) and not diverged(run)]
+    if unfinished:
+        fail(f"{len(unfinished)} tuning run{'s' if len(unfinished) > 1 else ''} did not finish (first: "
+             f"{unfinished[0].dir}, see its train.log), so no variant's best can be chosen yet: run the same "
+             f"command again (without --report_only) to train them")
+    tuning = {}
+    for (attn_type, tag), rows in table.items():
+        metric = rows[0][0].metric
+        entries = []
+        for candidate, seed_runs in zip(options, rows):
+            per_seed = [None if diverged(run) else tuning_result(run, metric) for run in seed_runs]
+            entries.append({'label': candidate_label(candidate), 'candidate': candidate,
+                            'settings': seed_runs[0].settings, 'seeds': list(tune_seeds), 'per_seed': per_seed,
+                            **score(per_seed, metric)})
+        best = choose(entries, metric)
+        for i, entry in enumerate(entries):
+            entry['chosen'] = i == best
+        tuning[(attn_type, tag)] = {
+            'attn_type': attn_type, 'variant': rows[0][0].variant, 'metric': metric, 'candidates': entries,
+            'chosen': None if best is None else entries[best]['label'],
+            'settings': None if best is None else entries[best]['settings'],
+            'warnings': [] if best is None else edge_warnings(tune, options[best])}
+    return tuning
+
+
+def tuning_result(run, metric):
+    _, evals = read_metrics(run.dir)
+    result = {'final_val_loss': evals[-1]['val_loss']}
+    if metric == 'accuracy':
+        try:
+            result['accuracy'] = recall_results(run)['accuracy']
+        except CheckpointError as e:
+            fail(f"tuning run {run.dir}: {e}")
+    return result
+
+
 def sample_text(run_dir):
     cmd = [sys.executable, 'sample.py', f'--out_dir={run_dir}', '--num_samples=1',
            f'--max_new_tokens={sample_tokens}', '--seed=1337']
@@ -396,9 +513,15 @@ try:  # one sweep per out_dir at a time (its train.py runs each lock their own f
     sweep_lock = lock_out_dir(out_dir)
 except ValueError as e:
     fail(e)
+tuning = tune_variants() if tune else {}
+untrainable = {key for key, t in tuning.items() if t['settings'] is None}  # every candidate diverged
+runs = [Run(a, s, point, tuning[(a, point[1])]['settings'] if tuning else None)
+        for point in points for a in attn_types if (a, point[1]) not in untrainable for s in seeds]
 if not report_only:
-    check_settings_unchanged()
-failures = {} if report_only else train_all()
+    check_settings_unchanged(runs)
+failures = {} if report_only else train_all(runs)
+for key in untrainable:
+    failures[(tuning[key]['variant'], 'all')] = "every tuning candidate diverged: nothing to compare it at"
 done = [run for run in runs if finished(run)]
 if not done:
     fail(f"no finished run in {out_dir}/runs: nothing to report")
@@ -421,12 +544,14 @@ for run in done:
     first_run.setdefault(run.variant, run.dir)
 texts = {v: sample_text(d) for v, d in first_run.items()} if samples else {}
 plots = write_plots(results, report_dir)
+protocol = ({'tuned': True, 'tune': tune, 'tune_seeds': tune_seeds, 'metric': sorted({t['metric'] for t in tuning.values()})}
+            if tune else {'tuned': False, 'settings': {k: train_config[k] for k in SHARED_SETTINGS}})
 write_report(report_dir, summary, results, failures, texts, plots,
              dict(base_config=base_config, overrides=overrides, grid=[label for *_, label in points if label],
-                  seeds=seeds, max_iters=max_iters,
+                  seeds=seeds, max_iters=max_iters, protocol=protocol, tuning=list(tuning.values()),
                   command=shlex.join(['python3', 'compare.py', *sys.argv[1:]]), changes=recorded_changes()))
 with open(os.path.join(report_dir, 'results.json'), 'w') as f:
-    json.dump({'summary': summary, 'runs': results,
+    json.dump({'protocol': protocol, 'tuning': list(tuning.values()), 'summary': summary, 'runs': results,
                'failed': [{'attn_type': a, 'seed': s, 'reason': why} for (a, s), why in failures.items()]},
               f, indent=1)
 print(f"report: {os.path.join(report_dir, 'report.md')} ({len(done)} of {len(runs)} runs"

@@ -155,15 +155,57 @@ def fmt(stat, digits=4):
     return f"{stat['mean']:.{digits}f}" + (f" ± {stat['std']:.{digits}f}" if stat['std'] is not None else '')
 
 
+METRIC_WORDS = {'val_loss': "the lowest final val loss",
+                'accuracy': "the highest answer accuracy (ties broken by the lower final val loss)"}
+
+
+def protocol_lines(protocol, tuning):
+    """The report's first words: how the variants' settings were chosen, and (tuned) every candidate's score."""
+    if not protocol['tuned']:
+        named = ', '.join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in protocol['settings'].items())
+        return [f"**Protocol: the same settings for every variant** ({named}); none was tuned for any variant. "
+                "A difference below holds at these settings only: a variant may do better at others (compare.py's "
+                "`tune` trains each variant at its own best first).", ""]
+    seeds = ', '.join(map(str, protocol['tune_seeds']))
+    metric = ' / '.join(METRIC_WORDS[m] for m in protocol['metric'])
+    lines = [f"**Protocol: each variant at its own best settings.** For every variant, each candidate of "
+             f"`tune = {protocol['tune']!r}` was trained on tuning seed{'s' if len(protocol['tune_seeds']) > 1 else ''} "
+             f"{seeds} (never used in the comparison); the candidate with {metric}, averaged over them, was chosen "
+             f"(a candidate that diverged ranks last); the comparison below trains every variant at its own choice.",
+             "", "## Tuning", ""]
+    labels = [c['label'] for c in tuning[0]['candidates']]
+    lines += ["| variant | " + " | ".join(f"`{label}`" for label in labels) + " | chosen |",
+              "|---|" + "---|" * len(labels) + "---|"]
+    for t in tuning:
+        cells = []
+        for c in t['candidates']:
+            cell = 'diverged' if c['diverged'] else (
+                f"{c['accuracy']:.3f} (val {c['val_loss']:.4f})" if t['metric'] == 'accuracy' else f"{c['val_loss']:.4f}")
+            cells.append(f"**{cell}**" if c['chosen'] else cell)
+        lines.append(f"| `{t['variant']}` | " + " | ".join(cells) + f" | {t['chosen'] or 'none: every candidate diverged'} |")
+    lines += ["", "Each cell: the candidate's " + ("answer accuracy (and final val loss)" if 'accuracy' in protocol['metric']
+              else "final val loss") + ", the mean over the tuning seeds; bold: chosen.", ""]
+    warnings = [f"- `{t['variant']}`: {w}" for t in tuning for w in t['warnings']]
+    if warnings:
+        lines += ["Chosen at the edge of the range tried (the best may lie outside it):", "", *warnings, ""]
+    chosen = {t['chosen'] for t in tuning if t['chosen']}
+    if len(chosen) > 1:
+        lines += ["The variants' best settings differ: a config tuned for one variant is not tuned for another.", ""]
+    return lines
+
+
 def write_report(report_dir, summary, results, failures, samples, plots, setup):
     grid = (f" At each grid point ({'; '.join(f'`{p}`' for p in setup['grid'])}) every variant is trained and "
             f"compared with base at the same point." if setup.get('grid') else '')
+    differ = "attn_type, seed and each variant's tuned settings" if setup['protocol']['tuned'] else "attn_type and seed"
     lines = [
         "# Attention variants compared", "",
         f"Command: `{setup['command']}`  ",
+        *protocol_lines(setup['protocol'], setup['tuning']),
+        *(["## Comparison", ""] if setup['protocol']['tuned'] else []),
         f"Every run: `{setup['base_config']}`" + (f" with `{setup['overrides']}`" if setup['overrides'] else '')
-        + f", {setup['max_iters']} iterations; seeds {', '.join(map(str, setup['seeds']))}. Only attn_type and "
-          f"seed differ between runs.{grid} Val loss is train.py's evaluation (the same fixed batches for every "
+        + f", {setup['max_iters']} iterations; seeds {', '.join(map(str, setup['seeds']))}. Only {differ} "
+          f"differ between runs.{grid} Val loss is train.py's evaluation (the same fixed batches for every "
           f"run); mean ± sample standard deviation over seeds.", "",
         "| variant | parameters | vs base | final val loss | per seed | best val loss | tokens/s | "
         "peak memory (MiB) | training time (s) | reading |",

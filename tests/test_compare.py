@@ -233,6 +233,11 @@ def test_report_only_names_an_unreadable_checkpoint(sweep):
 
 @pytest.mark.parametrize('args,message', [
     (['--attn_types=base,noiseformer2'], "unknown 'noiseformer2' (did you mean 'noiseformer_v2'?)"),
+    (["--tune={'learning_rate': [1e-3]}", '--tune_seeds=1338'], "tune_seeds and seeds share [1338]"),
+    (["--tune={'seed': [1, 2]}"], "tune: seed cannot be tuned"),
+    (["--tune={'learning_rat': [1e-3, 1e-2]}"], "tune candidate learning_rat=0.001: command line argument"),
+    (["--tune={'learning_rate': 1e-3}"], "must map train.py settings to lists of distinct values"),
+    (["--tune={'learning_rate': [1e-3]}", '--tune_metric=acc'], "tune_metric='acc' must be one of"),
     (['--nproc=99999999999'], "nproc=99999999999 must be between 1 and this machine's"),
     (['--jobs=99999'], "jobs=99999 runs of nproc=1 processes must fit this machine's"),
     (['--grid=--n_embd=64,--n_embd=64'], "repeats a point"),
@@ -244,3 +249,103 @@ def test_bad_sweep_settings_are_one_line(args, message, tmp_path):
     proc = run_script_in_process('compare.py', [f'--out_dir={tmp_path / "out"}', *args])
     assert proc.returncode == 2 and message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
     assert not (tmp_path / 'out').exists()
+
+
+# -----------------------------------------------------------------------------
+# tuning: each variant at its own best settings
+
+TUNE = "{'learning_rate': [0.01, 1e-06, 1e+30]}"  # a good rate, one far too small to learn, one that diverges
+
+
+@pytest.fixture(scope='module')
+def tuned_sweep(sweep):
+    tmp, data, _ = sweep
+    command = sweep_command(tmp / 'tuned', data, f'--tune={TUNE}', '--tune_seeds=5', '--samples=False',
+                            attn_types='base,linear')
+    proc = subprocess.run(command, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return tmp / 'tuned', command, proc
+
+
+def test_tuning_chooses_each_variants_best_and_compares_it_there(tuned_sweep):
+    """The tuning table is the tuning runs' final val losses; the rate that cannot learn scores clearly worse,
+    the diverged one ranks last; the comparison trains each variant at the chosen rate, min_lr at the config's
+    ratio (tests/config_tiny.py: 3e-3 and 3e-4)."""
+    from denoised_gpt.checkpoint import load_checkpoint
+    out, _, proc = tuned_sweep
+    results = json.loads((out / 'report' / 'results.json').read_text())
+    assert results['protocol'] == {'tuned': True, 'tune': {'learning_rate': [0.01, 1e-06, 1e+30]},
+                                   'tune_seeds': [5], 'metric': ['val_loss']}
+    report = (out / 'report' / 'report.md').read_text()
+    for t in results['tuning']:
+        a = t['attn_type']
+        finals = [metrics(out / 'tune' / f'{a}-learning_rate{lr}-seed5')[1] for lr in ('0.01', '1e-06')]
+        good, small = (evals[-1]['val_loss'] for evals in finals)
+        assert [c['val_loss'] for c in t['candidates'][:2]] == [good, small] and good < small - 0.1
+        assert [c['diverged'] for c in t['candidates']] == [False, False, True]
+        assert (out / 'tune' / f'{a}-learning_rate1e+30-seed5' / 'diverged.txt').exists()
+        assert t['chosen'] == 'learning_rate=0.01' and [c['chosen'] for c in t['candidates']] == [True, False, False]
+        assert t['warnings'] == []  # 0.01 lies inside the range tried
+        assert f"| `{a}` | **{good:.4f}** | {small:.4f} | diverged | learning_rate=0.01 |" in report
+        for seed in (1, 2):
+            config = load_checkpoint(out / 'runs' / f'{a}-seed{seed}', metadata_only=True)['config']
+            assert config['learning_rate'] == 0.01 and config['min_lr'] == pytest.approx(1e-3)
+    assert report.index("**Protocol: each variant at its own best settings.**") < report.index("## Comparison")
+    assert "diverged: ranked below every candidate" in proc.stdout + proc.stderr
+
+
+def test_tuning_seeds_never_appear_in_the_comparison(tuned_sweep):
+    out, _, _ = tuned_sweep
+    results = json.loads((out / 'report' / 'results.json').read_text())
+    assert sorted((r['attn_type'], r['seed']) for r in results['runs']) == [
+        ('base', 1), ('base', 2), ('linear', 1), ('linear', 2)]
+    assert sorted(p.name for p in (out / 'runs').iterdir()) == ['base-seed1', 'base-seed2', 'linear-seed1',
+                                                               'linear-seed2']
+    assert {p.name.rsplit('-', 1)[1] for p in (out / 'tune').iterdir()} == {'seed5'}
+
+
+def test_a_tuned_sweep_run_again_trains_nothing(tuned_sweep):
+    """Finished tuning and comparison runs are skipped, and a diverged candidate is not tried again."""
+    out, command, _ = tuned_sweep
+    logs = sorted(out.glob('*/*/train.log'))
+    before = {p: p.read_bytes() for p in logs}
+    proc = subprocess.run(command, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert len(logs) == 10 and {p: p.read_bytes() for p in logs} == before
+
+
+def test_an_untuned_report_says_every_variant_used_the_same_settings(sweep):
+    tmp, _, _ = sweep
+    results = json.loads((tmp / 'out' / 'report' / 'results.json').read_text())
+    assert results['protocol']['tuned'] is False and results['tuning'] == []
+    assert results['protocol']['settings']['learning_rate'] == 3e-3
+    report = (tmp / 'out' / 'report' / 'report.md').read_text()
+    line = next(line for line in report.splitlines() if line.startswith('**Protocol'))
+    assert line.startswith("**Protocol: the same settings for every variant** (learning_rate=0.003, min_lr=0.0003,")
+    assert "none was tuned for any variant" in line
+
+
+def test_tuning_ranks_candidates_and_warns_at_the_edge_of_the_range():
+    from denoised_gpt.tuning import candidate_settings, candidates, choose, edge_warnings, score
+    tune = {'learning_rate': [1e-3, 1e-2], 'weight_decay': [0.0, 0.1]}
+    assert candidates(tune) == [{'learning_rate': 1e-3, 'weight_decay': 0.0}, {'learning_rate': 1e-3, 'weight_decay': 0.1},
+                                {'learning_rate': 1e-2, 'weight_decay': 0.0}, {'learning_rate': 1e-2, 'weight_decay': 0.1}]
+    config = {'learning_rate': 2e-3, 'min_lr': 2e-4}
+    assert candidate_settings({'learning_rate': 1e-2}, config) == {'learning_rate': 1e-2, 'min_lr': pytest.approx(1e-3)}
+    assert candidate_settings({'learning_rate': 1e-2, 'min_lr': 0.0}, config) == {'learning_rate': 1e-2, 'min_lr': 0.0}
+    # accuracy first, val loss between equals; a seed that diverged sinks its candidate; nan is not finite
+    runs = [[{'final_val_loss': 0.5, 'accuracy': 0.9}, {'final_val_loss': 0.7, 'accuracy': 1.0}],  # mean 0.95, 0.6
+            [{'final_val_loss': 0.2, 'accuracy': 1.0}, {'final_val_loss': 0.2, 'accuracy': 0.9}],  # mean 0.95, 0.2
+            [{'final_val_loss': 0.1, 'accuracy': 1.0}, None],
+            [{'final_val_loss': float('nan'), 'accuracy': 1.0}, {'final_val_loss': 0.1, 'accuracy': 1.0}]]
+    scores = [score(r, 'accuracy') for r in runs]
+    assert [s['diverged'] for s in scores] == [False, False, True, True]
+    assert scores[0] == {'diverged': False, 'val_loss': pytest.approx(0.6), 'accuracy': pytest.approx(0.95)}
+    assert choose(scores, 'accuracy') == 1 and choose(scores, 'val_loss') == 1
+    assert choose([score([r[0]], 'accuracy') for r in runs[:2]], 'accuracy') == 1  # 1.0 beats 0.9
+    assert choose(scores[2:], 'val_loss') is None
+    assert edge_warnings(tune, {'learning_rate': 1e-2, 'weight_decay': 0.0}) == [
+        "learning_rate=0.01 is the largest value tried: the best may lie above it; extend the range up",
+        "weight_decay=0 is the smallest value tried: the best may lie below it; extend the range down"]
+    assert edge_warnings({'learning_rate': [1e-3, 3e-3, 1e-2], 'compile': [True, False]},
+                         {'learning_rate': 3e-3, 'compile': True}) == []
