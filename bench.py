@@ -171,7 +171,7 @@ ctx = autocast_context(device, dtype)
 # data: one fixed random batch (nanoGPT's real_data=False), or windows of a prepared dataset
 batches = None
 if dataset:
-    from denoised_gpt.batches import TokenBatches, load_meta
+    from denoised_gpt.batches import TokenBatches, TokenIdError, load_meta
     data_dir = os.path.join('data', dataset)
     try:
         meta = load_meta(data_dir)
@@ -180,8 +180,7 @@ if dataset:
         batches = TokenBatches(data_dir, 'train', block_size, batch_size, device=device, seed=seed,
                                vocab_size=vocab_size)
     except (FileNotFoundError, ValueError) as e:
-        fail(f"{e}\n(prepare the dataset first, e.g. python data/{dataset}/prepare.py, or leave "
-             f"--dataset empty for synthetic tokens)")
+        fail(f"{e}; or leave --dataset empty for synthetic tokens")  # e says what to prepare, and where
 else:
     g = torch.Generator().manual_seed(seed)
     X = torch.randint(vocab_size, (batch_size, block_size), generator=g).to(device)
@@ -189,7 +188,12 @@ else:
 
 
 def get_batch():
-    return batches.get_batch() if batches is not None else (X, Y)
+    if batches is None:
+        return X, Y
+    try:
+        return batches.get_batch()
+    except TokenIdError as e:  # an id the embedding has no row for, in a file too large to scan up front
+        fail(e)
 
 
 # -----------------------------------------------------------------------------

@@ -181,6 +181,11 @@ def _parse_cli_value(text, default):
     try:
         value = ast.literal_eval(text)
     except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        if type(default) is float:
+            try:  # inf, -inf, nan: a float, as float('inf') in a config file, so the script's range check names it
+                return float(text)
+            except ValueError:
+                pass
         return text  # e.g. --out_dir=out-run1, --init_from=gpt2
     if isinstance(default, str) and not isinstance(value, str):
         return text  # a string key keeps what was typed: --wandb_run_name=124 is the name '124'

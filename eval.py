@@ -38,13 +38,15 @@ answer_help(__file__)  # --help before the heavy imports below
 
 import json
 import os
+import tempfile
 import time
 
-from denoised_gpt.batches import ExampleLayout, TokenBatches, load_meta
+from denoised_gpt.batches import ExampleLayout, TokenBatches, check_token_ids, load_meta
 from denoised_gpt.checkpoint import CheckpointError, checkpoint_path, load_checkpoint
 from denoised_gpt.cli import (check_inference_source, check_ranges, fail, gpt2_encoding, load_model, log, noise_on,
                               prepare_device, read_config)
 from denoised_gpt.device import autocast_context, manual_seed
+from denoised_gpt.training import all_finite, nonfinite_weights
 from model import ATTENTION_TYPES
 
 # -----------------------------------------------------------------------------
@@ -112,6 +114,35 @@ if glue:
         glue_tasks = glue_eval.parse_tasks(glue)
     except glue_eval.GlueError as e:
         fail(e)
+if not eval_dir:
+    eval_dir = out_dir if init_from == 'resume' else f"eval-{os.path.basename(os.path.normpath(init_from))}"
+
+
+def check_folder(key, path):
+    """Exit 2 unless the setting's folder is, or can be made, one we can write in: tried now, not when the first
+    results are ready. The folders made for the trial are removed again: a run that fails before it writes
+    leaves none."""
+    made = []  # the missing folders of the path, innermost first
+    missing = os.path.abspath(path)
+    while not os.path.lexists(missing):
+        made.append(missing)
+        missing = os.path.dirname(missing)
+    try:
+        os.makedirs(os.path.abspath(path), exist_ok=True)
+        tempfile.TemporaryFile(dir=path).close()
+    except OSError as e:
+        what = "is a file, not a folder" if os.path.isfile(path) else f"cannot be written ({e.strerror or e})"
+        fail(f"{key}={path!r} {what}: choose another folder with --{key}")
+    finally:
+        for folder in made:
+            if os.path.isdir(folder):
+                os.rmdir(folder)
+
+
+if eval_dir != out_dir or os.path.isdir(out_dir):  # an out_dir that is no folder: loading it says why, below
+    check_folder('eval_dir', eval_dir)
+if glue and glue_cache_dir:
+    check_folder('glue_cache_dir', glue_cache_dir)
 
 # -----------------------------------------------------------------------------
 # model(s)
@@ -126,6 +157,8 @@ def load(source, from_dir, noise=noise_at_eval):
     from denoised_gpt.evaluation.entropy import run_name
     from denoised_gpt.hf_format import WEIGHTS_FILE
     model, ckpt = load_model(source, from_dir, noise)
+    if not all_finite(model.parameters()):  # its losses would be NaN
+        fail(nonfinite_weights(checkpoint_path(from_dir) if source == 'resume' else source))
     if ckpt is None:
         info = dict(name=source, attn_type='base', checkpoint=source, dataset=dataset or None, identity=source)
     else:
@@ -168,8 +201,6 @@ model, info = load(init_from, out_dir)
 model.to(device)
 if compare_to:
     other_model, other_info = load_compare_to()  # on the CPU until its turn comes
-if not eval_dir:
-    eval_dir = out_dir if init_from == 'resume' else f"eval-{os.path.basename(os.path.normpath(init_from))}"
 os.makedirs(eval_dir, exist_ok=True)
 log(f"{info['attn_type']} model, {info['checkpoint']}, {info['params'] / 1e6:.2f}M parameters; "
     f"device {device} ({dtype}); results in {eval_dir}")
@@ -208,6 +239,11 @@ if val_loss or entropy or recall:
     val_path = val_bin(info)
     if not os.path.isfile(val_path):
         fail(f"{val_path} not found: run that dataset's prepare.py first, or pass --dataset=<name>")
+if val_loss or recall:  # they read the whole file: an id the model has no embedding for is said now
+    try:
+        check_token_ids(val_path, model.config.vocab_size)
+    except ValueError as e:
+        fail(e)
 if entropy:
     def entropy_data(which_model, which_info, what):
         """The validation windows which_model's entropy is averaged over (what: the model, in messages)."""

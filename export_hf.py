@@ -13,7 +13,10 @@ AutoModelForCausalLM.from_pretrained(hf_dir, trust_remote_code=True). The vocabu
 checkpoint's size, so the logits are exactly the model's. The tokenizer follows the dataset: GPT-2's BPE
 (from tiktoken's files), one token per character for char-level data, none for token-id datasets.
 README.md in the folder (the model card) records the run and what to know when loading it.
-The folder is written under a temporary name and renamed when complete.
+The files are written into a temporary folder beside hf_dir and moved in when all are written, so a
+failed export leaves hf_dir as it was. Exporting into an earlier export (--overwrite=True, e.g. into a
+git clone of the published model) replaces the export's own files and removes those it no longer
+writes; everything else there stays (.git, .gitattributes, your own files and folders).
 """
 
 from configurator import answer_help
@@ -30,7 +33,7 @@ from denoised_gpt.hf_format import check_hf_dir, export
 out_dir = 'out'  # the run directory holding ckpt.pt, or a checkpoint file
 hf_dir = ''  # the folder to write (default: hf-<run name>, e.g. out-owt-dint -> hf-owt-dint)
 dataset = ''  # the data/ folder whose vocabulary the tokenizer is built from (default: the checkpoint's dataset)
-overwrite = False  # replace an earlier export in hf_dir (a folder holding anything else is never replaced)
+overwrite = False  # replace an earlier export in hf_dir: its files only (.git and your own files stay)
 # -----------------------------------------------------------------------------
 config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str))]
 
@@ -38,6 +41,9 @@ globals().update(read_config(__file__, {k: globals()[k] for k in config_keys}))
 if not hf_dir:
     run_dir = os.path.dirname(checkpoint_path(out_dir)) or '.'
     hf_dir = 'hf-' + os.path.basename(os.path.abspath(run_dir)).removeprefix('out-')
+if dataset and not os.path.isdir(os.path.join('data', dataset)):
+    fail(f"dataset={dataset!r}: no folder {os.path.join('data', dataset)}; pass the data folder the model was "
+         f"trained on (a name under data/, or a path), or leave dataset out to use the checkpoint's")
 try:
     check_hf_dir(hf_dir, overwrite)  # before the checkpoint is read
     checkpoint = load_checkpoint(out_dir, map_location='cpu', model_only=True)

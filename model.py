@@ -69,6 +69,22 @@ class GPTConfig:
                 raise ValueError(f"GPTConfig.{f.name}={getattr(self, f.name)!r} is only used by attn_type "
                                  f"{' / '.join(users)}, but attn_type={self.attn_type!r}; remove "
                                  f"{f.name} or change attn_type")
+        # Sizes, rates and scales that cannot build or train a model (a nan or inf float, a negative
+        # width or standard deviation), refused here in one line rather than met as a torch error
+        # deep in a layer or as nan losses mid-run.
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.type is float and not (isinstance(value, (int, float)) and math.isfinite(value)):
+                raise ValueError(f"GPTConfig.{f.name}={value!r} must be a finite number")
+        for name in ('block_size', 'vocab_size', 'n_layer', 'n_embd'):
+            if getattr(self, name) < 1:
+                raise ValueError(f"GPTConfig.{name}={getattr(self, name)} must be at least 1")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"GPTConfig.dropout={self.dropout} must be in [0, 1) (the probability of zeroing "
+                             f"an activation)")
+        if self.noise_init_std < 0:
+            raise ValueError(f"GPTConfig.noise_init_std={self.noise_init_std} must not be negative (it is a "
+                             f"standard deviation; 0 starts the noise at zero)")
         attn_cls.check_config(self)
         if self.qk_head_size is not None and (type(self.qk_head_size) is not int or self.qk_head_size < 1):
             raise ValueError(f"GPTConfig.qk_head_size={self.qk_head_size!r} must be a positive int, or None "

@@ -39,6 +39,9 @@ while sampling): with one draw shared by the batch, the completions of a prompt 
 noise at every step, unlike completions generated one at a time (at temperature 0 they would even
 be identical). Each sequence's own noise has the distribution training gave it either way.
 
+Weights that are not all finite (NaN or inf: a diverged run's state, which train.py never saves) are
+refused in one line: every sample from them would be NaN.
+
 The char-level vocabulary is read from data/<dataset>/ (meta.json, or nanoGPT's meta.pkl read as
 plain data only: a meta.pkl that would run code is refused). When a checkpoint's dataset points
 outside data/, a note names the folder the vocabulary is read from.
@@ -61,6 +64,7 @@ from denoised_gpt.checkpoint import checkpoint_path
 from denoised_gpt.cli import (check_inference_source, check_ranges, fail, gpt2_encoding, load_model, log, noise_on,
                               prepare_device, read_config)
 from denoised_gpt.device import autocast_context, manual_seed, torch_dtype
+from denoised_gpt.training import all_finite, nonfinite_weights
 from model import ATTENTION_TYPES
 
 # -----------------------------------------------------------------------------
@@ -133,6 +137,9 @@ device, dtype = prepare_device(device, dtype)
 # the completions of a prompt are one batch: give each its own noise draw, as if it had been generated
 # alone (a shared draw would correlate them; see the top of this file)
 model, checkpoint = load_model(init_from, out_dir, noise_at_eval, model_overrides=dict(noise_per_sample=True))
+source = checkpoint_path(out_dir) if init_from == 'resume' else init_from  # or an exported folder (or sharded)
+if not all_finite(model.parameters()):  # its samples would be NaN (or torch.multinomial would fail)
+    fail(nonfinite_weights(source))
 attn_type = model.config.attn_type
 model.to(device)
 
@@ -161,7 +168,6 @@ else:
 if checkpoint is not None:
     val = checkpoint['best_val_loss']
     val = float(val.item() if torch.is_tensor(val) else val)
-    source = checkpoint_path(out_dir) if init_from == 'resume' else init_from  # or an exported folder (or sharded)
     model_info = dict(attn_type=attn_type, checkpoint=source,
                       iter=int(checkpoint['iter_num']), best_val_loss=val if val < 1e9 else None)
 else:

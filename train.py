@@ -31,6 +31,7 @@ from configurator import answer_help
 answer_help(__file__)  # --help before the heavy imports below
 
 import dataclasses
+import math
 import os
 import sys
 import time
@@ -39,7 +40,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from denoised_gpt.batches import TokenBatches, check_token_files, load_meta
+from denoised_gpt.batches import TokenBatches, TokenIdError, check_token_files, load_meta
 from denoised_gpt.checkpoint import (CheckpointError, capture_rng_state, checkpoint_path, load_checkpoint,
                                      optimizer_param_names, restore_training_state, save_checkpoint)
 from denoised_gpt.cli import empty_model, fail, load_gpt2, model_with_weights, read_config
@@ -55,8 +56,8 @@ from denoised_gpt.sharded_checkpoint import (is_sharded_checkpoint, load_sharded
                                              save_sharded)
 from denoised_gpt.run_dir import (StopRequest, checkpoint_note, clear_for_new_run, lock_out_dir, log_metrics,
                                   peak_memory_mib, restart_advice, start_wandb, trim_metrics, wandb_learned_values)
-from denoised_gpt.training import (MODEL_KEYS, StepSpeed, batch_seed, check_training_settings, compile_training_step,
-                                   resumed_config, resumed_model_args)
+from denoised_gpt.training import (MODEL_KEYS, StepSpeed, all_finite, batch_seed, check_training_settings,
+                                   compile_training_step, nonfinite_weights, resumed_config, resumed_model_args)
 from model import GPT, GPTConfig
 
 # -----------------------------------------------------------------------------
@@ -142,9 +143,16 @@ if init_from == 'resume':  # every setting the run was trained with comes from i
         checkpoint = load_checkpoint(resume_from, map_location='cpu', metadata_only=is_sharded_checkpoint(resume_from))
         config, resume_changes = resumed_config(checkpoint['config'], config, given, out_dir)
         globals().update(config)
+        if max_iters < checkpoint['iter_num'] and not eval_only:
+            setting = f"max_iters={max_iters}" + ('' if 'max_iters' in given else " (the checkpoint's)")
+            raise ValueError(f"{setting} is below the iteration of the checkpoint in {out_dir} "
+                             f"({checkpoint['iter_num']}): nothing to train. Give --max_iters above "
+                             f"{checkpoint['iter_num']} to continue its run (--eval_only=True evaluates it)")
         sharded_resume = checkpoint['model'] is None and parallel == 'fsdp' and 'RANK' in os.environ
         if checkpoint['model'] is None and not sharded_resume:  # one process or DDP: the whole tensors
             checkpoint = load_checkpoint(resume_from, map_location='cpu')
+        if checkpoint['model'] is not None and not all_finite(checkpoint['model'].values()):
+            raise ValueError(nonfinite_weights(resume_from))  # every step from it would be skipped or stop
     except (FileNotFoundError, CheckpointError, ValueError) as e:
         fail(e)
 try:
@@ -218,7 +226,10 @@ SPLIT_KEYS = {'train': 0, 'val': 1}
 
 def get_batch(split, seed_value):
     data_generator.manual_seed(seed_value)
-    return batches[split].get_batch(generator=data_generator)
+    try:
+        return batches[split].get_batch(generator=data_generator)
+    except TokenIdError as e:  # an id the embedding has no row for, in a file too large to scan up front
+        fail(e)
 
 
 # model init
@@ -226,6 +237,8 @@ model_args = {k: config[k] for k in MODEL_KEYS if k != 'vocab_size'}  # vocab_si
 manual_seed(seed)  # the same initial weights in every run and on every rank
 iter_num = 0
 best_val_loss = 1e9
+best_iter = None  # the iteration best_val_loss was measured at (None: not known, or none yet)
+checkpoint_val_loss = None  # a resumed checkpoint's own val loss (None: not evaluated, or not known)
 train_time = 0.0  # seconds spent training (not evaluating), over every process that resumed this run
 try:
     if init_from == 'scratch':
@@ -249,6 +262,8 @@ try:
             model = model_with_weights(GPTConfig(**model_args), checkpoint['model'], prepare)
         iter_num = checkpoint['iter_num']
         best_val_loss = checkpoint['best_val_loss']
+        best_iter = checkpoint.get('best_iter')  # (these two are not in the checkpoints of older versions)
+        checkpoint_val_loss = checkpoint.get('val_loss')
         train_time = checkpoint.get('train_time', 0.0)
     elif is_checkpoint(init_from):  # a new run from a trained model, converted to attn_type (finetune.py)
         if master_process:
@@ -285,7 +300,7 @@ model.activation_checkpointing = activation_checkpointing
 # data loaders
 try:
     batches = {split: TokenBatches(data_dir, split, block_size, batch_size, device=device, seed=seed,
-                                   vocab_size=meta_vocab_size) for split in ('train', 'val')}
+                                   vocab_size=model.config.vocab_size) for split in ('train', 'val')}
 except (FileNotFoundError, ValueError) as e:
     fail(e)
 tokens_per_iter = gradient_accumulation_steps * ddp_world_size * batch_size * block_size
@@ -297,14 +312,14 @@ if master_process:
 if master_process:
     try:
         out_dir_lock = lock_out_dir(out_dir)
-    except ValueError as e:
+        if init_from == 'resume' and not eval_only:
+            trim_metrics(out_dir, iter_num)
+        elif not eval_only:
+            message = clear_for_new_run(out_dir, overwrite)
+            if message:
+                print(message)
+    except ValueError as e:  # in use, unwritable, a full disk
         fail(e)
-    if init_from == 'resume' and not eval_only:
-        trim_metrics(out_dir, iter_num)
-    elif not eval_only:
-        message = clear_for_new_run(out_dir, overwrite)
-        if message:
-            print(message)
     if resume_changes:
         print("resuming with these settings changed from the checkpoint's (the others are the checkpoint's):\n"
               + "\n".join(resume_changes))
@@ -331,6 +346,8 @@ if init_from == 'resume':
         fail(e)
     if fsdp and not sharded_resume:  # every rank read the whole file: each keeps its shard
         shard_optimizer_state(optimizer)
+    if sharded_resume and not all_finite(model.parameters()):  # (the whole files were checked when read)
+        fail(nonfinite_weights(resume_from))
     if note and master_process:
         print(note)
 checkpoint = None  # free up memory
@@ -381,14 +398,26 @@ def estimate_loss():
     return out
 
 
-def save(reason):
-    """Rank 0 writes ckpt.pt; under FSDP every rank calls this and writes its shards (sharded_checkpoint.py)."""
+def save(reason, val_loss):
+    """Every rank calls this: rank 0 writes ckpt.pt, or under FSDP every rank writes its shards
+    (sharded_checkpoint.py). A state is never saved when its evaluation (val_loss: this iteration's, or None)
+    or last step was non-finite, or its weights are: it would be resumed from, sampled, and become the
+    fallback. Returns why it was not saved, or None (saved)."""
+    refusal = unsaveable or (None if all_finite(raw_model.parameters()) else "its weights are not all finite")
+    if refusal:
+        if master_process:
+            kept = (f"{checkpoint_path(out_dir)} still holds iter {saved_iter}" if saved_iter is not None
+                    else "no checkpoint has been written")
+            print(f"not saving iter {iter_num} ({reason}): {refusal}; {kept}", file=sys.stderr)
+        return refusal
     if not master_process and not fsdp:
-        return
+        return None
     state = {
         'model_args': model_args,
         'iter_num': iter_num,
+        'val_loss': val_loss,  # this state's (None: not evaluated), for the run's last line after a resume
         'best_val_loss': best_val_loss,
+        'best_iter': best_iter,
         'train_time': train_time,
         'config': config,
         'scaler': scaler.state_dict(),
@@ -397,6 +426,7 @@ def save(reason):
         'rng': capture_rng_state(device_type(device)),
         'train_batches': batches['train'].state_dict(),
     }
+    stop_request.saving = True  # (a second Ctrl-C now says so)
     try:
         if fsdp:
             path = save_sharded(*model_and_optimizer_state(raw_model, optimizer), state, out_dir, writer=master_process)
@@ -406,8 +436,11 @@ def save(reason):
                                    out_dir)
     except CheckpointError as e:  # disk full, ...: the files already there are intact
         fail(e)
+    finally:
+        stop_request.saving = False
     if master_process:
         print(f"saved checkpoint to {path} (iter {iter_num}, {reason})")
+    return None
 
 
 def checkpoint_reason(val_loss, improved, done):
@@ -427,7 +460,8 @@ def checkpoint_reason(val_loss, improved, done):
     return None
 
 
-stop_request = StopRequest()  # SIGTERM or Ctrl-C: finish the step, checkpoint, exit 0
+# SIGTERM or Ctrl-C: finish the step, checkpoint, exit 0 (a second Ctrl-C: exit 130 at once, rank 0 saying why)
+stop_request = StopRequest(out_dir if master_process else None)
 if wandb_log and master_process:
     wandb = start_wandb(wandb_project, wandb_run_name, config, out_dir)
 speed = StepSpeed(raw_model, batch_size * gradient_accumulation_steps, peak_flops(device, dtype),
@@ -458,9 +492,12 @@ def stop_diverged(message):
 # training loop
 t0 = time.time()
 local_iter_num = 0  # number of iterations in the lifetime of this process
-# the iteration of the checkpoint on disk: a resumed run evaluates and saves only after training further
+# the iteration of the checkpoint on disk (a finite state): a resumed run evaluates and saves only after
+# training further
 saved_iter = iter_num if init_from == 'resume' else None
-saved_val_loss = None  # the val loss of the state saved in this process, None before (or not evaluated)
+saved_val_loss = checkpoint_val_loss  # the val loss of that state (None: not evaluated, or not known)
+unsaveable = None  # why the current state must not be saved: its evaluation or last step was non-finite
+refusal = None  # why the last state the loop meant to save was not
 stopping = False
 skipped_in_a_row = 0
 while True:
@@ -475,8 +512,13 @@ while True:
     val_loss, improved = None, False
     if not stopping and (iter_num % eval_interval == 0 or done) and (iter_num != saved_iter or eval_only):
         losses = estimate_loss()
-        val_loss, improved = losses['val'], losses['val'] < best_val_loss
-        best_val_loss = min(best_val_loss, val_loss)
+        val_loss = losses['val']
+        finite = math.isfinite(losses['train']) and math.isfinite(val_loss)
+        if not finite:
+            unsaveable = f"its evaluation is not finite (train loss {losses['train']}, val loss {val_loss})"
+        improved = finite and val_loss < best_val_loss
+        if improved:
+            best_val_loss, best_iter = val_loss, iter_num
         if master_process:
             print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
             row = {"iter": iter_num, "train_loss": losses['train'], "val_loss": losses['val'], "lr": lr,
@@ -490,11 +532,12 @@ while True:
                 wandb.log({**row, **wandb_learned_values(learned)})
         t0 = time.time()  # evaluation time is not training time
     reason = checkpoint_reason(val_loss, improved, done) if master_process else None
-    if fsdp and (val_loss is not None or done or stopping):  # every rank takes part in gathering the state
-        reason = broadcast_from_rank0(reason)
+    if ddp and (val_loss is not None or done or stopping):  # every rank learns what is on disk (and under
+        reason = broadcast_from_rank0(reason)               # FSDP takes part in gathering the state)
     if reason:
-        save(reason)
-        saved_iter, saved_val_loss = iter_num, val_loss
+        refusal = save(reason, val_loss)
+        if refusal is None:
+            saved_iter, saved_val_loss = iter_num, val_loss
     if done:
         break
 
@@ -561,8 +604,10 @@ while True:
         if master_process:
             print(f"iter {iter_num}: skipping the update (non-finite loss or gradient, nonfinite='skip')")
         scaler.update()
+        unsaveable = f"its last step (iter {iter_num}) had a non-finite loss or gradient"
     else:
         skipped_in_a_row = 0
+        unsaveable = None  # a new state
         # step the optimizer and scaler if training in fp16
         scaler.step(optimizer)
         scaler.update()
@@ -592,8 +637,12 @@ while True:
         if master_process:
             print(f"{stop_request.signal or 'stop signal'} received: stopping after iter {iter_num - 1}")
 
+if saved_iter is None and not eval_only:  # (every rank) the state the run ended with was not saved
+    stop_diverged(f"stopping at iter {iter_num} without a checkpoint: {refusal}. {restart_advice(out_dir, None)}.")
 if master_process and not eval_only:
-    print(checkpoint_note(out_dir, saved_iter, saved_val_loss, best_val_loss))
+    keeps_best = always_save_checkpoint and bool(best_iter) and not stop_request.signal
+    print(checkpoint_note(checkpoint_path(out_dir), saved_iter, saved_val_loss, best_iter, best_val_loss, iter_num,
+                          keeps_best))
     if trainable == 'lora':  # sample.py / eval.py read plain checkpoints: merge the adapters first
         print(f"merge its LoRA adapters (for sample.py, eval.py) with: python3 train.py --out_dir={out_dir} --merge_lora=True")
     else:

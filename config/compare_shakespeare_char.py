@@ -12,3 +12,7 @@ overrides = '--max_iters=600 --lr_decay_iters=600 --eval_interval=100 --eval_ite
 out_dir = 'out-compare-shakespeare-char'
 nproc = 1
 samples = True
+# each variant at its own best learning rate (the quickstart's 2e-3 was chosen for base): three rates around
+# nanoGPT's 1e-3, one tuning seed apart from the comparison's; min_lr follows at the config's ratio (1/10)
+tune = {'learning_rate': [1e-3, 2e-3, 4e-3]}
+tune_seeds = [1]

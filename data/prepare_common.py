@@ -26,6 +26,7 @@ import multiprocessing
 import os
 import re
 import sys
+import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
@@ -76,9 +77,15 @@ def one_line_errors():
 
 def check_out_dir(out_dir):
     """Refuse, before any work, an --out_dir that cannot become a folder we write in: otherwise
-    os.makedirs or the final renames fail only after the download and the tokenising."""
+    os.makedirs or the final renames fail only after the download and the tokenising. It is made and
+    written in now, so that what only the system knows (a name too long, a read-only file system) is
+    said now too; the folders made for the trial are removed again, and a failed run leaves none."""
+    if not out_dir:
+        raise PrepareError("--out_dir is empty; give a folder (it is made if missing), e.g. --out_dir .")
     path = os.path.abspath(out_dir)
+    made = []  # the missing folders of the path, innermost first
     while not os.path.lexists(path):  # the nearest part of the path that exists
+        made.append(path)
         path = os.path.dirname(path)
     if not os.path.isdir(path):
         where = "is" if path == os.path.abspath(out_dir) else f"goes through {path}, which is"
@@ -86,6 +93,16 @@ def check_out_dir(out_dir):
                            f"missing) or move that file away")
     if not os.access(path, os.W_OK | os.X_OK):
         raise PrepareError(f"--out_dir {out_dir}: no permission to write in {path}; give a folder you can write in")
+    try:
+        os.makedirs(os.path.abspath(out_dir), exist_ok=True)
+        tempfile.TemporaryFile(dir=out_dir).close()
+    except OSError as e:
+        raise PrepareError(f"--out_dir {out_dir}: cannot make that folder or write in it ({e.strerror or e}); "
+                           f"give a folder you can write in") from e
+    finally:
+        for folder in made:
+            if os.path.isdir(folder):
+                os.rmdir(folder)
 
 
 def make_parser(description, out_dir):

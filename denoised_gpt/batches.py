@@ -17,8 +17,18 @@ import numpy as np
 import torch
 
 SCAN_CHUNK = 1 << 26  # tokens per step of the vocab check (128 MB of uint16): bounded work per call, stops early
+# Token files up to this many tokens (256 MB) have all their ids checked when TokenBatches opens them:
+# well under a second, so even a meta.json's stored max id is not taken on trust there (the file may
+# have changed since). A larger file (OpenWebText's train.bin: 9 G tokens, up to a minute per rank when
+# not in the page cache) is checked by its meta.json's max id, when that describes it, and batch by batch.
+FULL_SCAN_TOKENS = 1 << 27
 _OTHER_TOKENIZER = ("the file was made with another tokenizer; prepare it again or set vocab_size to the "
                     "dataset's (see its meta.json)")
+
+
+class TokenIdError(ValueError):
+    """A token id the model has no embedding for (>= vocab_size), named with its file and position.
+    A ValueError, which the scripts print as their one-line error."""
 
 
 def _permission_denied(path):
@@ -65,6 +75,33 @@ def check_token_files(data_dir):
     missing dataset is said at once (their sizes and ids are checked when TokenBatches opens them)."""
     for split in ("train", "val"):
         _token_file_size(data_dir, os.path.join(data_dir, f"{split}.bin"))
+
+
+def _id_error(path, token, at, vocab_size, vouched=None):
+    """The TokenIdError for id `token` at position `at` of path, with the fix that fits its dataset.
+    vouched: what the dataset's meta.json said of the file's ids ("train_max_id 64"), if anything."""
+    data_dir = os.path.dirname(path)
+    if vouched is not None:
+        fix = f"its meta.json says {vouched}, so the file changed after prepare.py wrote it; prepare the dataset again"
+    elif not any(os.path.exists(os.path.join(data_dir, name)) for name in ("meta.json", "meta.pkl")):
+        fix = (f"the file was made with another tokenizer, and {data_dir} has no meta.json to say its vocabulary; "
+               f"prepare it with its prepare.py (which writes meta.json with the vocab_size the model is built with)")
+    else:
+        fix = _OTHER_TOKENIZER
+    return TokenIdError(f"{path} holds token id {token} at position {at}, but vocab_size is {vocab_size}: {fix}")
+
+
+def check_token_ids(path, vocab_size, vouched=None):
+    """TokenIdError naming the first id of the token file at path that is not below vocab_size: an id
+    that would index past the embedding table mid-run, as an IndexError (a device-side assert on CUDA).
+    For a file read whole (eval.py's validation loss), and by TokenBatches. A vectorised max over the
+    memmap, chunk by chunk."""
+    data = np.memmap(path, dtype=np.uint16, mode="r")
+    for start in range(0, len(data), SCAN_CHUNK):
+        top = int(data[start:start + SCAN_CHUNK].max())
+        if top >= vocab_size:
+            at = start + int(np.argmax(data[start:start + SCAN_CHUNK] >= vocab_size))
+            raise _id_error(path, int(data[at]), at, vocab_size, vouched)
 
 
 class ExampleLayout:
@@ -117,7 +154,9 @@ class ExampleLayout:
 
 class TokenBatches:
     """Random (x, y) windows from data_dir/{split}.bin (flat uint16 memmap); y is x shifted by one.
-    For a dataset of examples (ExampleLayout), random whole examples, with their masked targets."""
+    For a dataset of examples (ExampleLayout), random whole examples, with their masked targets.
+    With vocab_size, an id the model has no embedding for is a TokenIdError: when the file is opened
+    (see FULL_SCAN_TOKENS), or at the latest from get_batch, before the batch reaches the model."""
 
     def __init__(self, data_dir, split, block_size, batch_size, device="cpu", seed=1337, vocab_size=None):
         self.path = os.path.join(data_dir, f"{split}.bin")
@@ -132,8 +171,13 @@ class TokenBatches:
         if self.num_tokens < block_size + 1:
             raise ValueError(f"{self.path} has {self.num_tokens} tokens, fewer than block_size + 1 = {block_size + 1} "
                              f"needed for one (x, y) window; lower block_size or prepare more data")
-        if vocab_size is not None and not self._meta_vouches(data_dir, split, vocab_size):
-            self._check_ids(vocab_size)
+        # vocab_size: every id must be below it (checked here and in every batch); None checks nothing
+        self.vocab_size = vocab_size
+        self.vouched = None  # "{split}_max_id M" when the dataset's meta.json vouches for this file
+        if vocab_size is not None:
+            self.vouched = self._meta_vouches(data_dir, split, vocab_size)
+            if self.vouched is None or self.num_tokens <= FULL_SCAN_TOKENS:
+                check_token_ids(self.path, vocab_size, self.vouched)
         self.generator = torch.Generator()
         self.generator.manual_seed(seed)
         # Pinned host memory + non_blocking overlaps the copy with compute; only CUDA benefits.
@@ -141,34 +185,31 @@ class TokenBatches:
 
     def _meta_vouches(self, data_dir, split, vocab_size):
         # prepare.py stores the largest id of each split in meta.json. When that meta.json describes
-        # this very file (same token count), its {split}_max_id settles the check without reading
-        # the whole file again (OpenWebText: 18 GB per rank, up to a minute when not in the page
-        # cache). Its vocab_size alone proves nothing: a file from another tokenizer may sit there.
+        # this very file (same token count), its {split}_max_id settles a large file's check without
+        # reading it all (see FULL_SCAN_TOKENS); the batches are still checked as they are drawn. Its
+        # vocab_size alone proves nothing: a file from another tokenizer may sit there.
         # The fields are type-checked as load_meta checks them: `"train_max_id": false` (a bool, so an
-        # int to isinstance) would otherwise vouch for any file and let an id >= vocab_size through to
-        # the embedding lookup, mid-training. A wrong-typed field is named here rather than scanned past.
+        # int to isinstance) would otherwise vouch for any file. A wrong-typed field is named here.
+        # Returns what vouched ("train_max_id 64"), or None.
         try:
             meta = _read_meta_json(os.path.join(data_dir, "meta.json"))
         except OSError:
-            return False  # no meta.json (or none we may read): the scan decides
+            return None  # no meta.json (or none we may read): the scan decides
         top = meta.get(f"{split}_max_id")
         if meta.get(f"{split}_tokens") != self.num_tokens or top is None or top < 0:
-            return False  # another file, or a meta.json from before max ids were stored: scan
+            return None  # another file, or a meta.json from before max ids were stored: scan
         if top >= vocab_size:
-            raise ValueError(f"{self.path} holds token ids up to {top} (its meta.json's {split}_max_id), but "
-                             f"vocab_size is {vocab_size}: {_OTHER_TOKENIZER}")
-        return True
+            raise TokenIdError(f"{self.path} holds token ids up to {top} (its meta.json's {split}_max_id), but "
+                               f"vocab_size is {vocab_size}: {_OTHER_TOKENIZER}")
+        return f"{split}_max_id {top}"
 
-    def _check_ids(self, vocab_size):
-        # Once, at construction: an id >= vocab_size would index past the embedding table much later,
-        # as an obscure device-side error. Vectorised max over the memmap, chunk by chunk.
-        data = np.memmap(self.path, dtype=np.uint16, mode="r")
-        for start in range(0, len(data), SCAN_CHUNK):
-            top = int(data[start:start + SCAN_CHUNK].max())
-            if top >= vocab_size:
-                at = start + int(np.argmax(data[start:start + SCAN_CHUNK] >= vocab_size))
-                raise ValueError(f"{self.path} holds token id {int(data[at])} at position {at}, but vocab_size is "
-                                 f"{vocab_size}: {_OTHER_TOKENIZER}")
+    def _check_batch(self, rows, starts, path, offset):
+        # Every batch, on the CPU before the copy to the device: one max over batch_size * block_size
+        # ints (microseconds), for what the construction did not read (a large file) or what changed
+        # on disk since. rows[r, t] was read from path at position starts[r] + offset + t.
+        if int(rows.max()) >= self.vocab_size:
+            r, t = np.argwhere(rows.numpy() >= self.vocab_size)[0]
+            raise _id_error(path, int(rows[r, t]), int(starts[r]) + offset + int(t), self.vocab_size, self.vouched)
 
     def get_batch(self, generator=None):
         """(x, y), int64 tensors of shape (batch_size, block_size) on self.device. Draws the window
@@ -182,6 +223,12 @@ class TokenBatches:
         # A fresh memmap per batch, as nanoGPT: a long-lived one keeps every page it touched mapped
         # in this process, which shows up as a memory leak on large files.
         x, y = self.layout.rows(self.path, ix, self.block_size)
+        if self.vocab_size is not None:
+            self._check_batch(x, ix, self.path, 0)
+            if self.layout.labels_path is None:  # y is x shifted by one: only its last column is new
+                self._check_batch(y[:, -1:], ix, self.path, self.block_size)
+            else:
+                self._check_batch(y, ix, self.layout.labels_path, 1)
         if self.pin:
             return x.pin_memory().to(self.device, non_blocking=True), y.pin_memory().to(self.device, non_blocking=True)
         return x.to(self.device), y.to(self.device)

@@ -142,12 +142,12 @@ def _write_failure_message(err, out_dir, path, prev):
     kept = [p for p in (path, prev) if os.path.isfile(p)]
     intact = (f"{' / '.join(kept)} {'are' if len(kept) > 1 else 'is'} intact" if kept
               else "no checkpoint was written")
+    then = "resume with init_from='resume'" if kept else "start the run again"  # nothing to resume from
     if err.errno in (errno.ENOSPC, getattr(errno, 'EDQUOT', errno.ENOSPC)):  # disk full / quota
         return (f"no space left on device in {out_dir} while saving a checkpoint; {intact}. Free some "
-                f"space (or set out_dir to a disk with room) and resume with init_from='resume'")
+                f"space (or set out_dir to a disk with room) and {then}")
     reason = err.strerror or type(err).__name__
-    return (f"could not write a checkpoint in {out_dir} ({reason}); {intact}. Fix the cause and resume "
-            f"with init_from='resume'")
+    return f"could not write a checkpoint in {out_dir} ({reason}); {intact}. Fix the cause and {then}"
 
 
 def _keep_as_previous(path, prev):

@@ -84,7 +84,7 @@ def prepare_device(device, dtype):
     from denoised_gpt.device import resolve_device, resolve_dtype, setup
     try:
         device = resolve_device(device)
-        dtype = resolve_dtype(dtype, device)
+        dtype = resolve_dtype(dtype, device, training=False)  # sample.py and eval.py run a model, never train it
     except ValueError as e:
         fail(e)
     setup(device)

@@ -86,8 +86,10 @@ def cpu_supports_bf16():
     return 'bf16' in words or 'AMX' in torch.backends.cpu.get_cpu_capability()
 
 
-def resolve_dtype(name, device):
-    """'auto' -> the fastest dtype that trains reliably on the device; an explicit name is checked."""
+def resolve_dtype(name, device, training=True):
+    """'auto' -> the fastest dtype that trains reliably on the device; an explicit name is checked.
+    training: whether the dtype is for training (train.py, bench.py), which its refusals may speak of;
+    False for a script that only runs a model (sample.py, eval.py)."""
     kind = device_type(device)
     if name == 'auto':
         if kind == 'cuda':
@@ -100,8 +102,8 @@ def resolve_dtype(name, device):
     if name not in DTYPES:
         raise ValueError(f"dtype={name!r} is not supported; use auto, {', '.join(DTYPES)}")
     if name == 'float16' and kind != 'cuda':
-        raise ValueError(f"dtype='float16' needs a GradScaler, which is used on CUDA only; on "
-                         f"{kind} use --dtype=bfloat16 or --dtype=float32")
+        why = "needs a GradScaler, which is used on CUDA only" if training else "is supported on CUDA only"
+        raise ValueError(f"dtype='float16' {why}; on {kind} use --dtype=bfloat16 or --dtype=float32")
     return name
 
 

@@ -16,10 +16,12 @@ model card) says what the folder holds and how to load it; training_run.json kee
 and settings, which sample.py and eval.py show and use to find a char-level vocabulary.
 """
 import dataclasses
+import fnmatch
 import hashlib
 import json
 import os
 import shutil
+import stat
 import tempfile
 
 import torch
@@ -45,14 +47,22 @@ GPT2_BPE_FILES = {
                   '1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5'),
 }
 CONV1D_WEIGHTS = ('attn.c_attn.weight', 'attn.c_proj.weight', 'mlp.c_fc.weight', 'mlp.c_proj.weight')
+# the names of the files an export writes (fnmatch patterns), whatever its format, tokenizer and the
+# transformers version that saved it: an export into an earlier one (overwrite) removes those it does not
+# write again, which would make a wrong folder, and keeps every other file (.git, .gitattributes, notes)
+EXPORT_FILES = ('README.md', RUN_FILE, 'config.json', 'generation_config.json', 'model.py', *CODE_FILES,
+                WEIGHTS_FILE, 'model.safetensors.index.json', 'model-*-of-*.safetensors',
+                'pytorch_model.bin', 'pytorch_model.bin.index.json', 'pytorch_model-*-of-*.bin',
+                'tokenizer.json', 'tokenizer_config.json', 'special_tokens_map.json', 'added_tokens.json',
+                'vocab.json', 'merges.txt', 'chat_template.jinja')
 
 
 # ----------------------------------------------------------------------------------------------
 # Export
 
 def check_hf_dir(hf_dir, overwrite):
-    """ValueError unless hf_dir can take an export: a new or empty folder, or with overwrite an earlier
-    export (never a folder holding anything else: overwrite deletes what is there)."""
+    """ValueError unless hf_dir can take an export: a new or empty folder, or with overwrite one holding an
+    earlier export (and perhaps more: a git clone of the published model), never a folder without one."""
     if os.path.exists(hf_dir) and not os.path.isdir(hf_dir):
         raise ValueError(f"hf_dir={hf_dir!r} is a file, not a folder: choose a folder name")
     if not os.path.isdir(hf_dir) or not os.listdir(hf_dir):
@@ -78,10 +88,10 @@ def gpt2_incompatibility(config):
 
 def export(checkpoint, hf_dir, data_dir=None, overwrite=False):
     """Write `checkpoint` (load_checkpoint's dict) to hf_dir in the Hugging Face format; data_dir: the
-    dataset folder whose metadata says what the token ids mean (None: unknown). The folder is written
-    under a temporary name and renamed into place, so a failed export leaves nothing half-written.
-    Returns notes for the user: the format chosen and why, what the tokenizer is. ValueError when the
-    checkpoint or hf_dir cannot be used."""
+    dataset folder whose metadata says what the token ids mean (None: unknown). The files are written
+    into a temporary folder beside hf_dir and moved into place when all are written (_move_into_place),
+    so a failed export leaves hf_dir as it was. Returns notes for the user: the format chosen and why,
+    what the tokenizer is. ValueError when the checkpoint or hf_dir cannot be used."""
     from denoised_gpt.cli import model_with_weights
     from denoised_gpt.finetune import PEFT_WRAPPER
     from model import GPTConfig
@@ -96,7 +106,7 @@ def export(checkpoint, hf_dir, data_dir=None, overwrite=False):
     vocabulary, itos, why_not = dataset_vocabulary(data_dir, model.config.vocab_size)
 
     notes = []
-    tmp = f"{os.path.normpath(hf_dir)}.tmp-{os.getpid()}"
+    tmp = f"{os.path.realpath(hf_dir)}.tmp-{os.getpid()}"  # real path: on hf_dir's file system, renames work
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     try:
@@ -123,25 +133,56 @@ def export(checkpoint, hf_dir, data_dir=None, overwrite=False):
 
 
 def _move_into_place(tmp, hf_dir):
-    """Rename the finished folder to hf_dir; an earlier export there (overwrite) is removed only after."""
-    old = None
-    if os.path.isdir(hf_dir) and os.listdir(hf_dir):
-        old = f"{os.path.normpath(hf_dir)}.old-{os.getpid()}"
-        os.rename(hf_dir, old)
-    elif os.path.isdir(hf_dir):
-        os.rmdir(hf_dir)
+    """Put the finished export (the files in tmp) in hf_dir. A new folder is tmp renamed. In an existing
+    one (empty, or an earlier export with overwrite) each file is renamed into place, replacing the earlier
+    file of its name, and the earlier export's files that this one does not write (EXPORT_FILES) are
+    removed; nothing else there is touched: .git, .gitattributes, the user's own files and folders.
+
+    What is atomic: each file's rename, not the folder's. While the files go in (milliseconds) a reader
+    can see some earlier files beside new ones; if a rename fails, the earlier files are put back and the
+    folder is as it was. Only a crash in those milliseconds leaves a mix (export again to repair it)."""
+    _make_shareable(tmp)
+    if not os.path.isdir(hf_dir):
+        os.rename(tmp, hf_dir)
+        return
+    new = sorted(os.listdir(tmp))  # a fixed order: a failure part-way is the same every time
+    earlier = {name for name in os.listdir(hf_dir) if not _is_folder(os.path.join(hf_dir, name))}
+    stale = sorted(name for name in earlier - set(new) if is_export_file(name))
+    old = f"{tmp}.old"
+    os.mkdir(old)
+    moved = []  # the names handled so far, in order, for putting the earlier files back
+    try:
+        for name in new + stale:
+            moved.append(name)
+            if name in earlier:
+                os.rename(os.path.join(hf_dir, name), os.path.join(old, name))
+            if name in new:
+                os.rename(os.path.join(tmp, name), os.path.join(hf_dir, name))
+    except OSError:
+        for name in reversed(moved):
+            if os.path.lexists(os.path.join(old, name)):
+                os.replace(os.path.join(old, name), os.path.join(hf_dir, name))
+            elif name in new and not os.path.lexists(os.path.join(tmp, name)):
+                os.remove(os.path.join(hf_dir, name))  # a new file where there was none
+        os.rmdir(old)
+        raise
+    shutil.rmtree(old)
+
+
+def is_export_file(name):
+    """Whether a file of this name in an exported folder is one an export writes (EXPORT_FILES)."""
+    return any(fnmatch.fnmatchcase(name, pattern) for pattern in EXPORT_FILES)
+
+
+def _is_folder(path):
+    return stat.S_ISDIR(os.lstat(path).st_mode)  # a link is a file here: moving it moves the link only
+
+
+def _make_shareable(folder):
     umask = os.umask(0)
     os.umask(umask)
-    for name in os.listdir(tmp):  # some writers make their files private (0600): this folder is for sharing
-        os.chmod(os.path.join(tmp, name), 0o666 & ~umask)
-    try:
-        os.rename(tmp, hf_dir)
-    except OSError:
-        if old is not None:
-            os.rename(old, hf_dir)  # the earlier export back in its place
-        raise
-    if old is not None:
-        shutil.rmtree(old)
+    for name in os.listdir(folder):  # some writers make their files private (0600): this folder is for sharing
+        os.chmod(os.path.join(folder, name), 0o666 & ~umask)
 
 
 def _plain_float(value):

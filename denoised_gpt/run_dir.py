@@ -1,5 +1,7 @@
-"""A training run's directory (out_dir) and what it records: preparing the folder, metrics.jsonl,
-wandb, and the peak memory figure logged at each evaluation."""
+"""A training run's directory (out_dir) and what it records: preparing the folder (one writer at a time,
+what a killed run left half-written removed, a full disk said in one line), metrics.jsonl, wandb, the
+peak memory figure logged at each evaluation, what the run's last lines say its checkpoint holds, and
+the stop signals (SIGTERM, Ctrl-C, a second Ctrl-C)."""
 import contextlib
 import errno
 import glob
@@ -13,7 +15,8 @@ import sys
 import tempfile
 import time
 
-from denoised_gpt.checkpoint import CKPT_NAME, PREV_NAME, SHARDED_GLOB, checkpoint_path
+from denoised_gpt.checkpoint import (CKPT_NAME, PREV_NAME, SHARDED_GLOB, CheckpointError, checkpoint_path,
+                                     load_checkpoint)
 from denoised_gpt.sharded_checkpoint import POINTER_NAME
 from denoised_gpt.device import max_memory_allocated
 
@@ -28,13 +31,17 @@ LOCK_NAME = '.lock'
 def lock_out_dir(out_dir):
     """One writer per out_dir. Makes out_dir (checking it is writable now, not at the first save thousands
     of iterations later) and takes an exclusive lock on out_dir/.lock, which the OS holds for this process
-    until it exits or is killed: a stale lock never blocks. Returns the open lock file (keep it: closing
-    it releases the lock). ValueError naming the run that holds it, or the reason out_dir is unusable."""
+    until it exits or is killed: a stale lock never blocks. With the lock held no other process writes
+    there, so what a killed save left half-written is removed (remove_temporaries). Returns the open lock
+    file (keep it: closing it releases the lock). ValueError naming the run that holds it, or the reason
+    out_dir is unusable (a full disk, permissions)."""
     try:
         os.makedirs(out_dir, exist_ok=True)
         with tempfile.TemporaryFile(dir=out_dir):
             pass
-        lock = open(os.path.join(out_dir, LOCK_NAME), 'a+')
+        # unbuffered (a failed write fails at once), not O_APPEND: the holder's line is written over the
+        # last one's, then what is left of that is cut
+        lock = open(os.open(os.path.join(out_dir, LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o666), 'r+b', buffering=0)
     except OSError as e:
         raise ValueError(f"out_dir={out_dir!r} is not a writable directory ({e.strerror or e}): fix its "
                          f"permissions or choose another --out_dir") from e
@@ -45,21 +52,51 @@ def lock_out_dir(out_dir):
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
-        lock.seek(0)
-        holder = lock.read().strip() or 'another process'
+        holder = lock.read().decode(errors='replace').strip() or 'another process'
         lock.close()
         raise ValueError(f"out_dir={out_dir!r} is in use by another run ({holder}): one run writes to an "
                          f"out_dir at a time. Wait for it to finish or stop it, or choose another --out_dir")
-    lock.seek(0)
-    lock.truncate()
-    lock.write(f"{os.path.basename(sys.argv[0])}, pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
-    lock.flush()
+    try:
+        lock.write(f"{os.path.basename(sys.argv[0])}, pid {os.getpid()} on {socket.gethostname()}, "
+                   f"since {time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode())
+        lock.truncate()
+        remove_temporaries(out_dir)
+    except OSError as e:  # a full disk, most likely: found now rather than at the first save
+        lock.close()
+        raise ValueError(out_dir_error(out_dir, e, "taking its lock")) from e
     return lock
+
+
+def out_dir_error(out_dir, e, doing):
+    """One line for an OSError (e) while `doing` something in out_dir before training, which changed nothing
+    that matters there: a full disk (or quota) said as such."""
+    if e.errno in (errno.ENOSPC, getattr(errno, 'EDQUOT', errno.ENOSPC)):
+        problem, fix = "no space left on device", "free some space or choose another --out_dir"
+    else:
+        problem, fix = e.strerror or str(e), "fix the cause or choose another --out_dir"
+    return f"out_dir={out_dir!r}: {problem} while {doing}; the checkpoints in it are intact: {fix}"
+
+
+# what a save writes before renaming it into place (checkpoint.py, sharded_checkpoint.py): left behind
+# only by a process killed mid-save
+TEMPORARIES = ('ckpt*.tmp-*', SHARDED_GLOB + '.tmp')
+
+
+def remove_temporaries(out_dir):
+    """Remove the temporary files and folders of checkpoint saves in out_dir. Only for the process that
+    holds out_dir's lock (lock_out_dir): no other writer's save can be in progress."""
+    for pattern in TEMPORARIES:
+        for path in glob.glob(os.path.join(out_dir, pattern)):
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path)
+            else:
+                os.remove(path)
 
 
 def clear_for_new_run(out_dir, overwrite):
     """A new run never destroys another run's checkpoint in out_dir: it is moved to a replaced-<time>/
-    folder inside it unless overwrite=True. Returns a message saying what happened, or None."""
+    folder inside it unless overwrite=True. Returns a message saying what happened, or None. ValueError
+    when that folder cannot be made (a full disk)."""
     old = [os.path.join(out_dir, name) for name in (CKPT_NAME, POINTER_NAME, PREV_NAME, METRICS_NAME)]
     had_checkpoint = os.path.exists(old[0]) or os.path.exists(old[1])
     old += sorted(glob.glob(os.path.join(out_dir, SHARDED_GLOB)))  # the sharded checkpoints' folders
@@ -70,7 +107,10 @@ def clear_for_new_run(out_dir, overwrite):
             elif os.path.exists(path):
                 os.remove(path)
         return f"overwrite=True: deleted the previous run's checkpoint in {out_dir}" if had_checkpoint else None
-    aside = tempfile.mkdtemp(prefix=time.strftime('replaced-%Y%m%d-%H%M%S-'), dir=out_dir)  # a new name every time
+    try:
+        aside = tempfile.mkdtemp(prefix=time.strftime('replaced-%Y%m%d-%H%M%S-'), dir=out_dir)  # a new name every time
+    except OSError as e:
+        raise ValueError(out_dir_error(out_dir, e, "making a folder to keep another run's checkpoint in")) from e
     for path in old:
         if os.path.exists(path):
             os.replace(path, os.path.join(aside, os.path.basename(path)))
@@ -91,12 +131,16 @@ def log_metrics(out_dir, row):
         except OSError as e:
             with contextlib.suppress(OSError):
                 f.truncate(size)
-            raise OSError(e.errno, f"cannot append to {path} ({e.strerror or e}); the checkpoints in {out_dir} "
-                                   f"are intact: free some space and resume with --init_from=resume") from e
+            if os.path.exists(checkpoint_path(out_dir)):
+                then = f"the checkpoints in {out_dir} are intact: free some space and resume with --init_from=resume"
+            else:  # (nothing to resume from)
+                then = "no checkpoint was written yet: free some space and start the run again"
+            raise OSError(e.errno, f"cannot append to {path} ({e.strerror or e}); {then}") from e
 
 
 def trim_metrics(out_dir, resumed_iter):
-    """Keep the rows the checkpoint had seen: iterations before resumed_iter, evaluations up to it."""
+    """Keep the rows the checkpoint had seen: iterations before resumed_iter, evaluations up to it.
+    ValueError when the file cannot be rewritten (a full disk): it is then left as it was."""
     path = os.path.join(out_dir, METRICS_NAME)
     if not os.path.exists(path):
         return
@@ -110,28 +154,53 @@ def trim_metrics(out_dir, resumed_iter):
             continue
         if row['iter'] < resumed_iter or (row['iter'] == resumed_iter and 'val_loss' in row):
             keep.append(line)
-    with open(path + '.tmp', 'w') as f:
-        f.write(''.join(line + '\n' for line in keep))
-    os.replace(path + '.tmp', path)
+    tmp = path + '.tmp'
+    try:
+        with open(tmp, 'w') as f:
+            f.write(''.join(line + '\n' for line in keep))
+        os.replace(tmp, path)
+    except OSError as e:  # a full disk: metrics.jsonl is as it was
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise ValueError(out_dir_error(out_dir, e, f"trimming {path} to the checkpoint's iteration")) from e
 
 
 def restart_advice(out_dir, saved_iter):
-    """What to do after a divergence, given the iteration of the checkpoint on disk (None: none yet)."""
+    """What to do after a divergence, given the iteration of the checkpoint on disk (None: none yet).
+    train.py only ever saves finite states, so that checkpoint is one to resume from."""
     if saved_iter is None:
         return "No checkpoint was written yet: start the run again with a lower learning_rate"
     return (f"Resume from the last checkpoint ({checkpoint_path(out_dir)}, iter {saved_iter}) with a "
             f"lower learning_rate: --init_from=resume --learning_rate=...")
 
 
-def checkpoint_note(out_dir, saved_iter, saved_val_loss, best_val_loss):
-    """The last line of a run: which state its checkpoint holds. saved_val_loss: the val loss of the state this
-    process saved last (None: not evaluated, or nothing saved by this process)."""
-    path = checkpoint_path(out_dir)
-    if saved_val_loss is not None and saved_val_loss > best_val_loss:  # always_save_checkpoint, or SIGTERM
-        return (f"checkpoint: {path} holds the last state (iter {saved_iter}, val loss {saved_val_loss:.4f}); "
-                f"the best val loss, {best_val_loss:.4f}, was an earlier state that it replaced "
-                f"(always_save_checkpoint=False keeps the best instead)")
-    return f"checkpoint: {path} (best val loss {best_val_loss:.4f})"
+def checkpoint_note(path, saved_iter, saved_val_loss, best_iter, best_val_loss, last_iter, keeps_best_hint):
+    """The last line of a run: which state its checkpoint (path) holds, in numbers true of that file.
+    saved_iter, saved_val_loss: its iteration and val loss (None: not evaluated, or not known); best_iter,
+    best_val_loss: the best evaluation seen (best_iter None: not known, a checkpoint of an older version;
+    best_val_loss 1e9: none); last_iter: the iteration the run ended at; keeps_best_hint: whether
+    always_save_checkpoint=False would have kept the best state instead."""
+    if best_val_loss >= 1e9:
+        return f"checkpoint: {path} (iter {saved_iter}, not evaluated)"
+    if saved_iter == best_iter or (saved_val_loss is not None and saved_val_loss <= best_val_loss):
+        return f"checkpoint: {path} (best val loss {best_val_loss:.4f})"
+    held = f"iter {saved_iter}" + (f", val loss {saved_val_loss:.4f}" if saved_val_loss is not None else "")
+    held = f"the last state ({held})" if saved_iter == last_iter else held
+    best = (f"the best val loss seen, {best_val_loss:.4f}, was at iter {best_iter}" if best_iter is not None
+            else f"the best val loss seen was {best_val_loss:.4f}")
+    hint = " (always_save_checkpoint=False keeps the best instead)" if keeps_best_hint else ""
+    return f"checkpoint: {path} holds {held}; {best}{hint}"
+
+
+def checkpoint_on_disk(out_dir):
+    """A line naming out_dir's checkpoint and the iteration it holds, read from the file itself."""
+    try:
+        iter_num = load_checkpoint(out_dir, metadata_only=True)['iter_num']
+    except FileNotFoundError:
+        return f"no checkpoint was written in {out_dir}"
+    except CheckpointError as e:
+        return str(e)
+    return f"{checkpoint_path(out_dir)} is the iter {iter_num} state (resume with --init_from=resume)"
 
 
 def peak_memory_mib(device):
@@ -185,16 +254,35 @@ def wandb_learned_values(learned):
 
 class StopRequest:
     """SIGTERM (a scheduler's preemption, `kill`) or Ctrl-C, remembered: the training loop finishes the
-    step in progress, saves a checkpoint and exits 0. A second Ctrl-C exits at once."""
+    step in progress, saves a checkpoint and exits 0. A Ctrl-C after either quits at once, with exit
+    status 130 (128 + SIGINT, what a shell reports for a process Ctrl-C ended) and one line naming the
+    checkpoint on disk, as read from it (a save cut short before its rename left the previous one in
+    place), and the save's temporary file removed. (A second SIGTERM changes nothing: schedulers repeat it.)"""
 
-    def __init__(self):
+    def __init__(self, out_dir=None):
+        """out_dir: the run's, when this process holds its lock (rank 0); else None: a second Ctrl-C quits
+        without a word (rank 0 says it)."""
+        self.out_dir = out_dir
         self.signal = None  # the name of the signal received
+        self.saving = False  # train.py sets it while it writes a checkpoint
         signal.signal(signal.SIGTERM, self.request)
         signal.signal(signal.SIGINT, self.request)
 
     def request(self, signum, frame):
+        if self.signal is not None:
+            if signum == signal.SIGINT:
+                self.quit()
+            return
         self.signal = signal.Signals(signum).name
         if signum == signal.SIGINT:
             print("\nCtrl-C: finishing this step, then saving a checkpoint (Ctrl-C again to quit at once)",
                   file=sys.stderr)
-            signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    def quit(self):
+        if self.out_dir is not None:
+            remove_temporaries(self.out_dir)  # this process holds the lock: any is this save's
+            print(f"\ninterrupted{' during a save' if self.saving else ''}: {checkpoint_on_disk(self.out_dir)}",
+                  file=sys.stderr, flush=True)
+        with contextlib.suppress(Exception):  # the log's last lines (unless this interrupted a write of them)
+            sys.stdout.flush()
+        os._exit(130)  # at once: no exception to unwind through the code this interrupted

@@ -97,10 +97,11 @@ def save_sharded(weights, optimizer_state, param_groups, train_state, out_dir, w
     except (OSError, dcp.CheckpointException) as e:  # disk full, quota, I/O error on some rank
         from denoised_gpt.checkpoint import CheckpointError
         intact = f"{current} is intact" if current else "no sharded checkpoint was written"
+        then = "resume with init_from='resume'" if current else "start the run again"  # nothing to resume from
         cause = failure_cause(e)
         reason = getattr(cause, 'strerror', None) or f"{type(cause).__name__}: {short_reason(cause)}"
         raise CheckpointError(f"could not write a sharded checkpoint in {out_dir} ({reason}); "
-                              f"{intact}. Fix the cause and resume with init_from='resume'") from e
+                              f"{intact}. Fix the cause and {then}") from e
     if writer:
         if os.path.exists(final) and final != current:  # an older run's folder of the same iteration
             shutil.rmtree(final)

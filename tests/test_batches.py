@@ -4,6 +4,7 @@ import io
 import json
 import os
 import pickle
+import re
 import shutil
 import subprocess
 import sys
@@ -16,7 +17,7 @@ import torch
 
 from denoised_gpt import batches
 from denoised_gpt.batches import TokenBatches, load_meta
-from helpers import ROOT, TINY, subprocess_env, write_tokens
+from helpers import ROOT, TINY, run_script_in_process, subprocess_env, write_tokens
 
 
 @pytest.fixture
@@ -90,13 +91,132 @@ def test_token_ids_checked_against_vocab_size(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=r"train.bin holds token ids up to 50257 \(its meta.json's train_max_id\), "
                                          r"but vocab_size is 50257: the file was made with another tokenizer"):
         TokenBatches(tmp_path, "train", 8, 2, vocab_size=50257)
-    # ... small enough is trusted, the file not read (the planted id goes unseen), ...
+    # ... small enough is trusted for a large file, which is then not read at construction (the planted
+    # id goes unseen there; the batches are checked as drawn, below), ...
     (tmp_path / "meta.json").write_text(json.dumps(dict(meta, train_max_id=50256)))
+    monkeypatch.setattr(batches, "FULL_SCAN_TOKENS", 4999)
     TokenBatches(tmp_path, "train", 8, 2, vocab_size=50257)
     # ... and a meta.json describing another file (another token count) is not trusted
     (tmp_path / "meta.json").write_text(json.dumps(dict(meta, train_max_id=50256, train_tokens=4999)))
     with pytest.raises(ValueError, match=r"token id 50257 at position 4321"):
         TokenBatches(tmp_path, "train", 8, 2, vocab_size=50257)
+
+
+def test_token_id_beyond_vocab_without_meta_is_named(tmp_path):
+    # no meta.json (nanoGPT's datasets): the caller's vocab_size (GPT-2's by default) against a uint16 file
+    tokens = np.zeros(5000, dtype=np.uint16)
+    tokens[1234] = 60000
+    write_tokens(tmp_path / "train.bin", tokens)
+    with pytest.raises(batches.TokenIdError) as e:
+        TokenBatches(tmp_path, "train", 8, 2, vocab_size=50304)
+    message = str(e.value)
+    assert message.startswith(f"{tmp_path / 'train.bin'} holds token id 60000 at position 1234, but vocab_size is "
+                              f"50304: the file was made with another tokenizer, and {tmp_path} has no meta.json")
+    assert "\n" not in message
+
+
+def test_small_file_is_scanned_even_when_its_meta_json_vouches(tmp_path):
+    # a meta.json whose train_max_id no longer describes its file (same token count, rewritten since):
+    # a small file costs nothing to read, so the stale max id cannot let 60000 through to the embedding
+    tokens = np.zeros(5000, dtype=np.uint16)
+    tokens[4321] = 60000
+    write_tokens(tmp_path / "train.bin", tokens)
+    (tmp_path / "meta.json").write_text(json.dumps({**GOOD_META, "train_tokens": 5000, "train_max_id": 64}))
+    with pytest.raises(batches.TokenIdError, match=r"train.bin holds token id 60000 at position 4321, but vocab_size "
+                                                   r"is 65: its meta.json says train_max_id 64, so the file changed"):
+        TokenBatches(tmp_path, "train", 8, 2, vocab_size=65)
+
+
+@pytest.mark.parametrize("labels", [False, True])
+def test_every_batch_is_checked_against_vocab_size(tmp_path, labels, monkeypatch):
+    # What construction did not read (a large file whose meta.json vouches for it) or what changed on
+    # disk since is caught by the batch that holds it, before it reaches the model: a TokenIdError
+    # naming the file, the id and its position (read back from the file), never an IndexError.
+    monkeypatch.setattr(batches, "FULL_SCAN_TOKENS", 0)  # every file counts as large here
+    meta = {**GOOD_META, "train_tokens": 600, "train_max_id": 64}
+    if labels:  # whole 6-token examples whose targets come from train_labels.bin
+        meta.update(example_tokens=6, labels="answers")
+        np.full(600, -1, dtype=np.int32).tofile(tmp_path / "train_labels.bin")
+    (tmp_path / "meta.json").write_text(json.dumps(meta))
+    write_tokens(tmp_path / "train.bin", np.arange(600) % 65)
+    tb = TokenBatches(tmp_path, "train", 5, 4, vocab_size=65)
+    for _ in range(20):
+        tb.get_batch()  # valid ids pass
+    bad_path = tmp_path / ("train_labels.bin" if labels else "train.bin")
+    if labels:
+        np.full(600, 99, dtype=np.int32).tofile(bad_path)
+    else:
+        write_tokens(bad_path, np.full(600, 99))  # rewritten since: every id is out of range
+    with pytest.raises(batches.TokenIdError) as e:
+        tb.get_batch()
+    m = re.fullmatch(rf"{re.escape(str(bad_path))} holds token id 99 at position (\d+), but vocab_size is 65: its "
+                     rf"meta.json says train_max_id 64, so the file changed after prepare.py wrote it; prepare the "
+                     rf"dataset again", str(e.value))
+    assert m, str(e.value)
+    assert np.fromfile(bad_path, dtype=np.int32 if labels else np.uint16)[int(m[1])] == 99
+    if labels:
+        assert int(m[1]) % 6 == 1  # the first target of an example: the label after its first token
+
+
+def test_the_target_after_the_window_is_checked_too(tmp_path, monkeypatch):
+    # one window fits (block_size + 1 tokens): the last token is only ever a target, never an input
+    monkeypatch.setattr(batches, "FULL_SCAN_TOKENS", 0)
+    (tmp_path / "meta.json").write_text(json.dumps({**GOOD_META, "train_tokens": 6, "train_max_id": 5}))
+    write_tokens(tmp_path / "train.bin", [0, 1, 2, 3, 4, 99])
+    tb = TokenBatches(tmp_path, "train", 5, 2, vocab_size=65)
+    with pytest.raises(batches.TokenIdError, match=r"train.bin holds token id 99 at position 5, but vocab_size is 65"):
+        tb.get_batch()
+
+
+def _no_meta_dataset(tmp_path, bad_id):
+    """train.bin / val.bin as nanoGPT's prepare.py leaves them (no meta file), train.bin holding one bad id."""
+    data = tmp_path / "data"
+    train = np.arange(3000) % 40
+    train[2345] = bad_id
+    write_tokens(data / "train.bin", train)
+    write_tokens(data / "val.bin", np.arange(600) % 40)
+    return data
+
+
+def test_train_refuses_token_id_beyond_default_vocab_in_one_line(tmp_path):
+    # without meta the model gets GPT-2's 50304 ids; 60000 fits a uint16 file but not the embedding
+    data = _no_meta_dataset(tmp_path, 60000)
+    proc = run_script_in_process("train.py", [TINY, f"--dataset={data}", f"--out_dir={tmp_path / 'out'}"])
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        f"train.py: error: {data / 'train.bin'} holds token id 60000 at position 2345, but vocab_size is 50304: the "
+        f"file was made with another tokenizer, and {data} has no meta.json to say its vocabulary; prepare it with "
+        f"its prepare.py (which writes meta.json with the vocab_size the model is built with)"]
+    assert not (tmp_path / "out" / "ckpt.pt").exists()
+
+
+def test_train_refuses_token_id_beyond_a_stale_meta_json_in_one_line(tmp_path):
+    data = _no_meta_dataset(tmp_path, 47)  # 47: outside the vocabulary of 40 its meta.json records
+    (data / "meta.json").write_text(json.dumps({"tokenizer": "char", "vocab_size": 40, "train_tokens": 3000,
+                                                "train_max_id": 39, "val_tokens": 600, "val_max_id": 39}))
+    proc = run_script_in_process("train.py", [TINY, f"--dataset={data}", f"--out_dir={tmp_path / 'out'}"])
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        f"train.py: error: {data / 'train.bin'} holds token id 47 at position 2345, but vocab_size is 40: its "
+        f"meta.json says train_max_id 39, so the file changed after prepare.py wrote it; prepare the dataset again"]
+
+
+def test_train_stops_at_the_batch_holding_a_bad_id_in_one_line(tmp_path, monkeypatch):
+    # a large file whose meta.json vouches for it is not read up front: the first batch drawn (train.py
+    # evaluates first) holds a bad id, and the run ends there in one line, exit 2, not an IndexError
+    monkeypatch.setattr(batches, "FULL_SCAN_TOKENS", 0)
+    data = tmp_path / "data"
+    write_tokens(data / "train.bin", np.full(3000, 47))
+    write_tokens(data / "val.bin", np.arange(600) % 40)
+    (data / "meta.json").write_text(json.dumps({"tokenizer": "char", "vocab_size": 40, "train_tokens": 3000,
+                                                "train_max_id": 39, "val_tokens": 600, "val_max_id": 39}))
+    proc = run_script_in_process("train.py", [TINY, f"--dataset={data}", f"--out_dir={tmp_path / 'out'}"])
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and re.fullmatch(
+        rf"train.py: error: {re.escape(str(data / 'train.bin'))} holds token id 47 at position \d+, but vocab_size "
+        rf"is 40: its meta.json says train_max_id 39, so the file changed after prepare.py wrote it; prepare the "
+        rf"dataset again", lines[0]), lines
 
 
 def test_load_meta_json_pkl_or_none(tmp_path):

@@ -194,3 +194,13 @@ def test_memory_plan(tmp_path):
     report = json.loads(out.read_text())
     ddp, fsdp = (r for r in report["rows"] if r["attn_type"] == "base" and not r.get("checkpointing"))
     assert report["world_size"] == 4 and ddp["param_bytes"] == 4 * fsdp["param_bytes"] == 4 * ddp["params"]
+
+
+def test_a_dataset_path_without_token_files_fails_in_one_line_with_a_hint_that_works(tmp_path):
+    """An absolute --dataset: the hint names that folder as it is (no 'data//abs/path/prepare.py')."""
+    proc = bench("--attn_types=base", f"--dataset={tmp_path}")
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"bench.py: error: {tmp_path / 'train.bin'} not found: "), lines
+    assert f"{tmp_path} needs the train.bin and val.bin" in lines[0] and "data//" not in lines[0]
+    assert lines[0].endswith("; or leave --dataset empty for synthetic tokens")

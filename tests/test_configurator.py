@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from configurator import ConfigError, apply_config
-from helpers import ROOT
+from helpers import ROOT, TINY, run_script_in_process
 from model import ATTENTION_TYPES, GPT, GPTConfig
 DEFAULTS = {'batch_size': 12, 'learning_rate': 6e-4, 'compile': False, 'out_dir': 'out',
             'wandb_run_name': 'gpt2', 'n_layer': 12, 'anything': None}
@@ -57,6 +57,26 @@ def test_int_is_widened_to_float_but_other_mismatches_are_named(tmp_path):
     with pytest.raises(ConfigError) as e:
         apply_config([cfg], DEFAULTS)
     assert cfg in str(e.value) and "batch_size must be an int" in str(e.value)
+
+
+@pytest.mark.parametrize("text", ["inf", "-inf", "nan", "+Infinity", "NaN"])
+def test_non_finite_float_on_the_command_line_is_read_as_in_a_config_file(tmp_path, text):
+    # float('inf') in a config file is a float the script's range check names ("must be a finite number");
+    # typed on the command line it was the string 'inf' ("must be a float"): the same value either way now
+    cli = apply_config([f'--learning_rate={text}'], DEFAULTS)['learning_rate']
+    from_file = apply_config([write(tmp_path, f"learning_rate = float({text!r})\n")], DEFAULTS)['learning_rate']
+    assert type(cli) is float and repr(cli) == repr(from_file)
+    with pytest.raises(ConfigError, match=r"batch_size must be an int like the default 12, got 'inf' \(str\)"):
+        apply_config(['--batch_size=inf'], DEFAULTS)  # only float settings read these words
+
+
+@pytest.mark.parametrize("value", ["inf", "-inf", "nan"])
+def test_train_names_a_non_finite_setting_alike_from_command_line_and_file(tmp_path, value):
+    cfg = write(tmp_path, f"weight_decay = float({value!r})\n")
+    from_cli, from_file = (run_script_in_process('train.py', [TINY, *args, f'--out_dir={tmp_path / "out"}'])
+                           for args in ([f'--weight_decay={value}'], [cfg]))
+    assert from_cli.returncode == from_file.returncode == 2
+    assert from_cli.stderr == from_file.stderr == f"train.py: error: weight_decay={value} must be a finite number\n"
 
 
 def test_bools_from_true_false_only():

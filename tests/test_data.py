@@ -22,6 +22,7 @@ from helpers import ROOT
 OWT = ROOT / "data" / "openwebtext" / "prepare.py"
 FINEWEB = ROOT / "data" / "fineweb_edu" / "prepare.py"
 SHAKESPEARE = ROOT / "data" / "shakespeare_char" / "prepare.py"
+MQAR = ROOT / "data" / "mqar" / "prepare.py"
 # the real Tiny Shakespeare (nanoGPT's input.txt) when this variable names the file (CI sets it)
 SHAKESPEARE_TXT = Path(os.environ["TINY_SHAKESPEARE"]) if os.environ.get("TINY_SHAKESPEARE") else None
 sys.path.insert(0, str(ROOT / "data"))
@@ -607,3 +608,72 @@ def test_prepared_max_ids_checked_against_the_model_vocab(owt_jsonl):
     with pytest.raises(ValueError, match=r"val.bin holds token ids up to 50256 \(its meta.json's val_max_id\), "
                                          r"but vocab_size is 50000"):
         TokenBatches(out, "val", 8, 2, vocab_size=50000)
+
+
+def _memory_at_most(nbytes):
+    """preexec_fn bounding a script's address space: a script that reads an endless input fails with a
+    MemoryError, not the machine."""
+    import resource
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_AS, (nbytes, nbytes))
+    return limit
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="/dev/zero, FIFOs and sparse files as on Linux")
+def test_shakespeare_char_refuses_what_it_cannot_read_whole_without_reading_it(tmp_path):
+    """An endless device, a FIFO (open waits for a writer) and a file over the 1 GiB limit (sparse: no disk
+    used) are refused from os.stat alone, in one line naming the limit that --help states."""
+    limit = 1 << 30
+    os.mkfifo(tmp_path / "fifo")
+    with open(tmp_path / "huge.txt", "wb") as f:
+        f.truncate(limit + 1)
+    for path, phrase in [("/dev/zero", "/dev/zero is a device or other special file, not a text file"),
+                         (tmp_path / "fifo", "fifo is a FIFO, not a text file"),
+                         (tmp_path / "huge.txt", f"huge.txt holds {limit + 1:,} bytes, more than the {limit:,} "
+                                                 f"bytes (1 GiB) this script reads")]:
+        r = prepare(SHAKESPEARE, "--input", path, "--out_dir", tmp_path / "out", check=False,  # prepare's timeout
+                    preexec_fn=_memory_at_most(2 << 30))
+        assert_bad_input(r, phrase)
+    assert sorted(os.listdir(tmp_path)) == ["fifo", "huge.txt"]
+    assert "at most 1 GiB" in " ".join(prepare(SHAKESPEARE, "--help").stdout.split())
+
+
+def test_shakespeare_char_takes_65536_distinct_characters_and_refuses_more(tmp_path):
+    """uint16 ids: 65,536 distinct characters are ids 0 .. 65535 and decode back; one more is refused in one
+    line naming the count and the limit, with nothing written."""
+    # every code point but the surrogates (not UTF-8) and '\r' (read as '\n', as nanoGPT's open() does)
+    chars = [chr(i) for i in range(1, 0x11000) if not 0xD800 <= i < 0xE000 and i != 13][:65537]
+    random.Random(8).shuffle(chars)
+    (tmp_path / "most.txt").write_text("".join(chars[:65536]), encoding="utf-8")
+    (tmp_path / "more.txt").write_text("".join(chars), encoding="utf-8")
+    prepare(SHAKESPEARE, "--input", tmp_path / "most.txt", "--out_dir", tmp_path / "out")
+    meta = load_meta(tmp_path / "out")
+    ids = np.concatenate([np.fromfile(tmp_path / "out" / name, dtype=np.uint16) for name in ("train.bin", "val.bin")])
+    assert meta["vocab_size"] == 65536 and int(ids.max()) == 65535
+    assert "".join(meta["itos"][i] for i in ids.tolist()) == "".join(chars[:65536])
+    r = prepare(SHAKESPEARE, "--input", tmp_path / "more.txt", "--out_dir", tmp_path / "out2", check=False)
+    assert_bad_input(r, "more.txt has 65,537 distinct characters, more than the 65,536 ids a token file holds")
+    assert not (tmp_path / "out2").exists()
+
+
+
+def test_an_out_dir_that_cannot_be_made_is_one_line_before_any_work(tmp_path):
+    """Empty, or a folder name longer than the file system takes: each prepare.py says so in one line (not
+    os.makedirs' traceback at the end), and leaves nothing behind; a nested --out_dir that can be made is
+    made only by the run that writes into it."""
+    write_jsonl(tmp_path / "docs.jsonl", ["a", "b"])
+    (tmp_path / "in.txt").write_text("First Citizen:\nBefore we proceed any further, hear me speak.\n")
+    inputs = {OWT: ["--input", tmp_path / "docs.jsonl"], SHAKESPEARE: ["--input", tmp_path / "in.txt"], MQAR: []}
+    too_long = tmp_path / ("x" * 300) / "out"
+    for script, args in inputs.items():
+        for out_dir, phrase in [("", "--out_dir is empty"),
+                                (too_long, f"--out_dir {too_long}: cannot make that folder or write in it "
+                                           f"(File name too long)")]:
+            r = prepare(script, *args, "--out_dir", out_dir, check=False)
+            assert_bad_input(r, phrase)
+    assert sorted(os.listdir(tmp_path)) == ["docs.jsonl", "in.txt"]
+    (tmp_path / "empty.txt").write_bytes(b"")  # refused after the --out_dir check
+    r = prepare(SHAKESPEARE, "--input", tmp_path / "empty.txt", "--out_dir", tmp_path / "new" / "out", check=False)
+    assert_bad_input(r, "empty.txt holds no text")
+    assert sorted(os.listdir(tmp_path)) == ["docs.jsonl", "empty.txt", "in.txt"]  # no new/out made for the check

@@ -11,7 +11,7 @@ import torch
 
 from denoised_gpt import device
 from fake_gaudi import HAS_HABANA, events
-from helpers import make_dataset, run_train
+from helpers import make_dataset, run_script_in_process, run_train
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -49,6 +49,25 @@ def test_dtype_resolution():
         device.resolve_dtype('float16', 'cpu')
     with pytest.raises(ValueError, match="dtype='fp8' is not supported"):
         device.resolve_dtype('fp8', 'cpu')
+
+
+@pytest.mark.parametrize("kind", ["cpu", "mps"])
+def test_float16_refusal_for_a_script_that_does_not_train(kind):
+    # no GradScaler runs outside training: the refusal gives the fix without one; training keeps its reason
+    with pytest.raises(ValueError) as e:
+        device.resolve_dtype('float16', kind, training=False)
+    assert str(e.value) == (f"dtype='float16' is supported on CUDA only; on {kind} use --dtype=bfloat16 or "
+                            f"--dtype=float32")
+    with pytest.raises(ValueError, match=f"float16' needs a GradScaler, which is used on CUDA only; on {kind} use"):
+        device.resolve_dtype('float16', kind)
+
+
+def test_sample_float16_on_cpu_is_refused_without_a_gradscaler():
+    # refused before any model is loaded (gpt2's weights are never needed)
+    proc = run_script_in_process('sample.py', ['--init_from=gpt2', '--device=cpu', '--dtype=float16'])
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "sample.py: error: dtype='float16' is supported on CUDA only; on cpu use --dtype=bfloat16 or --dtype=float32"]
 
 
 def test_autocast_and_grad_scaler():

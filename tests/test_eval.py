@@ -277,3 +277,29 @@ def test_eval_script_names_a_merged_run_by_its_run_directory_too(char_run, tmp_p
     assert list(theirs['entropy']) == ['attn'] and theirs['checkpoint'] == str(merged / 'ckpt.pt')
     assert (eval_dir / 'entropy_vs_out-x_merged.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
     assert 'compare_to out-x/merged (attn):' in r.stdout
+
+
+def test_eval_script_an_eval_dir_it_cannot_write_in_fails_in_one_line_before_the_model_loads(char_run, tmp_path):
+    """A file, a path through a file, a name too long; glue_cache_dir likewise (checked before the char-level
+    model is refused GLUE, so before it loads). A nested eval_dir made for the check is removed again when
+    the run then fails (here: no checkpoint)."""
+    too_long = tmp_path / ('x' * 300)
+    notes = tmp_path / 'notes.txt'
+    notes.write_text('mine\n')
+    cases = [(['--val_loss=True', f"--eval_dir={notes}"],
+              f"eval_dir={str(notes)!r} is a file, not a folder: choose another folder with --eval_dir"),
+             (['--val_loss=True', f"--eval_dir={notes / 'eval'}"],
+              f"eval_dir={str(notes / 'eval')!r} cannot be written (Not a directory)"),
+             (['--val_loss=True', f"--eval_dir={too_long}"],
+              f"eval_dir={str(too_long)!r} cannot be written (File name too long)"),
+             (['--glue=sst2', f"--eval_dir={tmp_path / 'eval'}", f"--glue_cache_dir={notes}"],
+              f"glue_cache_dir={str(notes)!r} is a file, not a folder")]
+    for args, message in cases:
+        r = run_script_in_process('eval.py', [f"--out_dir={char_run['base_dir']}", '--device=cpu', *args])
+        assert r.returncode == 2 and r.stdout == '', (args, r.stderr)
+        assert len(r.stderr.strip().splitlines()) == 1 and r.stderr.startswith(f"eval.py: error: {message}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['notes.txt']
+    r = run_script_in_process('eval.py', [f"--out_dir={tmp_path / 'no-run'}", '--val_loss=True',
+                                          f"--eval_dir={tmp_path / 'new' / 'eval'}"])
+    assert r.returncode == 2 and 'no checkpoint at' in r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['notes.txt']

@@ -333,3 +333,108 @@ def test_a_bad_out_dir_fails_in_one_line(tmp_path):
         f"export_hf.py: error: no checkpoint at {tmp_path / 'nothing' / 'ckpt.pt'}: train one first "
         f"(init_from='scratch'), or point out_dir at the directory that holds ckpt.pt"]
     assert not (tmp_path / 'hf').exists()
+
+
+def folder_contents(folder):
+    """{path relative to folder: the file's bytes, or None for a folder}: everything under it."""
+    return {str(p.relative_to(folder)): None if p.is_dir() else p.read_bytes() for p in sorted(folder.rglob('*'))}
+
+
+def clone_of(folder):
+    """folder made into what `git clone` of a published export gives, plus the user's own files."""
+    (folder / '.git' / 'objects' / 'ab').mkdir(parents=True)
+    (folder / '.git' / 'config').write_text("[core]\n\trepositoryformatversion = 0\n")
+    (folder / '.git' / 'objects' / 'ab' / 'cdef').write_bytes(b'\x78\x01 a git object')
+    (folder / '.gitattributes').write_text("*.safetensors filter=lfs diff=lfs merge=lfs -text\n")
+    (folder / 'notes.txt').write_text("my notes on this model")
+    (folder / 'eval').mkdir()
+    (folder / 'eval' / 'results.json').write_text('{"val loss": 2.5}')
+    return {k: v for k, v in folder_contents(folder).items() if k.split(os.sep)[0] in (
+        '.git', '.gitattributes', 'notes.txt', 'eval')}
+
+
+@pytest.fixture
+def token_id_data(tmp_path):
+    """A dataset folder of token ids with no text (as data/mqar's): an export from it has no tokenizer."""
+    data = tmp_path / 'data-ids'
+    data.mkdir()
+    (data / 'meta.json').write_text(json.dumps({'tokenizer': 'ids', 'vocab_size': VOCAB, 'task': 'mqar'}))
+    return data
+
+
+def test_overwrite_replaces_only_the_exports_files_in_a_clone_and_removes_the_stale_ones(exported, tmp_path,
+                                                                                       token_id_data):
+    """A model with its own code and a tokenizer, exported again into its git clone as a plain GPT-2 folder
+    without one: the clone's files stay byte for byte, the folder holds exactly a fresh export's files."""
+    clone = tmp_path / 'clone'
+    first = run_script_in_process('export_hf.py', [f'--out_dir={exported["dint"][1]}', f'--hf_dir={clone}'])
+    assert first.returncode == 0, first.stderr
+    assert {'model.py', 'modeling_denoised_gpt.py', 'tokenizer.json'} <= {p.name for p in clone.iterdir()}
+    users = clone_of(clone)
+
+    model, out_dir, _, _ = exported['base']
+    replaced = run_script_in_process('export_hf.py', [f'--out_dir={out_dir}', f'--dataset={token_id_data}',
+                                                      f'--hf_dir={clone}', '--overwrite=True'])
+    assert replaced.returncode == 0, replaced.stderr
+    fresh = run_script_in_process('export_hf.py', [f'--out_dir={out_dir}', f'--dataset={token_id_data}',
+                                                   f'--hf_dir={tmp_path / "fresh"}'])
+    assert fresh.returncode == 0, fresh.stderr
+    after = folder_contents(clone)
+    assert {k: after.get(k, 'gone') for k in users} == users  # .git, .gitattributes, notes, eval/ as they were
+    exports = {p.name: p.read_bytes() for p in (tmp_path / 'fresh').iterdir()}
+    assert set(after) - set(users) == set(exports)  # no model.py, no tokenizer: nothing stale is left
+    assert all(after[name] == exports[name] for name in exports if name != 'README.md')  # the card names its folder
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['clone', 'data-ids', 'fresh']  # nothing left beside
+
+    hf = load_hf(clone)
+    assert type(hf).__name__ == 'GPT2LMHeadModel'
+    idx = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert (hf(idx).logits - model.lm_head(final_hidden_states(model, idx))).abs().max() <= 1e-5
+
+
+def test_a_failed_overwrite_leaves_the_folder_exactly_as_it_was(exported, char_data, tmp_path, token_id_data,
+                                                                monkeypatch):
+    """Failing while the files are written (the disk full at the tokenizer), or while they are moved in (a
+    folder where one of them goes, after several have gone in): the clone as it was, nothing left beside."""
+    import denoised_gpt.hf_format as hf_format
+    clone = tmp_path / 'clone'
+    export(load_checkpoint(exported['base'][1]), str(clone), data_dir=str(token_id_data))
+    clone_of(clone)
+    (clone / 'tokenizer_config.json').mkdir()  # the new export writes a file of that name, after seven others
+    (clone / 'tokenizer_config.json' / 'mine.txt').write_text("in the way")
+    before = folder_contents(clone)
+    dint = load_checkpoint(exported['dint'][1])
+    with pytest.raises(IsADirectoryError):
+        export(dint, str(clone), data_dir=str(char_data), overwrite=True)
+    assert folder_contents(clone) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['clone', 'data-ids']
+
+    def broken(*args):
+        raise OSError("disk full")
+    monkeypatch.setattr(hf_format, 'write_tokenizer', broken)
+    with pytest.raises(OSError, match="disk full"):
+        export(dint, str(clone), overwrite=True)
+    assert folder_contents(clone) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['clone', 'data-ids']
+
+
+def test_every_file_an_export_writes_is_one_an_overwrite_would_remove_when_stale(exported):
+    """EXPORT_FILES names them all, for each format and tokenizer (a transformers version that saves another
+    file must be added there, or an export into an earlier one could leave that file stale)."""
+    from denoised_gpt.hf_format import is_export_file
+    written = {p.name for _, _, folder, _ in exported.values() for p in folder.iterdir()}
+    assert {'model.py', 'generation_config.json', 'tokenizer.json'} <= written
+    assert [name for name in sorted(written) if not is_export_file(name)] == []
+    assert not any(map(is_export_file, ['.git', '.gitattributes', 'notes.txt', 'ckpt.pt', 'eval']))
+
+
+def test_export_hf_refuses_a_dataset_that_is_not_there(exported, tmp_path):
+    out_dir = exported['dint'][1]
+    (tmp_path / 'a-file').write_text("not a folder")
+    for dataset in ('nosuch', str(tmp_path / 'a-file')):
+        proc = run_script_in_process('export_hf.py', [f'--out_dir={out_dir}', f'--hf_dir={tmp_path / "hf"}',
+                                                      f'--dataset={dataset}'])
+        assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+        assert proc.stderr.startswith(f"export_hf.py: error: dataset={dataset!r}: no folder "), proc.stderr
+        assert sorted(p.name for p in tmp_path.iterdir()) == ['a-file']  # nothing written

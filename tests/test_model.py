@@ -560,6 +560,31 @@ def test_bad_config_raises_naming_the_field(kwargs, pattern):
         GPTConfig(**kwargs)
 
 
+OUT_OF_RANGE_CONFIGS = [  # each was accepted, to fail later as a torch error or nan losses
+    (dict(attn_type="noiseformer_v1", noise_init_std=-1), "noise_init_std=-1 must not be negative"),
+    (dict(attn_type="noiseformer_v2", noise_init_std=-0.01), "noise_init_std=-0.01 must not be negative"),
+    (dict(attn_type="noiseformer_v2", noise_init_std=math.nan), "noise_init_std=nan must be a finite number"),
+    (dict(attn_type="noiseformer_v1", noise_init_std=math.inf), "noise_init_std=inf must be a finite number"),
+    (dict(dropout=-0.1), r"dropout=-0.1 must be in \[0, 1\)"),
+    (dict(dropout=1.0), r"dropout=1.0 must be in \[0, 1\)"),
+    (dict(dropout=math.nan), "dropout=nan must be a finite number"),
+    (dict(attn_type="dint_lowrank", lowrank_score_divisor=math.nan), "lowrank_score_divisor=nan must be a finite"),
+    (dict(attn_type="dint_lowrank", lowrank_score_divisor=math.inf), "lowrank_score_divisor=inf must be a finite"),
+    (dict(block_size=0), "block_size=0 must be at least 1"),
+    (dict(vocab_size=-5), "vocab_size=-5 must be at least 1"),
+    (dict(n_layer=0), "n_layer=0 must be at least 1"),
+    (dict(n_embd=0), "n_embd=0 must be at least 1"),
+    (dict(n_embd=-24), "n_embd=-24 must be at least 1"),
+]
+
+
+@pytest.mark.parametrize("kwargs,message", OUT_OF_RANGE_CONFIGS, ids=[str(k) for k, _ in OUT_OF_RANGE_CONFIGS])
+def test_out_of_range_config_is_refused_in_one_line(kwargs, message):
+    with pytest.raises(ValueError) as e:
+        GPTConfig(**kwargs)
+    assert re.match(rf"GPTConfig\.{message}", str(e.value)) and "\n" not in str(e.value), str(e.value)
+
+
 def test_unknown_attn_type_lists_valid_and_suggests():
     with pytest.raises(ValueError) as info:
         GPTConfig(attn_type="noiseformer2")

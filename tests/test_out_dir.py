@@ -1,6 +1,7 @@
 """What a run does to its out_dir: one writer at a time, nothing touched by a run that is refused, the
 settings a resume says it applies applied, and messages that name what is really on disk."""
 import json
+import os
 import signal
 import subprocess
 
@@ -8,7 +9,8 @@ import pytest
 import torch
 
 from denoised_gpt.checkpoint import CheckpointError, load_checkpoint
-from helpers import ITER_LINE, ROOT, TINY, make_dataset, run_script_in_process, subprocess_env, train_command
+from helpers import (ITER_LINE, ROOT, TINY, eval_losses, make_dataset, run_script_in_process, subprocess_env,
+                     train_command)
 
 pytestmark = pytest.mark.xdist_group('out_dir')  # one module-scoped dataset
 
@@ -130,16 +132,24 @@ def test_divergence_before_any_checkpoint_does_not_send_the_user_to_one(tmp_path
 
 def test_the_last_line_says_when_the_checkpoint_is_not_the_best(tmp_path, data):
     # a learning rate that makes the model worse after its first evaluation
-    proc = train(str(TINY), f'--dataset={data}', f'--out_dir={tmp_path / "out"}', '--learning_rate=2.0',
-                 '--decay_lr=False', '--max_iters=20', '--eval_interval=5')
-    ckpt = load_checkpoint(tmp_path / 'out')
-    last = proc.stdout.strip().splitlines()[-2]
-    vals = [float(line.split('val loss ')[1]) for line in proc.stdout.splitlines() if line.startswith('step ')]
-    if vals[-1] > min(vals):  # the last state is worse than the best seen
-        assert f"holds the last state (iter 20, val loss {vals[-1]:.4f}); the best val loss, {min(vals):.4f}" in last
-        assert ckpt['best_val_loss'] == pytest.approx(min(vals), abs=1e-4)
-    else:
-        pytest.fail(f"learning_rate=2.0 did not make the model worse: {vals}")
+    for always_save in (True, False):
+        out = tmp_path / f'out-{always_save}'
+        proc = train(str(TINY), f'--dataset={data}', f'--out_dir={out}', '--learning_rate=2.0', '--decay_lr=False',
+                     '--max_iters=20', '--eval_interval=5', f'--always_save_checkpoint={always_save}')
+        vals = eval_losses(proc.stdout)
+        best = min(vals, key=vals.get)
+        if not vals[20] > vals[best]:
+            pytest.fail(f"learning_rate=2.0 did not make the model worse: {vals}")
+        ckpt = load_checkpoint(out)
+        assert ckpt['iter_num'] == 20 and ckpt['best_val_loss'] == pytest.approx(vals[best], abs=1e-4)
+        last = proc.stdout.strip().splitlines()[-2]
+        said = f"checkpoint: {out / 'ckpt.pt'} holds the last state (iter 20, val loss {vals[20]:.4f}); the best " \
+               f"val loss seen, {vals[best]:.4f}, was at iter {best}"
+        if always_save and best > 0:  # False would have kept it
+            said += " (always_save_checkpoint=False keeps the best instead)"
+        assert last == said
+        if not always_save:  # nothing better than iter 0, which is never saved: ckpt.pt is the end's state
+            assert best == 0 and "replaced" not in last
 
 
 def test_a_checkpoint_damaged_at_its_start_points_to_the_previous_one(tmp_path, data):
@@ -174,8 +184,14 @@ def test_a_full_disk_while_logging_is_one_clear_error(tmp_path):
     (tmp_path / METRICS_NAME).symlink_to('/dev/full')  # every write: ENOSPC
     with pytest.raises(OSError) as e:
         log_metrics(tmp_path, {'iter': 0, 'loss': 1.0})
-    assert e.value.errno == 28 and "free some space and resume with --init_from=resume" in e.value.strerror
-    assert "checkpoints in" in e.value.strerror
+    # before the first checkpoint there is nothing to resume from
+    assert e.value.errno == 28 and "no checkpoint was written yet: free some space and start the run again" \
+        in e.value.strerror
+    (tmp_path / 'ckpt.pt').write_bytes(b'')  # (only its existence matters here)
+    with pytest.raises(OSError) as e:
+        log_metrics(tmp_path, {'iter': 0, 'loss': 1.0})
+    assert e.value.errno == 28 and f"the checkpoints in {tmp_path} are intact: free some space and resume with " \
+        f"--init_from=resume" in e.value.strerror
 
 
 def test_bench_refuses_an_impossible_optimizer_setting():
@@ -190,3 +206,63 @@ def test_a_missing_dataset_is_said_before_the_model_is_built(tmp_path):
     assert proc.returncode == 2 and "data/no-such-dataset/train.bin not found" in proc.stderr, proc.stderr
     assert "Initializing" not in proc.stdout and "number of parameters" not in proc.stdout
     assert not (tmp_path / 'out').exists()
+
+
+# -----------------------------------------------------------------------------
+# a full disk (a link to /dev/full: every write to it fails with ENOSPC), a killed save, a resume to an
+# iteration already passed: one line each, nothing left behind
+
+def test_a_full_disk_when_taking_the_lock_is_one_line(tmp_path, data):
+    out = tmp_path / 'out'
+    train(str(TINY), f'--dataset={data}', f'--out_dir={out}', '--max_iters=5', '--eval_interval=5')
+    (out / '.lock').unlink()
+    (out / '.lock').symlink_to('/dev/full')
+    before = snapshot(out)
+    for more in ([], ['--init_from=resume', '--max_iters=10']):  # a new run, a resume
+        proc = train(str(TINY), f'--dataset={data}', f'--out_dir={out}', *more, expect_rc=2)
+        assert proc.stderr.strip() == f"train.py: error: out_dir='{out}': no space left on device while taking " \
+                                      f"its lock; the checkpoints in it are intact: free some space or choose " \
+                                      f"another --out_dir"
+        assert snapshot(out) == before
+
+
+def test_a_full_disk_when_trimming_the_metrics_log_is_one_line_and_leaves_no_temporary(tmp_path, data):
+    out = tmp_path / 'out'
+    train(str(TINY), f'--dataset={data}', f'--out_dir={out}', '--max_iters=5', '--eval_interval=5')
+    (out / 'metrics.jsonl.tmp').symlink_to('/dev/full')  # the file trimming writes
+    log = (out / 'metrics.jsonl').read_bytes()
+    proc = train(str(TINY), f'--dataset={data}', f'--out_dir={out}', '--init_from=resume', '--max_iters=10',
+                 expect_rc=2)
+    assert proc.stderr.startswith(f"train.py: error: out_dir='{out}': no space left on device while trimming "
+                                  f"{out / 'metrics.jsonl'} to the checkpoint's iteration")
+    assert len(proc.stderr.strip().splitlines()) == 1
+    assert not os.path.lexists(out / 'metrics.jsonl.tmp') and (out / 'metrics.jsonl').read_bytes() == log
+
+
+def test_a_killed_saves_temporary_is_removed_when_the_next_run_starts(tmp_path, data):
+    out = tmp_path / 'out'
+    train(str(TINY), f'--dataset={data}', f'--out_dir={out}', '--max_iters=10', '--eval_interval=5')
+    left = [out / 'ckpt.pt.tmp-999999', out / 'ckpt.prev.pt.tmp-999999']  # as kill -9 mid-save leaves them
+    for path in left:
+        path.write_bytes((out / 'ckpt.pt').read_bytes()[:1000])
+    left.append(out / 'ckpt.sharded-0000012.tmp')  # and an fsdp run's, a folder of shards
+    left[-1].mkdir()
+    (left[-1] / '__0_0.distcp').write_bytes(b'half')
+    before = {name: (out / name).read_bytes() for name in ('ckpt.pt', 'ckpt.prev.pt')}
+    # a resume with nothing left to train: it saves nothing (saving used to be what removed them)
+    proc = train(str(TINY), f'--dataset={data}', f'--out_dir={out}', '--init_from=resume', '--max_iters=10')
+    assert 'saved checkpoint' not in proc.stdout
+    assert not [p for p in left if p.exists()]
+    assert {name: (out / name).read_bytes() for name in before} == before
+
+
+def test_resuming_to_an_iteration_already_passed_is_refused_in_one_line(tmp_path, data):
+    out = tmp_path / 'out'
+    train(str(TINY), f'--dataset={data}', f'--out_dir={out}', '--max_iters=10', '--eval_interval=5')
+    before = snapshot(out)
+    proc = train(str(TINY), f'--dataset={data}', f'--out_dir={out}', '--init_from=resume', '--max_iters=6',
+                 expect_rc=2)
+    assert proc.stderr.strip() == f"train.py: error: max_iters=6 is below the iteration of the checkpoint in {out} " \
+                                  f"(10): nothing to train. Give --max_iters above 10 to continue its run " \
+                                  f"(--eval_only=True evaluates it)"
+    assert snapshot(out) == before

@@ -380,3 +380,18 @@ def test_char_prompts_file_fits_the_quickstart_vocabulary():
     prompts = [line for line in (ROOT / 'prompts' / 'shakespeare_char.txt').read_text().splitlines() if line.strip()]
     assert len(prompts) >= 3 and all(set(p) <= vocabulary for p in prompts)
     assert not set((ROOT / 'prompts' / 'appendix.txt').read_text()) <= vocabulary  # why the char set exists
+
+
+def test_a_nonfinite_checkpoint_is_one_line(ckpts, tmp_path):
+    """A diverged run's weights (made elsewhere: train.py never saves them) used to end in torch.multinomial's
+    RuntimeError ('probability tensor contains either inf, nan or element < 0')."""
+    def nan_weight(model):
+        model.transformer.h[1].attn.c_proj.weight[3, 5] = float('nan')
+
+    out = make_checkpoint(tmp_path / 'out', 'base', ckpts['root'] / 'data-char', tweak=nan_weight)
+    proc = run_script_in_process('sample.py', [f'--out_dir={out}', f'--start={PROMPTS[0]}'])
+    assert proc.returncode == 2 and proc.stdout == ''
+    assert proc.stderr.strip().splitlines() == [f"sample.py: error: {out / 'ckpt.pt'} holds non-finite weights (NaN "
+                                                f"or inf), the state of a run that diverged: every loss and sample "
+                                                f"from it would be NaN. Use an earlier checkpoint (ckpt.prev.pt next "
+                                                f"to it, if finite), or train again with a lower learning_rate"]

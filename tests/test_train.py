@@ -2,21 +2,24 @@
 exact resume after SIGKILL and SIGTERM, DDP (gloo) equal to one process, non-finite handling,
 every attention variant learning. (The LR schedule itself: test_lr_schedule.py.)"""
 import dataclasses
+import fcntl
 import json
 import os
 import re
 import runpy
 import signal
+import struct
 import subprocess
 import sys
+import termios
+import time
 
 import pytest
 import torch
 
 from denoised_gpt.checkpoint import load_checkpoint
 from helpers import (ITER_LINE, ROOT, TINY, TINY_MODEL, VOCAB, eval_losses, iter_losses, make_dataset,
-                     run_script_in_process, run_train, save_model_checkpoint, subprocess_env, tiny_gpt,
-                     train_command)
+                     run_script_in_process, run_train, subprocess_env, train_command)
 from model import ATTENTION_TYPES, GPTConfig
 
 
@@ -73,6 +76,11 @@ def test_resume_after_sigkill_and_sigterm_reproduces_the_uninterrupted_run(tmp_p
     k2 = load_checkpoint(out)['iter_num']
     assert k1 + 3 < k2 < n and max(iter_losses(stdout2)) == k2 - 1
     assert f"SIGTERM received: stopping after iter {k2 - 1}" in stdout2
+    # its last line: the state saved on SIGTERM was not evaluated, so no val loss is given for it
+    evals = {**eval_losses(stdout1), **eval_losses(stdout2)}
+    best = min(evals, key=evals.get)
+    assert f"checkpoint: {out / 'ckpt.pt'} holds the last state (iter {k2}); the best val loss seen, " \
+           f"{evals[best]:.4f}, was at iter {best}\n" in stdout2
     # 3) resume to the end
     stdout3 = run_train(out, data, *common, '--init_from=resume', f'--max_iters={n}').stdout
     assert f"python3 sample.py --out_dir={out}" in stdout3
@@ -170,39 +178,32 @@ def test_ddp_two_ranks_match_one_process(tmp_path):
 
 
 # -----------------------------------------------------------------------------
-# non-finite loss: a checkpoint with a NaN weight
+# non-finite loss (what is saved and said then: test_divergence.py)
 
-def nan_checkpoint(out_dir):
-    """A nanoGPT-format checkpoint (no RNG state) of the config_tiny model with one NaN weight."""
-    model = tiny_gpt()
-    with torch.no_grad():
-        model.transformer.h[0].mlp.c_fc.weight[0, 0] = float('nan')
-    optimizer = model.configure_optimizers(0.1, 1e-3, (0.9, 0.99), 'cpu')
-    save_model_checkpoint(out_dir, model, optimizer=optimizer.state_dict())
-    return model.state_dict()
+def diverging_resume(tmp_path, *args, expect_rc):
+    """Resume a finite checkpoint of iter 2 with a learning rate that takes every weight to ~1e30 in one
+    step (iter 2), so that every loss from iter 3 on is NaN; the checkpoint must be left as it was."""
+    data = make_dataset(tmp_path)
+    train_in_process(*tiny_args(tmp_path, data), '--max_iters=2', '--eval_interval=2')
+    before = (tmp_path / 'out' / 'ckpt.pt').read_bytes()
+    proc = train_in_process(*tiny_args(tmp_path, data), '--init_from=resume', '--learning_rate=1e30',
+                            '--decay_lr=False', *args, expect_rc=expect_rc)
+    assert (tmp_path / 'out' / 'ckpt.pt').read_bytes() == before  # nothing was saved over it
+    return proc
 
 
 def test_nonfinite_loss_stops_by_default(tmp_path):
-    data = make_dataset(tmp_path)
-    nan_checkpoint(tmp_path / 'out')
-    proc = run_train(tmp_path / 'out', data, '--init_from=resume', '--max_iters=3', expect_rc=3)
-    assert "rank 0: non-finite loss or gradient at iter 0" in proc.stderr
-    assert "stopping at iter 0" in proc.stderr and "--nonfinite=skip" in proc.stderr
-    assert ITER_LINE.search(proc.stdout) is None  # stopped before logging a step
-    assert load_checkpoint(tmp_path / 'out')['iter_num'] == 0  # nothing was saved over it
+    proc = diverging_resume(tmp_path, '--max_iters=6', expect_rc=3)
+    assert "rank 0: non-finite loss or gradient at iter 3" in proc.stderr
+    assert "stopping at iter 3" in proc.stderr and "--nonfinite=skip" in proc.stderr
+    assert sorted(iter_losses(proc.stdout)) == [2]  # stopped before logging the step
 
 
 def test_nonfinite_loss_skips_the_step_when_asked(tmp_path):
-    data = make_dataset(tmp_path)
-    weights = nan_checkpoint(tmp_path / 'out')
-    proc = run_train(tmp_path / 'out', data, '--init_from=resume', '--max_iters=3', '--nonfinite=skip')
-    for it in range(3):
+    proc = diverging_resume(tmp_path, '--max_iters=6', '--nonfinite=skip', expect_rc=0)
+    for it in (3, 4, 5):
         assert f"iter {it}: skipping the update" in proc.stdout
-    ckpt = load_checkpoint(tmp_path / 'out')
-    assert ckpt['iter_num'] == 3
-    assert ckpt['optimizer']['state'] == {}  # no optimizer step was taken
-    for name, w in weights.items():  # and no weight moved
-        torch.testing.assert_close(ckpt['model'][name], w, rtol=0, atol=0, equal_nan=True)
+    assert "not saving iter 6 (val loss nan)" in proc.stderr  # the end's state is the skipped steps' NaN one
 
 
 # -----------------------------------------------------------------------------
@@ -351,13 +352,9 @@ def test_gpt2_weights_offline_is_one_clear_line(tmp_path):
 
 
 def test_permanent_divergence_stops_after_max_skipped_steps(tmp_path):
-    data = make_dataset(tmp_path)
-    nan_checkpoint(tmp_path / 'out')
-    proc = run_train(tmp_path / 'out', data, '--init_from=resume', '--max_iters=50', '--nonfinite=skip',
-                     '--max_skipped_steps=4', expect_rc=3)
+    proc = diverging_resume(tmp_path, '--max_iters=50', '--nonfinite=skip', '--max_skipped_steps=4', expect_rc=3)
     assert proc.stdout.count("skipping the update") == 3
     assert "4 steps in a row had a non-finite loss or gradient (max_skipped_steps=4)" in proc.stderr
-    assert load_checkpoint(tmp_path / 'out')['iter_num'] == 0  # nothing saved over the last good state
 
 
 def test_ctrl_c_finishes_the_step_and_checkpoints(tmp_path):
@@ -368,6 +365,35 @@ def test_ctrl_c_finishes_the_step_and_checkpoints(tmp_path):
     k = load_checkpoint(out)['iter_num']
     assert k >= 4 and f"SIGINT received: stopping after iter {k - 1}" in stdout
     assert "Ctrl-C again to quit at once" in err
+
+
+def queued_bytes(pipe):
+    """How many bytes wait in a pipe, unread."""
+    return struct.unpack('i', fcntl.ioctl(pipe, termios.FIONREAD, b'\0' * 4))[0]
+
+
+def test_a_second_ctrl_c_quits_at_once_in_one_line(tmp_path):
+    data = make_dataset(tmp_path)
+    out = tmp_path / 'out'
+    proc = subprocess.Popen(train_command(out, data, '--max_iters=1000000', '--eval_interval=5'), cwd=ROOT,
+                            env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # a one-page stdout pipe, unread until train.py has filled it: from then on it cannot write the lines
+    # of what the first Ctrl-C asks for (a step, a save, the last lines), so it is still at it at the second
+    size = fcntl.fcntl(proc.stdout, fcntl.F_SETPIPE_SZ, 4096)
+    while queued_bytes(proc.stdout) < size - 300 and proc.poll() is None:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    for line in proc.stderr:
+        if "Ctrl-C: finishing this step, then saving a checkpoint" in line:
+            break
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    k = load_checkpoint(out)['iter_num']
+    # (it may have been at the save the first Ctrl-C asked for, or at an evaluation's: it says which)
+    assert re.fullmatch(f"interrupted( during a save)?: {re.escape(str(out / 'ckpt.pt'))} is the iter {k} state "
+                        rf"\(resume with --init_from=resume\)", err.strip()), err
+    assert k >= 5 and not list(out.glob('ckpt*.tmp*'))
 
 
 class ConstantFlops:

@@ -1,0 +1,152 @@
+"""A run that diverges never saves its non-finite state: ckpt.pt and ckpt.prev.pt always hold the last
+finite ones, the advice it stops with names one of them (or says none was written), following that
+advice trains on, and a non-finite checkpoint made elsewhere is refused in one line. (The non-finite
+steps themselves, stop and skip: test_train.py.)"""
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from denoised_gpt.checkpoint import load_checkpoint
+from denoised_gpt.training import all_finite
+from helpers import (NO_AUTOCAST, ROOT, TINY, eval_losses, iter_losses, make_dataset, run_script_in_process,
+                     save_model_checkpoint, subprocess_env, tiny_gpt)
+from model import GPT, GPTConfig
+
+pytestmark = pytest.mark.xdist_group('divergence')  # one module-scoped dataset
+
+BLOW_UP = ['--learning_rate=1e30', '--decay_lr=False']  # one step takes every weight to ~1e30, the next is NaN
+
+
+@pytest.fixture(scope='module')
+def data(tmp_path_factory):
+    return make_dataset(tmp_path_factory.mktemp('data'))
+
+
+def train(data, out, *args, expect_rc=0):
+    proc = run_script_in_process('train.py', [TINY, f'--dataset={data}', f'--out_dir={out}', *args])
+    assert proc.returncode == expect_rc, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    return proc
+
+
+def state_is_finite(ckpt, data):
+    """Whether a checkpoint's weights are finite and give a finite loss on a batch of the val data (weights
+    of ~1e30 are finite, but nothing can be trained from them)."""
+    model = GPT(GPTConfig(**ckpt['model_args']))
+    model.load_state_dict(ckpt['model'])
+    rows = torch.from_numpy(np.fromfile(data / 'val.bin', dtype=np.uint16)[:4 * 33].astype(np.int64)).view(4, 33)
+    x, y = rows[:, :-1], rows[:, 1:]
+    with torch.no_grad(), NO_AUTOCAST:
+        _, loss = model(x, y)
+    return all_finite(model.parameters()) and math.isfinite(loss.item())
+
+
+def test_all_finite_is_one_check_that_finds_nan_and_inf_but_not_large_weights():
+    ones = torch.ones(3, 4)
+    assert all_finite([ones, torch.tensor([3e38, -3e38])])  # a sum or a 2-norm of these would overflow
+    assert all_finite([])
+    for bad in (float('nan'), float('inf'), float('-inf')):
+        assert not all_finite([ones, torch.tensor([1.0, bad]), ones])
+        assert not all_finite([torch.tensor([bad]).bfloat16(), ones])
+    assert all_finite([torch.arange(5), ones])  # integer tensors (always finite) are not in the way
+
+
+# two ranks, each with a shard of one tensor: a NaN in rank 1's shard only
+SHARDED_CHECK = """
+import sys
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+sys.path.insert(0, {root!r})
+from denoised_gpt.training import all_finite
+
+dist.init_process_group('gloo', init_method={store!r}, rank=int(sys.argv[1]), world_size=2)
+w = distribute_tensor(torch.ones(4, 3), init_device_mesh('cpu', (2,)), [Shard(0)])
+answers = [all_finite([w, torch.ones(2)])]
+if dist.get_rank() == 1:
+    w.to_local()[0, 0] = float('nan')
+answers.append(all_finite([w, torch.ones(2)]))
+print(f"rank {{dist.get_rank()}}: {{answers}}")
+dist.destroy_process_group()
+"""
+
+
+def test_all_finite_agrees_across_the_ranks_of_sharded_weights(tmp_path):
+    """What an fsdp run's save checks: a NaN in one rank's shard makes every rank refuse the save (they must
+    agree, or some would write their shards and wait for the others for ever)."""
+    (tmp_path / 'check.py').write_text(SHARDED_CHECK.format(root=str(ROOT), store=f"file://{tmp_path / 'store'}"))
+    ranks = [subprocess.Popen([sys.executable, str(tmp_path / 'check.py'), str(rank)], cwd=ROOT, env=subprocess_env(),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    results = [rank.communicate(timeout=120) for rank in ranks]
+    assert [rank.returncode for rank in ranks] == [0, 0], results
+    assert [out.strip() for out, _ in results] == ['rank 0: [True, False]', 'rank 1: [True, False]']
+
+
+def test_a_run_diverging_at_iter_1_writes_no_checkpoint_and_says_to_start_again(tmp_path, data):
+    out = tmp_path / 'out'
+    proc = train(data, out, *BLOW_UP, '--eval_interval=1', '--always_save_checkpoint=True', expect_rc=3)
+    val = eval_losses(proc.stdout)
+    assert math.isfinite(val[0]) and math.isnan(val[1])  # the run this is about: its iter-1 state is NaN
+    assert "not saving iter 1 (val loss nan): its evaluation is not finite" in proc.stderr
+    assert "No checkpoint was written yet: start the run again with a lower learning_rate" in proc.stderr
+    assert "Resume from" not in proc.stderr
+    assert not [p.name for p in out.iterdir() if p.name.startswith('ckpt')]
+
+
+def test_the_advice_after_a_divergence_names_a_finite_checkpoint_that_resumes(tmp_path, data):
+    out = tmp_path / 'out'
+    train(data, out, '--max_iters=4', '--eval_interval=2')  # finite checkpoints at iters 2 and 4
+    proc = train(data, out, '--init_from=resume', *BLOW_UP, '--eval_interval=1', '--max_iters=20', expect_rc=3)
+    assert math.isnan(eval_losses(proc.stdout)[5])
+    ckpt = load_checkpoint(out)
+    assert f"Resume from the last checkpoint ({out / 'ckpt.pt'}, iter {ckpt['iter_num']}) with a lower " \
+           f"learning_rate" in proc.stderr
+    assert ckpt['iter_num'] == 4 and state_is_finite(ckpt, data)
+    assert state_is_finite(load_checkpoint(out / 'ckpt.prev.pt'), data)
+    # following the advice trains on (it used to resume the NaN state and stop again with the same advice)
+    proc = train(data, out, '--init_from=resume', '--learning_rate=1e-3', '--max_iters=8')
+    assert sorted(iter_losses(proc.stdout)) == [4, 5, 6, 7]
+    assert load_checkpoint(out)['iter_num'] == 8
+
+
+def test_nonfinite_skip_never_leaves_both_checkpoints_nonfinite(tmp_path, data):
+    out = tmp_path / 'out'
+    train(data, out, '--max_iters=4', '--eval_interval=2')
+    proc = train(data, out, '--init_from=resume', *BLOW_UP, '--nonfinite=skip', '--max_skipped_steps=3',
+                 '--eval_interval=1', '--max_iters=20', expect_rc=3)
+    assert [it for it in range(4, 8) if f"iter {it}: skipping the update" in proc.stdout] == [5, 6]
+    assert "3 steps in a row had a non-finite loss or gradient (max_skipped_steps=3)" in proc.stderr
+    assert "not saving iter 6 (val loss nan)" in proc.stderr and "not saving iter 7 (val loss nan)" in proc.stderr
+    current, previous = load_checkpoint(out), load_checkpoint(out / 'ckpt.prev.pt')
+    assert (current['iter_num'], previous['iter_num']) == (4, 2)
+    assert state_is_finite(current, data) and state_is_finite(previous, data)
+    assert f"Resume from the last checkpoint ({out / 'ckpt.pt'}, iter 4)" in proc.stderr
+
+
+def test_the_state_a_skipping_run_ends_with_is_not_saved(tmp_path, data):
+    """nonfinite='skip' to the end: the last save refuses the NaN state too, and the run says so (exit 3)."""
+    out = tmp_path / 'out'
+    proc = train(data, out, *BLOW_UP, '--nonfinite=skip', '--eval_interval=1000', '--max_iters=3', expect_rc=3)
+    assert "iter 2: skipping the update" in proc.stdout
+    assert "not saving iter 3 (val loss nan): its evaluation is not finite" in proc.stderr
+    assert "stopping at iter 3 without a checkpoint" in proc.stderr and "start the run again" in proc.stderr
+    assert not (out / 'ckpt.pt').exists() and "sample from it" not in proc.stdout
+
+
+def test_resuming_a_nonfinite_checkpoint_is_refused_in_one_line(tmp_path, data):
+    out = tmp_path / 'out'
+    model = tiny_gpt()  # as a run that diverged elsewhere saved it, with its optimizer state
+    with torch.no_grad():
+        model.transformer.h[0].mlp.c_fc.weight[0, 0] = float('nan')
+    optimizer = model.configure_optimizers(0.1, 1e-3, (0.9, 0.99), 'cpu')
+    save_model_checkpoint(out, model, optimizer=optimizer.state_dict(), iter_num=3, config={'dataset': str(data)})
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    for skip in ('stop', 'skip'):  # it used to train on, skipping or stopping at every step
+        proc = train(data, out, '--init_from=resume', '--max_iters=6', f'--nonfinite={skip}', expect_rc=2)
+        assert proc.stderr.startswith(f"train.py: error: {out / 'ckpt.pt'} holds non-finite weights (NaN or inf)")
+        assert len(proc.stderr.strip().splitlines()) == 1
+        assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # refused before out_dir is touched
