@@ -12,8 +12,7 @@ import torch
 from helpers import ROOT, subprocess_env
 from model import ATTENTION_TYPES
 
-# one xdist worker runs this whole file, so its module-scoped fixtures are built once (-n 2 --dist loadgroup)
-pytestmark = pytest.mark.xdist_group('test_bench')
+# one xdist worker runs this whole file, so its module-scoped fixtures are built once (-n 2 --dist loadfile)
 
 TINY = ["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_size=2", "--vocab_size=96",
         "--warmup_iters=1", "--bench_iters=2", "--rounds=1"]

@@ -30,8 +30,7 @@ import gpt2_bpe  # noqa: E402
 import prepare_common  # noqa: E402
 from prepare_common import PrepareError  # noqa: E402
 
-# one xdist worker runs this whole file, so its module-scoped fixtures are built once (-n 2 --dist loadgroup)
-pytestmark = pytest.mark.xdist_group('test_data')
+# one xdist worker runs this whole file, so its module-scoped fixtures are built once (-n 2 --dist loadfile)
 
 _why_no_bpe = gpt2_bpe.unavailable()
 if _why_no_bpe:

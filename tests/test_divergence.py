@@ -16,7 +16,6 @@ from helpers import (NO_AUTOCAST, ROOT, TINY, eval_losses, iter_losses, make_dat
                      save_model_checkpoint, subprocess_env, tiny_gpt)
 from model import GPT, GPTConfig
 
-pytestmark = pytest.mark.xdist_group('divergence')  # one module-scoped dataset
 
 BLOW_UP = ['--learning_rate=1e30', '--decay_lr=False']  # one step takes every weight to ~1e30, the next is NaN
 

@@ -19,8 +19,7 @@ from helpers import (NO_AUTOCAST, ROOT, run_script_in_process, subprocess_env, t
                      write_tokens)
 from model import ATTENTION_TYPES, GPT, GPTConfig, split_heads
 
-# one xdist worker runs this whole file, so its module-scoped fixtures are built once (-n 2 --dist loadgroup)
-pytestmark = pytest.mark.xdist_group('test_eval')
+# one xdist worker runs this whole file, so its module-scoped fixtures are built once (-n 2 --dist loadfile)
 
 # the models here: helpers.TINY_MODEL 16 wide, with a context of 16, biases and 40 tokens
 SHAPE = dict(block_size=16, vocab_size=40, n_embd=16, bias=True)

@@ -17,8 +17,7 @@ import gpt2_bpe
 from denoised_gpt.evaluation import final_hidden_states, glue
 from helpers import NO_AUTOCAST, ROOT, save_model_checkpoint, subprocess_env, tiny_gpt
 
-# one xdist worker runs this whole file, so its module-scoped fixtures are built once (-n 2 --dist loadgroup)
-pytestmark = pytest.mark.xdist_group('test_eval_glue')
+# one xdist worker runs this whole file, so its module-scoped fixtures are built once (-n 2 --dist loadfile)
 
 WORDS = 'the a cat dog sat ran on under red blue house tree quickly slowly'.split()
 

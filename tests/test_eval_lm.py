@@ -19,8 +19,7 @@ from helpers import (MC_QUESTIONS, NO_AUTOCAST, ROOT, hf_lm, local_mc_task, per_
                      save_model_checkpoint, subprocess_env)
 from model import GPT
 
-# one xdist worker runs this whole file, so its module-scoped fixtures are built once (-n 2 --dist loadgroup)
-pytestmark = pytest.mark.xdist_group('test_eval_lm')
+# one xdist worker runs this whole file, so its module-scoped fixtures are built once (-n 2 --dist loadfile)
 
 BLOCK = 64
 QUESTIONS = MC_QUESTIONS  # the last is longer than BLOCK tokens

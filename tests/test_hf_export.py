@@ -24,8 +24,7 @@ from helpers import (NO_AUTOCAST, TINY, VOCAB, hf_lm, local_mc_task, make_datase
                      run_script_in_process, save_model_checkpoint, tiny_checkpoint, tiny_gpt)
 from model import ATTENTION_TYPES, GPT, GPTConfig
 
-# one xdist worker runs this whole file, so its module-scoped fixtures are built once (-n 2 --dist loadgroup)
-pytestmark = pytest.mark.xdist_group('test_hf_export')
+# one xdist worker runs this whole file, so its module-scoped fixtures are built once (-n 2 --dist loadfile)
 
 # the checkpoints exported here: tests/config_tiny.py's model (no biases) of each attn_type; 'base' with
 # biases means GPT-2's weights, so 'base-no-bias' is the base model that needs our own code

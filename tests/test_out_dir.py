@@ -12,7 +12,6 @@ from denoised_gpt.checkpoint import CheckpointError, load_checkpoint
 from helpers import (ITER_LINE, ROOT, TINY, eval_losses, make_dataset, run_script_in_process, subprocess_env,
                      train_command)
 
-pytestmark = pytest.mark.xdist_group('out_dir')  # one module-scoped dataset
 
 
 @pytest.fixture(scope='module')

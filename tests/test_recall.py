@@ -21,7 +21,6 @@ from model import ATTENTION_TYPES
 sys.path.insert(0, str(ROOT / "data" / "mqar"))
 from prepare import choose_without_replacement, mqar_examples, power_law  # noqa: E402
 
-pytestmark = pytest.mark.xdist_group('test_recall')
 PREPARE = ROOT / "data" / "mqar" / "prepare.py"
 
 

@@ -24,8 +24,7 @@ from denoised_gpt.checkpoint import load_checkpoint
 from helpers import ROOT, run_script_in_process, subprocess_env, tiny_checkpoint, tiny_gpt
 from model import ATTENTION_TYPES, GPT, GPTConfig
 
-# one xdist worker runs this whole file, so its module-scoped fixtures are built once (-n 2 --dist loadgroup)
-pytestmark = pytest.mark.xdist_group('test_sample')
+# one xdist worker runs this whole file, so its module-scoped fixtures are built once (-n 2 --dist loadfile)
 
 APPENDIX_PROMPTS = "prompts/appendix.txt"  # shipped with the repo, named in the README
 # a character vocabulary with every LaTeX / Markdown special character in it
