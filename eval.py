@@ -46,7 +46,6 @@ from denoised_gpt.checkpoint import CheckpointError, checkpoint_path, load_check
 from denoised_gpt.cli import (check_inference_source, check_ranges, fail, gpt2_encoding, load_model, log, noise_on,
                               prepare_device, read_config)
 from denoised_gpt.device import autocast_context, manual_seed
-from denoised_gpt.training import all_finite, nonfinite_weights
 from model import ATTENTION_TYPES
 
 # -----------------------------------------------------------------------------
@@ -157,8 +156,6 @@ def load(source, from_dir, noise=noise_at_eval):
     from denoised_gpt.evaluation.entropy import run_name
     from denoised_gpt.hf_format import WEIGHTS_FILE
     model, ckpt = load_model(source, from_dir, noise)
-    if not all_finite(model.parameters()):  # its losses would be NaN
-        fail(nonfinite_weights(checkpoint_path(from_dir) if source == 'resume' else source))
     if ckpt is None:
         info = dict(name=source, attn_type='base', checkpoint=source, dataset=dataset or None, identity=source)
     else:

@@ -64,7 +64,6 @@ from denoised_gpt.checkpoint import checkpoint_path
 from denoised_gpt.cli import (check_inference_source, check_ranges, fail, gpt2_encoding, load_model, log, noise_on,
                               prepare_device, read_config)
 from denoised_gpt.device import autocast_context, manual_seed, torch_dtype
-from denoised_gpt.training import all_finite, nonfinite_weights
 from model import ATTENTION_TYPES
 
 # -----------------------------------------------------------------------------
@@ -138,8 +137,6 @@ device, dtype = prepare_device(device, dtype)
 # alone (a shared draw would correlate them; see the top of this file)
 model, checkpoint = load_model(init_from, out_dir, noise_at_eval, model_overrides=dict(noise_per_sample=True))
 source = checkpoint_path(out_dir) if init_from == 'resume' else init_from  # or an exported folder (or sharded)
-if not all_finite(model.parameters()):  # its samples would be NaN (or torch.multinomial would fail)
-    fail(nonfinite_weights(source))
 attn_type = model.config.attn_type
 model.to(device)
 

@@ -123,7 +123,7 @@ def load_model(init_from, out_dir, noise_at_eval=None, model_overrides=None):
             run = exported_run(init_from) if os.path.isdir(init_from) else None
             with contextlib.redirect_stdout(sys.stderr):  # from_pretrained prints progress
                 model = load_gpt2(init_from, dict(dropout=0.0)).eval()
-            return model, run and {**run, 'model_args': dataclasses.asdict(model.config)}
+            return refuse_nonfinite(model, init_from), run and {**run, 'model_args': dataclasses.asdict(model.config)}
         if own_code:
             source, checkpoint = init_from, read_exported(init_from)
         else:
@@ -149,7 +149,17 @@ def load_model(init_from, out_dir, noise_at_eval=None, model_overrides=None):
         model = model_with_weights(GPTConfig(**model_args), checkpoint['model'])
     except (TypeError, ValueError, RuntimeError) as e:
         fail(f"the {'model in' if own_code else 'checkpoint in'} {source} does not build a model: {e}")
-    return model.eval(), checkpoint
+    from denoised_gpt.checkpoint import checkpoint_path
+    return refuse_nonfinite(model.eval(), source if own_code else checkpoint_path(out_dir)), checkpoint
+
+
+def refuse_nonfinite(model, source):
+    """model, unless a weight is NaN or inf (a diverged run's state): every loss and sample from it would be
+    NaN, so the script stops in one line naming source."""
+    from denoised_gpt.training import all_finite, nonfinite_weights  # (training imports this module)
+    if not all_finite(model.parameters()):
+        fail(nonfinite_weights(source))
+    return model
 
 
 def hub_reachable(seconds=3.0):
