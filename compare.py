@@ -11,7 +11,9 @@ candidate (each combination of the values) is trained for every variant on `tune
 out_dir/tune/<attn_type>[-<point>]-<candidate>-seed<seed>; each variant's best candidate by final val
 loss (on recall data: answer accuracy, ties by val loss) is chosen, a candidate that diverged ranking
 last; then the comparison below runs each variant at its own choice. A learning rate tuned alone takes
-min_lr along at base_config's ratio. The report opens with the protocol and every candidate's score.
+min_lr along at base_config's ratio. With train.py's stop_at_val_loss, a run ends at its first
+evaluation at or below it, and a candidate that reaches it on every tuning seed ranks above the others,
+the sooner the better. The report opens with the protocol and every candidate's score.
 Without `tune`, every variant trains with the same settings, and the report names them.
 
 Every (attn_type, seed) pair is one train.py process: `base_config`, then `overrides`, then
@@ -258,9 +260,17 @@ def read_metrics(run_dir):
 
 
 def finished(run):
-    """Trained to max_iters: the final evaluation is logged and the checkpoint written after it."""
+    """Trained to max_iters, or to an evaluation at or below stop_at_val_loss: the final evaluation is logged
+    and the checkpoint written after it."""
     _, evals = read_metrics(run.dir)
-    return bool(evals) and evals[-1]['iter'] >= run.max_iters and os.path.exists(checkpoint_path(run.dir))
+    return bool(evals) and (evals[-1]['iter'] >= run.max_iters or reached_target(run, evals[-1])) \
+        and os.path.exists(checkpoint_path(run.dir))
+
+
+def reached_target(run, evaluation):
+    """Whether the evaluation row is at or below the run's stop_at_val_loss (never, when that is 0)."""
+    target = run.config['stop_at_val_loss']
+    return bool(target) and evaluation['val_loss'] <= target
 
 
 def diverged(run):
@@ -400,7 +410,7 @@ def run_results(run):
         'point': run.variant[len(run.attn_type) + 1:], 'out_dir': run.dir,
         'params': count_params(run.dir),
         'final_val_loss': evals[-1]['val_loss'], 'best_val_loss': min(r['val_loss'] for r in evals),
-        'final_iter': evals[-1]['iter'],
+        'final_iter': evals[-1]['iter'], 'reached_target': reached_target(run, evals[-1]),
         'tokens_per_s': statistics.median(r['tokens_per_s'] for r in steps) if steps else None,
         'peak_memory_mib': max((r['peak_memory_mib'] or 0) for r in evals) or None,
         'train_time_s': evals[-1]['time'],
@@ -490,7 +500,8 @@ def tune_variants():
 
 def tuning_result(run, metric):
     _, evals = read_metrics(run.dir)
-    result = {'final_val_loss': evals[-1]['val_loss']}
+    result = {'final_val_loss': evals[-1]['val_loss'], 'final_iter': evals[-1]['iter'],
+              'reached_target': reached_target(run, evals[-1])}
     if metric == 'accuracy':
         try:
             result['accuracy'] = recall_results(run)['accuracy']
@@ -544,11 +555,14 @@ for run in done:
     first_run.setdefault(run.variant, run.dir)
 texts = {v: sample_text(d) for v, d in first_run.items()} if samples else {}
 plots = write_plots(results, report_dir)
-protocol = ({'tuned': True, 'tune': tune, 'tune_seeds': tune_seeds, 'metric': sorted({t['metric'] for t in tuning.values()})}
+stop_at_val_loss = train_config['stop_at_val_loss']
+protocol = ({'tuned': True, 'tune': tune, 'tune_seeds': tune_seeds, 'metric': sorted({t['metric'] for t in tuning.values()}),
+             **({'stop_at_val_loss': stop_at_val_loss} if stop_at_val_loss else {})}
             if tune else {'tuned': False, 'settings': {k: train_config[k] for k in SHARED_SETTINGS}})
 write_report(report_dir, summary, results, failures, texts, plots,
              dict(base_config=base_config, overrides=overrides, grid=[label for *_, label in points if label],
                   seeds=seeds, max_iters=max_iters, protocol=protocol, tuning=list(tuning.values()),
+                  stop_at_val_loss=stop_at_val_loss,
                   command=shlex.join(['python3', 'compare.py', *sys.argv[1:]]), changes=recorded_changes()))
 with open(os.path.join(report_dir, 'results.json'), 'w') as f:
     json.dump({'protocol': protocol, 'tuning': list(tuning.values()), 'summary': summary, 'runs': results,

@@ -69,6 +69,7 @@ log_interval = 1  # print the training loss every this many iterations
 eval_iters = 200  # batches per split in each evaluation (the same batches every time)
 eval_only = False  # if True, script exits right after the first eval
 always_save_checkpoint = True  # if True, always save a checkpoint after each eval
+stop_at_val_loss = 0.0  # end training at the first eval whose val loss is at or below this (0: train to max_iters)
 init_from = 'scratch'  # 'scratch', 'resume' (from out_dir/ckpt.pt), 'gpt2*', or a trained model to start a new run from: a checkpoint (file or out_dir, ours or nanoGPT's) or a folder export_hf.py wrote
 overwrite = False  # scratch run into an out_dir holding a checkpoint: False keeps that one aside, True deletes it
 # starting from a trained model (init_from=a checkpoint or gpt2*): see finetune.py and docs/finetune.md
@@ -500,6 +501,8 @@ unsaveable = None  # why the current state must not be saved: its evaluation or 
 refusal = None  # why the last state the loop meant to save was not
 stopping = False
 skipped_in_a_row = 0
+# stop_at_val_loss reached: a resumed run whose checkpoint reached it has nothing left to train
+target_reached = bool(stop_at_val_loss) and saved_val_loss is not None and saved_val_loss <= stop_at_val_loss
 while True:
 
     # determine and set the learning rate for this iteration
@@ -508,7 +511,7 @@ while True:
         param_group['lr'] = lr
 
     # evaluate the loss on train/val sets and write checkpoints
-    done = eval_only or stopping or iter_num >= max_iters
+    done = eval_only or stopping or iter_num >= max_iters or target_reached
     val_loss, improved = None, False
     if not stopping and (iter_num % eval_interval == 0 or done) and (iter_num != saved_iter or eval_only):
         losses = estimate_loss()
@@ -519,8 +522,13 @@ while True:
         improved = finite and val_loss < best_val_loss
         if improved:
             best_val_loss, best_iter = val_loss, iter_num
+        if finite and stop_at_val_loss and val_loss <= stop_at_val_loss and not eval_only:
+            target_reached = done = True  # the same on every rank: the evaluation's losses are all-reduced
         if master_process:
             print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
+            if target_reached and iter_num < max_iters:
+                print(f"val loss {val_loss:.4f} <= stop_at_val_loss={stop_at_val_loss:g}: training ends at iter "
+                      f"{iter_num} of max_iters={max_iters}")
             row = {"iter": iter_num, "train_loss": losses['train'], "val_loss": losses['val'], "lr": lr,
                    "time": train_time, "peak_memory_mib": peak_memory_mib(device)}
         # e.g. {'sigma': [[per head] per layer]}; under FSDP every rank takes part in gathering them

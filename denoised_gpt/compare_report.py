@@ -181,10 +181,15 @@ def protocol_lines(protocol, tuning):
         for c in t['candidates']:
             cell = 'diverged' if c['diverged'] else (
                 f"{c['accuracy']:.3f} (val {c['val_loss']:.4f})" if t['metric'] == 'accuracy' else f"{c['val_loss']:.4f}")
+            if c.get('reached'):
+                cell = f"at iter {c['iters']:.0f}: {cell}"
             cells.append(f"**{cell}**" if c['chosen'] else cell)
         lines.append(f"| `{t['variant']}` | " + " | ".join(cells) + f" | {t['chosen'] or 'none: every candidate diverged'} |")
     lines += ["", "Each cell: the candidate's " + ("answer accuracy (and final val loss)" if 'accuracy' in protocol['metric']
-              else "final val loss") + ", the mean over the tuning seeds; bold: chosen.", ""]
+              else "final val loss") + ", the mean over the tuning seeds; bold: chosen."
+              + (f" \"at iter n\": every tuning seed stopped at stop_at_val_loss={protocol['stop_at_val_loss']:g}, at n "
+                 "iterations on average; such a candidate ranks above every one that did not, the sooner the better."
+                 if protocol.get('stop_at_val_loss') else ''), ""]
     warnings = [f"- `{t['variant']}`: {w}" for t in tuning for w in t['warnings']]
     if warnings:
         lines += ["Chosen at the edge of the range tried (the best may lie outside it):", "", *warnings, ""]
@@ -192,6 +197,20 @@ def protocol_lines(protocol, tuning):
     if len(chosen) > 1:
         lines += ["The variants' best settings differ: a config tuned for one variant is not tuned for another.", ""]
     return lines
+
+
+def stop_lines(results, target, max_iters):
+    """How soon each run reached train.py's stop_at_val_loss (where it stopped), seed by seed."""
+    lines = [f"## Iterations to val loss <= {target:g}", "",
+             f"Every run ended at its first evaluation whose val loss was at or below stop_at_val_loss={target:g} "
+             f"(an iteration below), or at max_iters={max_iters} without reaching it (\"not by\"). The final val "
+             "losses above are then those of the stopping point.", "",
+             "| variant | reached | iteration, per seed |", "|---|---|---|"]
+    for variant in dict.fromkeys(r['variant'] for r in results):
+        rs = [r for r in results if r['variant'] == variant]
+        per_seed = ', '.join(f"{r['final_iter']}" if r['reached_target'] else f"not by {r['final_iter']}" for r in rs)
+        lines.append(f"| `{variant}` | {sum(r['reached_target'] for r in rs)} of {len(rs)} | {per_seed} |")
+    return lines + [""]
 
 
 def write_report(report_dir, summary, results, failures, samples, plots, setup):
@@ -228,6 +247,8 @@ def write_report(report_dir, summary, results, failures, samples, plots, setup):
               "difference, whatever the mean; one seed has no spread to judge it against. Even with no real "
               "difference, n seeds agree in sign by chance with probability 1/2^(n-1) (1/2 for 2 seeds, 1/4 "
               "for 3): agreement over few seeds is weak evidence.", ""]
+    if setup.get('stop_at_val_loss'):
+        lines += stop_lines(results, setup['stop_at_val_loss'], setup['max_iters'])
     paired = {a: s['paired_vs_base'] for a, s in summary.items() if 'paired_vs_base' in s}
     if paired:
         lines += ["## Final val loss against base, seed by seed", "",

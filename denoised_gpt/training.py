@@ -34,7 +34,8 @@ def check_training_settings(config, given):
     c = config
     check_ranges(c, at_least_one=('eval_interval', 'log_interval', 'eval_iters', 'gradient_accumulation_steps',
                                   'batch_size', 'block_size', 'n_layer', 'n_head', 'n_embd', 'max_skipped_steps'),
-                 non_negative=('max_iters', 'grad_clip', 'weight_decay', 'kl_weight', 'warmup_iters'),
+                 non_negative=('max_iters', 'grad_clip', 'weight_decay', 'kl_weight', 'warmup_iters',
+                               'stop_at_val_loss'),
                  unit_interval=('beta1', 'beta2', 'dropout'), positive=('learning_rate',), seeds=('seed',))
     if c['decay_lr']:
         check_schedule(c['learning_rate'], c['warmup_iters'], c['lr_decay_iters'], c['min_lr'])

@@ -49,23 +49,30 @@ def candidate_tag(candidate):
 
 
 def score(runs, metric):
-    """A candidate's score from its tuning runs' results ({'final_val_loss', 'accuracy'}, or None for a run
-    that failed or diverged): {'val_loss', 'accuracy'} means over the seeds, and 'diverged' when any seed
+    """A candidate's score from its tuning runs' results ({'final_val_loss', 'final_iter', 'reached_target',
+    'accuracy'}, or None for a run that failed or diverged): {'val_loss', 'accuracy', 'iters'} means over
+    the seeds, 'reached' when every seed ended at train.py's stop_at_val_loss, and 'diverged' when any seed
     did not finish with a finite loss (such a candidate ranks below every other)."""
     finite = [r for r in runs if r is not None and math.isfinite(r['final_val_loss'])]
     out = {'diverged': len(finite) < len(runs)}
     if not out['diverged']:
-        out['val_loss'] = sum(r['final_val_loss'] for r in finite) / len(finite)
+        mean = lambda key: sum(r[key] for r in finite) / len(finite)  # noqa: E731
+        out.update(val_loss=mean('final_val_loss'), iters=mean('final_iter'),
+                   reached=all(r['reached_target'] for r in finite))
         if metric == 'accuracy':
-            out['accuracy'] = sum(r['accuracy'] for r in finite) / len(finite)
+            out['accuracy'] = mean('accuracy')
     return out
 
 
 def rank_key(scored, metric):
-    """Sort key, best first: higher accuracy with ties broken by lower val loss, or lower val loss."""
+    """Sort key, best first. A candidate that reached stop_at_val_loss on every seed beats one that did not,
+    and sooner beats later (stopped there, its final metric says only that it got there); the others rank
+    by higher accuracy with ties broken by lower val loss, or by lower val loss."""
     if scored['diverged']:
-        return (1, 0.0, 0.0)
-    return (0, -scored['accuracy'] if metric == 'accuracy' else 0.0, scored['val_loss'])
+        return (2, 0.0, 0.0, 0.0)
+    if scored['reached']:
+        return (0, scored['iters'], 0.0, scored['val_loss'])
+    return (1, 0.0, -scored['accuracy'] if metric == 'accuracy' else 0.0, scored['val_loss'])
 
 
 def choose(scores, metric):

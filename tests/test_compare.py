@@ -10,17 +10,23 @@ import time
 
 import pytest
 
-from helpers import ROOT, TINY, make_dataset, subprocess_env
+from helpers import ROOT, SCRIPT_VARIABLES, TINY, make_dataset, run_script_in_process, subprocess_env
 
 # one xdist worker runs this whole file, so its module-scoped fixtures are built once (-n 2 --dist loadfile)
 
 ITERS = 24
 
 
-def sweep_command(out_dir, data, *args, attn_types='base,noiseformer_v2', seeds='1,2'):
+def sweep_args(out_dir, data, *args, attn_types='base,noiseformer_v2', seeds='1,2'):
     overrides = f"--dataset={data} --max_iters={ITERS} --lr_decay_iters={ITERS} --eval_interval=8 --eval_iters=2"
-    return [sys.executable, 'compare.py', f'--base_config={TINY}', f'--overrides={overrides}',
-            f'--attn_types={attn_types}', f'--seeds={seeds}', f'--out_dir={out_dir}', *args]
+    return [f'--base_config={TINY}', f'--overrides={overrides}', f'--attn_types={attn_types}', f'--seeds={seeds}',
+            f'--out_dir={out_dir}', *args]
+
+
+def compare(args):
+    """compare.py ARGS run in this process (its train.py and sample.py runs are processes all the same),
+    which spares a torch start-up per sweep; its runs see the environment a subprocess's would."""
+    return run_script_in_process('compare.py', args, env=SCRIPT_VARIABLES)
 
 
 def metrics(run_dir):
@@ -35,8 +41,7 @@ def sweep(tmp_path_factory):
     chars = ''.join(chr(ord('a') + i) if i < 26 else chr(ord('A') + i - 26) for i in range(48))
     meta = json.loads((data / 'meta.json').read_text())
     (data / 'meta.json').write_text(json.dumps({**meta, 'chars': list(chars)}))  # so sample.py can decode
-    proc = subprocess.run(sweep_command(tmp / 'out', data, '--sample_tokens=20'), cwd=ROOT, env=subprocess_env(),
-                          capture_output=True, text=True, timeout=300)
+    proc = compare(sweep_args(tmp / 'out', data, '--sample_tokens=20'))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return tmp, data, proc
 
@@ -149,8 +154,7 @@ def test_progress_bar_ends_each_run_done(sweep):
 def test_finished_runs_are_skipped(sweep):
     tmp, data, _ = sweep
     before = {p: p.stat().st_mtime_ns for p in (tmp / 'out' / 'runs').glob('*/ckpt.pt')}
-    proc = subprocess.run(sweep_command(tmp / 'out', data, '--samples=False'), cwd=ROOT, env=subprocess_env(),
-                          capture_output=True, text=True, timeout=120)
+    proc = compare(sweep_args(tmp / 'out', data, '--samples=False'))
     assert proc.returncode == 0, proc.stderr
     assert {p: p.stat().st_mtime_ns for p in before} == before  # nothing trained again
 
@@ -158,9 +162,10 @@ def test_finished_runs_are_skipped(sweep):
 def test_killed_sweep_started_again_gives_the_same_numbers(sweep):
     tmp, data, _ = sweep
     out = tmp / 'killed'
-    command = sweep_command(out, data, '--samples=False', attn_types='noiseformer_v2', seeds='2')
-    proc = subprocess.Popen(command, cwd=ROOT, env=subprocess_env(), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    args = sweep_args(out, data, '--samples=False', attn_types='noiseformer_v2', seeds='2')
+    # a process of its own, to be killed
+    proc = subprocess.Popen([sys.executable, 'compare.py', *args], cwd=ROOT, env=subprocess_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     run_dir = out / 'runs' / 'noiseformer_v2-seed2'
     deadline = time.time() + 120
     while time.time() < deadline and not ((run_dir / 'train.log').exists() and
@@ -170,7 +175,7 @@ def test_killed_sweep_started_again_gives_the_same_numbers(sweep):
     proc.wait()
     _, evals = metrics(run_dir)
     assert evals[-1]['iter'] < ITERS, "the run finished before the kill: nothing was interrupted"
-    rerun = subprocess.run(command, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    rerun = compare(args)
     assert rerun.returncode == 0, rerun.stderr
     commands = [line for line in (run_dir / 'train.log').read_text().splitlines() if line.startswith('$ ')]
     assert len(commands) == 2 and '--init_from=resume' in commands[1]
@@ -202,14 +207,13 @@ def test_a_sweep_with_other_settings_is_refused_unless_told_to_continue(sweep):
     before = ckpt.read_bytes()
     longer = [f'--overrides=--dataset={data} --max_iters={ITERS + 2} --lr_decay_iters={ITERS + 2} --eval_interval=8 '
               f'--eval_iters=2', '--samples=False']
-    command = sweep_command(out, data, attn_types='base', seeds='1')
-    proc = subprocess.run(command + longer, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    args = sweep_args(out, data, attn_types='base', seeds='1')
+    proc = compare(args + longer)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert f"max_iters: {ITERS} in 1 run, this sweep {ITERS + 2}" in proc.stderr
     assert "lr_decay_iters" in proc.stderr and "--continue_changed=True" in proc.stderr
     assert ckpt.read_bytes() == before  # nothing trained
-    proc = subprocess.run(command + longer + ['--continue_changed=True'], cwd=ROOT, env=subprocess_env(),
-                          capture_output=True, text=True, timeout=120)
+    proc = compare(args + longer + ['--continue_changed=True'])
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = (out / 'report' / 'report.md').read_text()
     assert "## Settings changed during the sweep" in report
@@ -221,8 +225,7 @@ def test_report_only_names_an_unreadable_checkpoint(sweep):
     out = copy_sweep(tmp, 'damaged', runs=('base-seed1', 'base-seed2'))
     ckpt = out / 'runs' / 'base-seed2' / 'ckpt.pt'
     ckpt.write_bytes(b'not a checkpoint' + ckpt.read_bytes()[16:])
-    proc = subprocess.run(sweep_command(out, data, '--report_only=True', '--samples=False', attn_types='base'),
-                          cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    proc = compare(sweep_args(out, data, '--report_only=True', '--samples=False', attn_types='base'))
     assert proc.returncode == 1 and 'Traceback' not in proc.stderr, proc.stderr  # 1: a run failed
     assert "(1 of 2 runs, 1 failed)" in proc.stdout
     failed = json.loads((out / 'report' / 'results.json').read_text())['failed']
@@ -244,7 +247,6 @@ def test_report_only_names_an_unreadable_checkpoint(sweep):
     (['--grid=--n_emb=64'], "n_emb"),
 ])
 def test_bad_sweep_settings_are_one_line(args, message, tmp_path):
-    from helpers import run_script_in_process
     proc = run_script_in_process('compare.py', [f'--out_dir={tmp_path / "out"}', *args])
     assert proc.returncode == 2 and message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
     assert not (tmp_path / 'out').exists()
@@ -259,11 +261,11 @@ TUNE = "{'learning_rate': [0.01, 1e-06, 1e+30]}"  # a good rate, one far too sma
 @pytest.fixture(scope='module')
 def tuned_sweep(sweep):
     tmp, data, _ = sweep
-    command = sweep_command(tmp / 'tuned', data, f'--tune={TUNE}', '--tune_seeds=5', '--samples=False',
-                            attn_types='base,linear', seeds='1')
-    proc = subprocess.run(command, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    args = sweep_args(tmp / 'tuned', data, f'--tune={TUNE}', '--tune_seeds=5', '--samples=False',
+                      attn_types='base,linear', seeds='1')
+    proc = compare(args)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    return tmp / 'tuned', command, proc
+    return tmp / 'tuned', args, proc
 
 
 def test_tuning_chooses_each_variants_best_and_compares_it_there(tuned_sweep):
@@ -302,10 +304,10 @@ def test_tuning_seeds_never_appear_in_the_comparison(tuned_sweep):
 
 def test_a_tuned_sweep_run_again_trains_nothing(tuned_sweep):
     """Finished tuning and comparison runs are skipped, and a diverged candidate is not tried again."""
-    out, command, _ = tuned_sweep
+    out, args, _ = tuned_sweep
     logs = sorted(out.glob('*/*/train.log'))
     before = {p: p.read_bytes() for p in logs}
-    proc = subprocess.run(command, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    proc = compare(args)
     assert proc.returncode == 0, proc.stderr
     assert len(logs) == 8 and {p: p.read_bytes() for p in logs} == before
 
@@ -330,13 +332,16 @@ def test_tuning_ranks_candidates_and_warns_at_the_edge_of_the_range():
     assert candidate_settings({'learning_rate': 1e-2}, config) == {'learning_rate': 1e-2, 'min_lr': pytest.approx(1e-3)}
     assert candidate_settings({'learning_rate': 1e-2, 'min_lr': 0.0}, config) == {'learning_rate': 1e-2, 'min_lr': 0.0}
     # accuracy first, val loss between equals; a seed that diverged sinks its candidate; nan is not finite
-    runs = [[{'final_val_loss': 0.5, 'accuracy': 0.9}, {'final_val_loss': 0.7, 'accuracy': 1.0}],  # mean 0.95, 0.6
-            [{'final_val_loss': 0.2, 'accuracy': 1.0}, {'final_val_loss': 0.2, 'accuracy': 0.9}],  # mean 0.95, 0.2
-            [{'final_val_loss': 0.1, 'accuracy': 1.0}, None],
-            [{'final_val_loss': float('nan'), 'accuracy': 1.0}, {'final_val_loss': 0.1, 'accuracy': 1.0}]]
+    def result(val_loss, accuracy):  # a tuning run that trained to max_iters
+        return {'final_val_loss': val_loss, 'accuracy': accuracy, 'final_iter': 100, 'reached_target': False}
+    runs = [[result(0.5, 0.9), result(0.7, 1.0)],  # mean 0.95, 0.6
+            [result(0.2, 1.0), result(0.2, 0.9)],  # mean 0.95, 0.2
+            [result(0.1, 1.0), None],
+            [result(float('nan'), 1.0), result(0.1, 1.0)]]
     scores = [score(r, 'accuracy') for r in runs]
     assert [s['diverged'] for s in scores] == [False, False, True, True]
-    assert scores[0] == {'diverged': False, 'val_loss': pytest.approx(0.6), 'accuracy': pytest.approx(0.95)}
+    assert scores[0] == {'diverged': False, 'val_loss': pytest.approx(0.6), 'accuracy': pytest.approx(0.95),
+                         'iters': 100, 'reached': False}
     assert choose(scores, 'accuracy') == 1 and choose(scores, 'val_loss') == 1
     assert choose([score([r[0]], 'accuracy') for r in runs[:2]], 'accuracy') == 1  # 1.0 beats 0.9
     assert choose(scores[2:], 'val_loss') is None

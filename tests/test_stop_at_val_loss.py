@@ -1,0 +1,109 @@
+"""train.py's stop_at_val_loss (training ends at the first evaluation at or below it) and what compare.py
+makes of it: a stopped run counts as finished, and in tuning reaching it sooner beats reaching it later,
+which beats not reaching it."""
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from helpers import ROOT, TINY, VOCAB, make_dataset, run_script_in_process, run_train, subprocess_env
+
+ITERS = 40
+SCHEDULE = (f'--max_iters={ITERS}', f'--lr_decay_iters={ITERS}', '--eval_interval=5')
+
+
+def evaluations(out_dir):
+    rows = [json.loads(line) for line in (out_dir / 'metrics.jsonl').read_text().splitlines()]
+    return [r for r in rows if 'val_loss' in r]
+
+
+@pytest.fixture(scope='module')
+def data(tmp_path_factory):
+    return make_dataset(tmp_path_factory.mktemp('stop'))
+
+
+def test_training_ends_at_the_first_evaluation_at_or_below_the_target_and_resume_trains_nothing(data, tmp_path):
+    run_train(tmp_path / 'full', data, *SCHEDULE)
+    full = evaluations(tmp_path / 'full')
+    target = full[3]['val_loss']  # iter 15's: the run reaches it there, or earlier if it was lower before
+    stop = next(r['iter'] for r in full if r['iter'] > 0 and r['val_loss'] <= target)
+    assert stop < ITERS
+    proc = run_train(tmp_path / 'stop', data, *SCHEDULE, f'--stop_at_val_loss={target!r}')
+    stopped = evaluations(tmp_path / 'stop')
+    assert stopped == [r | {'time': s['time'], 'peak_memory_mib': s['peak_memory_mib']}
+                       for r, s in zip(full, stopped)]  # the same run up to the stop (timings aside)
+    assert stopped[-1]['iter'] == stop
+    assert f"training ends at iter {stop} of max_iters={ITERS}" in proc.stdout
+    ckpt = torch.load(tmp_path / 'stop' / 'ckpt.pt', map_location='cpu', weights_only=True)
+    assert ckpt['iter_num'] == stop and ckpt['val_loss'] == stopped[-1]['val_loss']
+
+    # resumed, the run has reached its target: nothing more is trained, evaluated or saved
+    before = (tmp_path / 'stop' / 'ckpt.pt').stat().st_mtime_ns
+    proc = run_train(tmp_path / 'stop', data, '--init_from=resume')
+    assert "\niter " not in proc.stdout and evaluations(tmp_path / 'stop') == stopped
+    assert (tmp_path / 'stop' / 'ckpt.pt').stat().st_mtime_ns == before
+
+
+@pytest.mark.parametrize('value', ['-0.1', 'nan'])
+def test_a_negative_or_nan_target_is_refused_in_one_line(data, tmp_path, value):
+    proc = run_script_in_process('train.py', [str(TINY), f'--dataset={data}', f'--out_dir={tmp_path}',
+                                              f'--stop_at_val_loss={value}'])
+    assert proc.returncode == 2 and 'stop_at_val_loss' in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and 'Traceback' not in proc.stderr
+
+
+def test_tuning_ranks_reaching_the_target_sooner_above_later_above_never():
+    from denoised_gpt.tuning import choose, score
+
+    def result(iters, reached, val_loss=0.5, accuracy=0.5):
+        return {'final_val_loss': val_loss, 'final_iter': iters, 'reached_target': reached, 'accuracy': accuracy}
+    never = [result(100, False, val_loss=0.01, accuracy=1.0)] * 2  # best metric, but never stopped
+    late = [result(80, True), result(60, True)]  # mean 70
+    soon = [result(40, True), result(60, True)]  # mean 50
+    half = [result(10, True), result(100, False)]  # one seed only: not reached
+    for metric in ('accuracy', 'val_loss'):
+        scores = [score(runs, metric) for runs in (never, late, soon, half)]
+        assert [s['reached'] for s in scores] == [False, True, True, False]
+        assert [s['iters'] for s in scores] == [100, 70, 50, 55]
+        assert choose(scores, metric) == 2
+        assert choose([scores[0], scores[1]], metric) == 1
+        assert choose([scores[0], scores[3]], metric) == 0  # neither reached: the metric decides
+
+
+def test_compare_counts_a_stopped_run_as_finished_and_tunes_by_how_soon_the_target_is_reached(data, tmp_path):
+    """lr 1e-6 cannot move the loss in 40 iterations, 1e-2 can: with the target half a nat below the
+    initial val loss (about log(VOCAB): the initial weights predict nearly uniformly), only 1e-2 reaches
+    it, stops there, is chosen, and a second sweep trains nothing."""
+    target = math.log(VOCAB) - 0.5
+    overrides = (f"--dataset={data} --max_iters={ITERS} --lr_decay_iters={ITERS} --eval_interval=5 --eval_iters=2 "
+                 f"--stop_at_val_loss={target!r}")
+    out = tmp_path / 'sweep'
+    command = [sys.executable, 'compare.py', f'--base_config={TINY}', f'--overrides={overrides}',
+               '--attn_types=base', '--seeds=1', f'--out_dir={out}', '--samples=False',
+               "--tune={'learning_rate': [1e-06, 0.01]}", '--tune_seeds=5']
+    proc = subprocess.run(command, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    small, good = (evaluations(out / 'tune' / f'base-learning_rate{lr}-seed5') for lr in ('1e-06', '0.01'))
+    assert small[-1]['iter'] == ITERS and small[0]['val_loss'] > target and small[-1]['val_loss'] > target
+    assert good[-1]['iter'] < ITERS and good[-1]['val_loss'] <= target
+    assert all(r['val_loss'] > target for r in good[1:-1])  # it stopped at the first evaluation below
+    results = json.loads((out / 'report' / 'results.json').read_text())
+    assert results['protocol']['stop_at_val_loss'] == target
+    tuning, = results['tuning']
+    assert [(c['reached'], c['iters']) for c in tuning['candidates']] == [(False, ITERS), (True, good[-1]['iter'])]
+    assert tuning['chosen'] == 'learning_rate=0.01'
+    run, = results['runs']
+    compared = evaluations(out / 'runs' / 'base-seed1')
+    assert run['reached_target'] == (compared[-1]['val_loss'] <= target) and run['final_iter'] == compared[-1]['iter']
+    report = (out / 'report' / 'report.md').read_text()
+    assert f"| `base` | {small[-1]['val_loss']:.4f} | **at iter {good[-1]['iter']}: {good[-1]['val_loss']:.4f}** |" in report
+    per_seed = str(run['final_iter']) if run['reached_target'] else f"not by {run['final_iter']}"
+    assert f"| `base` | {int(run['reached_target'])} of 1 | {per_seed} |" in report
+
+    logs = {p: p.read_text() for p in out.glob('*/*/train.log')}
+    again = subprocess.run(command, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert {p: p.read_text() for p in out.glob('*/*/train.log')} == logs  # no train.py started again
