@@ -45,6 +45,27 @@ def pytest_report_header(config):
     return "tested with: " + ", ".join(f"{name} {installed(name)}" for name in TESTED_WITH)
 
 
+# The test files that take 25 s or more (trainings in subprocesses: sweeps, torchrun, kill and resume;
+# lm-eval), longest first as measured. `-n 2 --dist loadfile` hands whole files to the two workers in the
+# order of this list, then the other files in collection order: the long ones start at once and the short
+# ones fill in at the end, instead of one long file running alone on one worker after the other has finished.
+SLOW_FILES = ['test_compare.py', 'test_fsdp.py', 'test_compile.py', 'test_train.py', 'test_recall.py',
+              'test_hf_export.py', 'test_stop_at_val_loss.py', 'test_eval_lm.py', 'test_finetune.py',
+              'test_out_dir.py', 'test_grow.py', 'test_bench.py', 'test_settings_fuzz.py']
+
+
+def pytest_configure(config):
+    # by default xdist reorders loadfile's files by their number of tests (most first), which left
+    # test_fsdp.py (three long tests) to the very end: keep the order set below instead
+    config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(items):
+    """SLOW_FILES first, in that order; each file's tests stay together, in their own order."""
+    rank = {name: i for i, name in enumerate(SLOW_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(SLOW_FILES)))  # a stable sort
+
+
 @pytest.fixture
 def fake_habana(tmp_path):
     """(env, log path) for a train.py subprocess on a fake Intel Gaudi (tests/fake_gaudi.py): PYTHONPATH

@@ -67,12 +67,15 @@ def make_dataset(tmp_path, n_train=30_000, n_val=6_000, seed=0):
 # -----------------------------------------------------------------------------
 # running the scripts
 
+# one OpenMP thread (a tiny model gains nothing from two, and spinning threads run ten times slower when
+# other processes keep the second core busy), unbuffered output, wandb offline and quiet
+SCRIPT_VARIABLES = {'OMP_NUM_THREADS': '1', 'PYTHONUNBUFFERED': '1', 'WANDB_MODE': 'offline', 'WANDB_SILENT': 'true'}
+
+
 def subprocess_env(**extra):
-    """The environment of a script run as a subprocess: one OpenMP thread (a tiny model gains nothing
-    from two, and spinning threads run ten times slower when other processes keep the second core
-    busy), unbuffered output, wandb offline and quiet; extra adds or replaces variables."""
-    return {**os.environ, 'OMP_NUM_THREADS': '1', 'PYTHONUNBUFFERED': '1', 'WANDB_MODE': 'offline',
-            'WANDB_SILENT': 'true', **extra}
+    """The environment of a script run as a subprocess: this one with SCRIPT_VARIABLES; extra adds or
+    replaces variables."""
+    return {**os.environ, **SCRIPT_VARIABLES, **extra}
 
 
 def train_command(out_dir, data, *args, nproc=1):
@@ -90,20 +93,33 @@ def run_train(out_dir, data, *args, nproc=1, env=None, expect_rc=0):
     return proc
 
 
-def run_script_in_process(script, args):
+def run_train_in_process(out_dir, data, *args, expect_rc=0):
+    """run_train's one-process run, in this process (run_script_in_process: one thread, as a subprocess's
+    OMP_NUM_THREADS=1, and no torch start-up), where nothing is process-level (no signal, no launcher)."""
+    proc = run_script_in_process('train.py', [TINY, f'--dataset={data}', f'--out_dir={out_dir}', *args])
+    assert proc.returncode == expect_rc, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    return proc
+
+
+def run_script_in_process(script, args, env=None):
     """`python3 SCRIPT ARGS` in the repo root, run in this process (runpy, as __main__), which spares
     it torch's start-up: a CompletedProcess with its exit status, stdout and stderr. An uncaught
-    exception other than SystemExit fails the calling test with its traceback. The working
-    directory, sys.argv, the SIGTERM / SIGINT handlers (train.py sets its own) and torch's thread
-    count (one while it runs) are restored afterwards, and what the script left open is closed
-    (its out_dir lock, say), as the end of its process would."""
+    exception other than SystemExit fails the calling test with its traceback. env: variables set
+    while it runs (SCRIPT_VARIABLES, say, for the train.py processes compare.py starts). The working
+    directory, sys.argv, the environment, the SIGTERM / SIGINT handlers (train.py sets its own) and
+    torch's thread count (one while it runs) are restored afterwards, and what the script left open is
+    closed (its out_dir lock, say), as the end of its process would."""
     args = [str(a) for a in args]
     out, err = io.StringIO(), io.StringIO()
     saved = (sys.argv, os.getcwd(), signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT),
-             torch.get_num_threads())
+             torch.get_num_threads(), {k: os.environ.get(k) for k in env or {}})
     sys.argv = [script, *args]
     os.chdir(ROOT)  # the scripts read data/<dataset> relative to where they run
+    os.environ.update(env or {})
     torch.set_num_threads(1)
+    # what exists now is not the script's: the collection at the end skips it (measured: a full collection
+    # takes 0.4 s once transformers and lm-eval are imported, and a test file may run scripts hundreds of times)
+    gc.freeze()
     rc = 0
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -116,7 +132,13 @@ def run_script_in_process(script, args):
         signal.signal(signal.SIGTERM, saved[2])
         signal.signal(signal.SIGINT, saved[3])
         torch.set_num_threads(saved[4])
+        for name, value in saved[5].items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
         gc.collect()  # the script's globals are gone: finalise its objects (files close, locks are released)
+        gc.unfreeze()
     return subprocess.CompletedProcess([script, *args], rc, out.getvalue(), err.getvalue())
 
 

@@ -1,4 +1,6 @@
-"""bench.py run as a user runs it, on a tiny model: what it prints and writes, not how fast it is."""
+"""bench.py on a tiny model: what it prints and writes, not how fast it is. The run of every variant is a
+subprocess, as a user runs it (its stderr is the process's: torch.profiler's native code writes there);
+the others run in this process (run_script_in_process), which spares each a torch start-up."""
 import json
 import os
 import re
@@ -9,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import ROOT, subprocess_env
+from helpers import ROOT, run_script_in_process, subprocess_env
 from model import ATTENTION_TYPES
 
 # one xdist worker runs this whole file, so its module-scoped fixtures are built once (-n 2 --dist loadfile)
@@ -18,10 +20,10 @@ TINY = ["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_
         "--warmup_iters=1", "--bench_iters=2", "--rounds=1"]
 
 
-def bench(*args):
-    """`python3 bench.py` on the tiny model, with args (one OpenMP thread: see subprocess_env)."""
-    return subprocess.run([sys.executable, "bench.py", *TINY, *args], cwd=ROOT, env=subprocess_env(),
-                          capture_output=True, text=True, timeout=300)
+def bench(*args, size=TINY):
+    """`python3 bench.py` on the tiny model (or `size`'s settings), with args, in this process (one thread,
+    as subprocess_env's OMP_NUM_THREADS=1)."""
+    return run_script_in_process("bench.py", [*size, *args])
 
 
 def table_rows(stdout, marker):
@@ -40,7 +42,9 @@ def table_rows(stdout, marker):
 @pytest.fixture(scope="module")
 def all_variants(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "bench.json"
-    proc = bench("--attn_types=all", "--generate=True", "--max_new_tokens=8", f"--json_out={out}")
+    proc = subprocess.run([sys.executable, "bench.py", *TINY, "--attn_types=all", "--generate=True",
+                           "--max_new_tokens=8", f"--json_out={out}"], cwd=ROOT, env=subprocess_env(),
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     return proc.stdout, json.loads(out.read_text()), proc.stderr
 
@@ -146,9 +150,7 @@ def test_bad_settings_fail_clearly(args, words):
 def test_cpu_default_size_and_rounds():
     """No size key given: on CPU the 4-layer 256-wide model at batch 8, block 256 (GPT-2 small takes
     minutes per step there), three rounds by default, and the first line says which size ran."""
-    env = subprocess_env()
-    proc = subprocess.run([sys.executable, "bench.py", "--attn_types=base", "--vocab_size=96", "--warmup_iters=1",
-                           "--bench_iters=1"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    proc = bench("--attn_types=base", "--warmup_iters=1", "--bench_iters=1", size=["--vocab_size=96"])
     assert proc.returncode == 0, proc.stderr
     assert ("model (the default size on cpu): n_layer 4, n_head 4, n_embd 256, block_size 256, vocab_size 96, "
             "bias False; batch_size 8 (2,048 tokens/iter)") in proc.stdout
@@ -156,10 +158,8 @@ def test_cpu_default_size_and_rounds():
 
 
 def test_a_given_size_key_keeps_the_other_cpu_defaults():
-    env = subprocess_env()
-    proc = subprocess.run([sys.executable, "bench.py", "--attn_types=base", "--vocab_size=96", "--n_layer=1",
-                           "--rounds=1", "--warmup_iters=1", "--bench_iters=1"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = bench("--attn_types=base", "--rounds=1", "--warmup_iters=1", "--bench_iters=1",
+                 size=["--vocab_size=96", "--n_layer=1"])
     assert proc.returncode == 0, proc.stderr
     assert "model (size as given): n_layer 1, n_head 4, n_embd 256, block_size 256" in proc.stdout
 
@@ -181,9 +181,8 @@ def test_memory_plan(tmp_path):
     """--plan=True: arithmetic only, no device and no timing; a row per attn_type x (ddp, fsdp) x checkpointing,
     and a row saying why a size cannot be built (diff needs an even head count)."""
     out = tmp_path / "plan.json"
-    proc = subprocess.run([sys.executable, "bench.py", "--plan=True", "--attn_types=base,diff", "--n_layer=2",
-                           "--n_head=3", "--n_embd=48", "--plan_world_size=4", f"--json_out={out}"], cwd=ROOT,
-                          env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    proc = bench("--plan=True", "--attn_types=base,diff", "--plan_world_size=4", f"--json_out={out}",
+                 size=["--n_layer=2", "--n_head=3", "--n_embd=48"])
     assert proc.returncode == 0, proc.stderr
     assert "fsdp over 4 GPUs" in proc.stdout and "ms/iter" not in proc.stdout
     rows = [line.split() for line in proc.stdout.splitlines() if line.startswith("2/48/3 ")]

@@ -19,7 +19,7 @@ from torch.nn import functional as F
 from configurator import apply_config
 from denoised_gpt.device import resolve_compile
 from fake_gaudi import HAS_HABANA, events
-from helpers import ITER_LINE, ROOT, TINY_MODEL, make_dataset, run_train, subprocess_env, tiny_gpt
+from helpers import ITER_LINE, ROOT, TINY_MODEL, make_dataset, run_train, run_train_in_process, subprocess_env, tiny_gpt
 from model import ATTENTION_TYPES
 
 VOCAB = 96  # TINY_MODEL with another vocabulary size than make_dataset's
@@ -200,7 +200,7 @@ def test_config_files_and_overrides_give_compile_as_bool_or_auto(tmp_path):
 
 def test_train_rejects_a_bad_compile_setting(tmp_path):
     data = make_dataset(tmp_path)
-    proc = run_train(tmp_path / 'out', data, '--compile=yes', expect_rc=2)
+    proc = run_train_in_process(tmp_path / 'out', data, '--compile=yes', expect_rc=2)
     assert proc.stderr.strip().splitlines() == [
         "train.py: error: compile='yes' is not a valid setting; use --compile=True, --compile=False or "
         "--compile=auto (on where it measured faster: CUDA, Gaudi eager mode)"]

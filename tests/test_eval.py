@@ -182,10 +182,15 @@ def test_run_name_identifies_a_run_whose_directory_name_is_generic(tmp_path, mon
 
 
 # ----------------------------------------------------------------------------- eval.py as a user runs it
+# (a subprocess; its refusals run in this process, which spares each a torch start-up)
 
 def launch(*args, cwd=ROOT):
     return subprocess.run([sys.executable, str(ROOT / 'eval.py'), *map(str, args)], cwd=cwd, env=subprocess_env(),
                           capture_output=True, text=True, timeout=240)
+
+
+def refused(*args):
+    return run_script_in_process('eval.py', args)
 
 
 @pytest.fixture(scope='module')
@@ -227,7 +232,7 @@ def test_eval_script_val_loss_and_entropy_with_a_side_by_side(char_run):
 
 def test_eval_script_refuses_glue_and_lm_eval_for_a_char_level_model(char_run):
     for arg in ('--glue=all', '--lm_eval=hellaswag'):
-        r = launch(f"--out_dir={char_run['base_dir']}", arg, '--device=cpu')
+        r = refused(f"--out_dir={char_run['base_dir']}", arg, '--device=cpu')
         assert r.returncode == 2
         assert 'Traceback' not in r.stderr
         assert r.stderr.strip().splitlines()[-1].startswith('eval.py: error:') and 'GPT-2 vocabulary' in r.stderr
@@ -238,7 +243,7 @@ def test_eval_script_bad_settings_fail_in_one_line(char_run):
              (['--val_loss=True', '--dataset=no-such-data'], 'val.bin not found'),
              (['--val_loss=True', '--noise_at_eval=False'], 'NoiseFormer')]
     for args, message in cases:
-        r = launch(f"--out_dir={char_run['base_dir']}", '--device=cpu', *args)
+        r = refused(f"--out_dir={char_run['base_dir']}", '--device=cpu', *args)
         assert r.returncode == 2, args
         assert message in r.stderr and 'Traceback' not in r.stderr, (args, r.stderr)
 

@@ -7,16 +7,14 @@ task (a task YAML over a local jsonl, run by lm_eval.simple_evaluate), and the s
 loglikelihoods and greedy generations, including inputs longer than block_size (left truncation).
 """
 import json
-import subprocess
-import sys
 
 import pytest
 import tiktoken
 import torch
 
 import gpt2_bpe
-from helpers import (MC_QUESTIONS, NO_AUTOCAST, ROOT, hf_lm, local_mc_task, per_doc_loglikelihoods,
-                     save_model_checkpoint, subprocess_env)
+from helpers import (MC_QUESTIONS, NO_AUTOCAST, hf_lm, local_mc_task, per_doc_loglikelihoods, run_script_in_process,
+                     save_model_checkpoint)
 from model import GPT
 
 # one xdist worker runs this whole file, so its module-scoped fixtures are built once (-n 2 --dist loadfile)
@@ -105,10 +103,9 @@ def test_unknown_task_names_get_a_suggestion(tiny_gpt2):
 def test_eval_script_runs_a_local_task(tiny_gpt2, tmp_path):
     out = tmp_path / 'out'
     save_model_checkpoint(out, tiny_gpt2['ours'], iter_num=1, best_val_loss=9.0, config={'dataset': 'openwebtext'})
-    env = subprocess_env()
-    base = [sys.executable, str(ROOT / 'eval.py'), f'--out_dir={out}', '--device=cpu', '--dtype=float32',
-            f"--lm_eval_include_path={tiny_gpt2['tasks']}"]
-    r = subprocess.run(base + ['--lm_eval=tiny_mc'], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    # in this process, whose lm_eval and transformers are imported already (a subprocess spends 15 s on that)
+    r = run_script_in_process('eval.py', [f'--out_dir={out}', '--device=cpu', '--dtype=float32',
+                                          f"--lm_eval_include_path={tiny_gpt2['tasks']}", '--lm_eval=tiny_mc'])
     assert r.returncode == 0, r.stderr[-3000:]
     saved = json.loads((out / 'lm_eval.json').read_text())
     assert 0 <= saved['results']['results']['tiny_mc']['acc,none'] <= 1

@@ -10,7 +10,8 @@ import torch
 from denoised_gpt.checkpoint import load_checkpoint
 from denoised_gpt.finetune import (apply_trainable, check_finetune_settings, merge_lora, merged_checkpoint,
                                    model_from_checkpoint, new_parameter_names, start_model_args)
-from helpers import TINY_MODEL, VOCAB, iter_losses, make_dataset, run_train, save_model_checkpoint, tiny_gpt
+from helpers import (TINY_MODEL, VOCAB, iter_losses, make_dataset, run_train, run_train_in_process,
+                     save_model_checkpoint, tiny_gpt)
 from model import GPT, GPTConfig
 from nanogpt_reference import BETAS, LR, WD, NanoConfig, NanoGPT, nano_checkpoint, train_steps
 
@@ -166,12 +167,19 @@ def test_what_cannot_train_is_refused():
 
 # ---------------------------------------------------------------------------- train.py
 
+def train(out_dir, data, *args, nproc=1, expect_rc=0):
+    """train.py on the test config: DDP runs under torchrun, one-process runs in this process."""
+    if nproc == 1:
+        return run_train_in_process(out_dir, data, *args, expect_rc=expect_rc)
+    return run_train(out_dir, data, *args, nproc=nproc, expect_rc=expect_rc)
+
+
 def resume_from_previous_checkpoint(full_dir, part_dir, data, max_iters, nproc=1):
     """Resume a copy of full_dir's ckpt.prev.pt to max_iters: it must redo full_dir's last iterations
     exactly. Returns (the resumed run's output, the iteration it started from)."""
     part_dir.mkdir()
     shutil.copyfile(full_dir / 'ckpt.prev.pt', part_dir / 'ckpt.pt')
-    resumed = run_train(part_dir, data, '--init_from=resume', f'--max_iters={max_iters}', nproc=nproc)  # config: 20
+    resumed = train(part_dir, data, '--init_from=resume', f'--max_iters={max_iters}', nproc=nproc)  # config: 20
     return resumed, load_checkpoint(full_dir / 'ckpt.prev.pt')['iter_num']
 
 
@@ -206,20 +214,20 @@ def test_trainable_new_from_a_nanogpt_checkpoint_moves_only_the_new_tensors_and_
     assert since == 5
     assert_same_run(full, tmp_path / 'full', resumed, tmp_path / 'part', since, 10)
     # what trains decides what the optimizer holds: a resume cannot change it
-    proc = run_train(tmp_path / 'part', data, '--init_from=resume', '--trainable=all', expect_rc=2)
+    proc = train(tmp_path / 'part', data, '--init_from=resume', '--trainable=all', expect_rc=2)
     assert "trainable: checkpoint 'new', this run 'all'" in proc.stderr and "--init_from=" in proc.stderr
 
 
 def test_lora_run_resumes_exactly_and_merges_into_a_plain_checkpoint(tmp_path):
     data = make_dataset(tmp_path)
     nanogpt_base_checkpoint(tmp_path / 'nano')
-    full = run_train(tmp_path / 'full', data, f'--init_from={tmp_path / "nano"}', '--attn_type=linear',
-                     '--trainable=lora', '--lora_rank=4', '--lora_dropout=0.1', '--max_iters=10', '--eval_interval=5')
+    full = train(tmp_path / 'full', data, f'--init_from={tmp_path / "nano"}', '--attn_type=linear',
+                 '--trainable=lora', '--lora_rank=4', '--lora_dropout=0.1', '--max_iters=10', '--eval_interval=5')
     assert f"python3 train.py --out_dir={tmp_path / 'full'} --merge_lora=True" in full.stdout  # not sample.py
     resumed, since = resume_from_previous_checkpoint(tmp_path / 'full', tmp_path / 'part', data, 10)
     assert_same_run(full, tmp_path / 'full', resumed, tmp_path / 'part', since, 10)
 
-    merge = run_train(tmp_path / 'full', data, '--merge_lora=True')
+    merge = train(tmp_path / 'full', data, '--merge_lora=True')
     assert f"into {tmp_path / 'full' / 'merged' / 'ckpt.pt'}" in merge.stdout
     lora_ckpt, merged = load_checkpoint(tmp_path / 'full'), load_checkpoint(tmp_path / 'full' / 'merged')
     # the adapter model, rebuilt the way a resume does, against the merged checkpoint read the way sample.py does
@@ -244,7 +252,7 @@ def test_bad_finetune_settings_fail_in_one_line(tmp_path, args, message):
     out = tmp_path / 'out'
     out.mkdir()
     (out / 'ckpt.pt').write_bytes(b'a checkpoint')
-    proc = run_train(out, tmp_path / 'no-data', *[a.replace('OUT', str(out)) for a in args], expect_rc=2)
+    proc = train(out, tmp_path / 'no-data', *[a.replace('OUT', str(out)) for a in args], expect_rc=2)
     assert proc.stderr.startswith("train.py: error: ") and message in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
     assert (out / 'ckpt.pt').read_bytes() == b'a checkpoint'  # nothing already written is lost

@@ -1,9 +1,10 @@
 """parallel='fsdp' (FSDP2, denoised_gpt/parallel.py) on CPU with gloo: train.py under torchrun trains the
-same model as DDP and as one process, writes sharded checkpoints and resumes from them exactly after a
-kill -9, on two ranks or in one process; convert_checkpoint.py consolidates them into a ckpt.pt; every
-attn_type's sharded step equals the unsharded one and its sharded checkpoint reads back as the gathered
-weights (tests/fsdp_steps.py, one launch for all); settings it cannot train with are refused before
-out_dir is touched."""
+same model as DDP and as one process (and DDP the same as one process: the suite's DDP check, on these
+runs rather than on another pair of the same runs), writes sharded checkpoints and resumes from them
+exactly after a kill -9, on two ranks or in one process; convert_checkpoint.py consolidates them into a
+ckpt.pt; every attn_type's sharded step equals the unsharded one and its sharded checkpoint reads back as
+the gathered weights (tests/fsdp_steps.py, one launch for all); settings it cannot train with are
+refused before out_dir is touched."""
 import json
 import os
 import pickle
@@ -18,7 +19,8 @@ import torch
 from denoised_gpt.checkpoint import load_checkpoint
 from denoised_gpt.cli import model_with_weights
 from helpers import (ITER_LINE, ROOT, TINY, VOCAB, eval_losses, iter_losses, logged_losses, make_dataset,
-                     run_script_in_process, run_train, subprocess_env, tiny_checkpoint, train_command)
+                     run_script_in_process, run_train, run_train_in_process, subprocess_env, tiny_checkpoint,
+                     train_command)
 from model import ATTENTION_TYPES, GPTConfig
 from nanogpt_reference import NanoConfig, NanoGPT
 
@@ -47,14 +49,35 @@ def weights_differ(a, b):
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
+def assert_ddp_matches_one_process(one, ddp, tmp_path):
+    """DDP (gloo, 2 ranks) trains what one process does with the same total accumulation (losses and
+    weights to float32 rounding); only rank 0 saves."""
+    assert '1 process(es)' in one.stdout and '2 process(es)' in ddp.stdout
+    l1, l2 = iter_losses(one.stdout), iter_losses(ddp.stdout)
+    assert sorted(l1) == sorted(l2) == list(range(8))
+    for it in l1:
+        assert abs(l1[it] - l2[it]) < 1e-5, (it, l1[it], l2[it])
+    e1, e2 = eval_losses(one.stdout), eval_losses(ddp.stdout)
+    assert sorted(e1) == sorted(e2) == [0, 4, 8]
+    for it in e1:
+        assert abs(e1[it] - e2[it]) < 1e-5
+    # only rank 0 saves (twice: at the evaluations of iters 4 and 8); the results agree
+    assert one.stdout.count('saved checkpoint') == ddp.stdout.count('saved checkpoint') == 2
+    assert sorted(os.listdir(tmp_path / 'ddp')) == ['.lock', 'ckpt.prev.pt', 'ckpt.pt', 'metrics.jsonl']  # rank 0's
+    w1, w2 = load_checkpoint(tmp_path / 'one')['model'], load_checkpoint(tmp_path / 'ddp')['model']
+    for name in w1:
+        torch.testing.assert_close(w1[name], w2[name], rtol=0, atol=1e-5)
+
+
 def test_fsdp_matches_ddp_and_one_process_and_resumes_after_kill_9_on_two_ranks_or_one(tmp_path):
     data = make_dataset(tmp_path)
     with open(data / 'meta.pkl', 'wb') as f:  # the characters, for sample.py
         pickle.dump({'vocab_size': VOCAB, 'itos': dict(enumerate(CHARS)), 'stoi': {c: i for i, c in enumerate(CHARS)}}, f)
     args = ['--attn_type=noiseformer_v2', '--gradient_accumulation_steps=4', '--eval_interval=4', '--eval_iters=5',
             '--lr_decay_iters=8']  # 5 eval batches: 3 + 2 per rank
-    one = run_train(tmp_path / 'one', data, *args, '--max_iters=8')
+    one = run_train_in_process(tmp_path / 'one', data, *args, '--max_iters=8')
     ddp = run_train(tmp_path / 'ddp', data, *args, '--max_iters=8', nproc=2)
+    assert_ddp_matches_one_process(one, ddp, tmp_path)
     fsdp = run_train(tmp_path / 'fsdp', data, *args, '--max_iters=8', '--parallel=fsdp', nproc=2)
     assert 'FSDP2: weights, gradients and AdamW state sharded over 2 ranks' in fsdp.stdout
     l1, ld, lf = (logged_losses(tmp_path / name) for name in ('one', 'ddp', 'fsdp'))

@@ -8,7 +8,8 @@ import torch
 
 from denoised_gpt import growth
 from denoised_gpt.checkpoint import load_checkpoint
-from helpers import make_dataset, run_script_in_process, run_train, save_model_checkpoint, tiny_gpt
+from helpers import (make_dataset, run_script_in_process, run_train, run_train_in_process, save_model_checkpoint,
+                     tiny_gpt)
 from model import ATTENTION_TYPES, GPT, GPTConfig
 
 VOCAB = 11
@@ -264,7 +265,7 @@ def run_grow(*args):
 def test_grow_script_then_train_resumes_with_ddp_and_bf16(tmp_path):
     data = make_dataset(tmp_path)
     narrow = tmp_path / 'narrow'
-    run_train(narrow, data, '--qk_head_size=4', '--max_iters=10', '--lr_decay_iters=10', '--bias=True')
+    run_train_in_process(narrow, data, '--qk_head_size=4', '--max_iters=10', '--lr_decay_iters=10', '--bias=True')
     assert load_checkpoint(narrow)['model_args']['qk_head_size'] == 4
     rc, out, err = run_grow(f'--out_dir={narrow}', '--grow_to=16', '--method=closed_form', '--batches=2',
                             f'--out={tmp_path / "grown"}', '--eval_iters=2', '--device=cpu')

@@ -1,15 +1,12 @@
 """nanoGPT interoperability, both ways, against an independent nanoGPT-shaped model written here:
 its checkpoints resume in our GPT (weights and AdamW state, by parameter name), and a `base`
 checkpoint of ours loads and resumes in it the way nanoGPT's sample.py / train.py load one."""
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from denoised_gpt.checkpoint import (NANOGPT_MODEL_ARGS, load_checkpoint, load_optimizer_state, optimizer_param_names,
                                      save_checkpoint)
-from helpers import ITER_LINE, ROOT, VOCAB, make_dataset, subprocess_env
+from helpers import ITER_LINE, VOCAB, make_dataset, run_script_in_process
 from model import ATTENTION_TYPES, GPT, GPTConfig
 from nanogpt_reference import BETAS, LR, WD, NanoConfig, NanoGPT, nano_checkpoint, train_steps
 
@@ -162,9 +159,8 @@ def test_train_py_resumes_a_nanogpt_checkpoint_and_keeps_it(tmp_path):
     out.mkdir()
     torch.save(ckpt, out / 'ckpt.pt')
     original = (out / 'ckpt.pt').read_bytes()
-    proc = subprocess.run([sys.executable, 'train.py', '--init_from=resume', f'--out_dir={out}', '--max_iters=5',
-                           '--device=cpu', '--dtype=float32'], cwd=ROOT, env=subprocess_env(), capture_output=True,
-                          text=True, timeout=120)  # nanoGPT's way: no config file
+    proc = run_script_in_process('train.py', ['--init_from=resume', f'--out_dir={out}', '--max_iters=5', '--device=cpu',
+                                              '--dtype=float32'])  # nanoGPT's way: no config file
     assert proc.returncode == 0, proc.stderr
     assert sorted(int(m[1]) for m in ITER_LINE.finditer(proc.stdout)) == [2, 3, 4]
     assert "tokens per iteration will be: 128" in proc.stdout  # the nanoGPT run's batch x block

@@ -2,24 +2,20 @@
 made by commit 23a31c2: see its README) still means the same run: it resumes to the losses that the
 uninterrupted run of that commit logged, and samples the text that commit's sample.py printed."""
 import json
-import os
 import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers import ROOT, run_script_in_process
+
 FIXTURE = ROOT / 'tests' / 'fixtures' / 'ckpt-23a31c2'
 EXPECTED = json.loads((FIXTURE / 'expected.json').read_text())
 CPU_FLOAT32 = ['--device=cpu', '--dtype=float32']  # the settings the fixture was made with
 
 
 def run(script, *args):
-    env = {**os.environ, 'OMP_NUM_THREADS': '1', 'WANDB_MODE': 'offline'}
-    proc = subprocess.run([sys.executable, script, *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=120)
+    """The script in this process (one thread, as a subprocess with OMP_NUM_THREADS=1)."""
+    proc = run_script_in_process(script, args)
     assert proc.returncode == 0, f"{script} exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
     return proc
 

@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from denoised_gpt.batches import ExampleLayout, TokenBatches
 from denoised_gpt.evaluation import exact_val_loss
 from denoised_gpt.evaluation.recall import answer_accuracy, distance_bucket
-from helpers import (NO_AUTOCAST, ROOT, TINY, eval_losses, iter_losses, run_script_in_process, run_train,
-                     subprocess_env, tiny_gpt)
+from helpers import (NO_AUTOCAST, ROOT, SCRIPT_VARIABLES, TINY, eval_losses, iter_losses, run_script_in_process,
+                     run_train, run_train_in_process, subprocess_env, tiny_gpt)
 from model import ATTENTION_TYPES
 
 sys.path.insert(0, str(ROOT / "data" / "mqar"))
@@ -273,7 +273,7 @@ def test_ddp_two_ranks_match_one_process_on_labelled_examples(mqar, tmp_path):
     """Each rank draws its micro-batches of whole examples and takes their labels as one process does."""
     args = ['--attn_type=diff', '--gradient_accumulation_steps=2', '--max_iters=4', '--eval_interval=4',
             '--eval_iters=2', '--warmup_iters=1', '--lr_decay_iters=4']
-    one = run_train(tmp_path / 'one', mqar, *args)
+    one = run_train_in_process(tmp_path / 'one', mqar, *args)
     two = run_train(tmp_path / 'two', mqar, *args, nproc=2)
     assert '2 process(es)' in two.stdout
     l1, l2 = iter_losses(one.stdout), iter_losses(two.stdout)
@@ -287,10 +287,10 @@ def test_compare_sweeps_a_grid_and_reports_accuracy(mqar, tmp_path):
     table and its paired reading read from each run's recall.json."""
     out = tmp_path / "sweep"
     overrides = f"--dataset={mqar} --max_iters=6 --lr_decay_iters=6 --eval_interval=3 --eval_iters=2"
-    proc = subprocess.run([sys.executable, "compare.py", f"--base_config={TINY}", f"--overrides={overrides}",
-                           "--attn_types=base,linear", "--seeds=1", "--grid=--n_embd=16,--n_embd=32",
-                           "--samples=False", "--jobs=2", f"--out_dir={out}"], cwd=ROOT, env=subprocess_env(),
-                          capture_output=True, text=True, timeout=300)
+    # compare.py in this process (its train.py and eval.py runs are processes all the same)
+    args = [f"--base_config={TINY}", f"--overrides={overrides}", "--attn_types=base,linear", "--seeds=1",
+            "--grid=--n_embd=16,--n_embd=32", "--samples=False", "--jobs=2", f"--out_dir={out}"]
+    proc = run_script_in_process("compare.py", args, env=SCRIPT_VARIABLES)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     results = json.loads((out / "report" / "results.json").read_text())
     report = (out / "report" / "report.md").read_text()

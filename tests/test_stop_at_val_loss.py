@@ -3,13 +3,11 @@ makes of it: a stopped run counts as finished, and in tuning reaching it sooner 
 which beats not reaching it."""
 import json
 import math
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from helpers import ROOT, TINY, VOCAB, make_dataset, run_script_in_process, run_train, subprocess_env
+from helpers import SCRIPT_VARIABLES, TINY, VOCAB, make_dataset, run_script_in_process, run_train_in_process
 
 ITERS = 40
 SCHEDULE = (f'--max_iters={ITERS}', f'--lr_decay_iters={ITERS}', '--eval_interval=5')
@@ -26,12 +24,12 @@ def data(tmp_path_factory):
 
 
 def test_training_ends_at_the_first_evaluation_at_or_below_the_target_and_resume_trains_nothing(data, tmp_path):
-    run_train(tmp_path / 'full', data, *SCHEDULE)
+    run_train_in_process(tmp_path / 'full', data, *SCHEDULE)
     full = evaluations(tmp_path / 'full')
     target = full[3]['val_loss']  # iter 15's: the run reaches it there, or earlier if it was lower before
     stop = next(r['iter'] for r in full if r['iter'] > 0 and r['val_loss'] <= target)
     assert stop < ITERS
-    proc = run_train(tmp_path / 'stop', data, *SCHEDULE, f'--stop_at_val_loss={target!r}')
+    proc = run_train_in_process(tmp_path / 'stop', data, *SCHEDULE, f'--stop_at_val_loss={target!r}')
     stopped = evaluations(tmp_path / 'stop')
     assert stopped == [r | {'time': s['time'], 'peak_memory_mib': s['peak_memory_mib']}
                        for r, s in zip(full, stopped)]  # the same run up to the stop (timings aside)
@@ -42,7 +40,7 @@ def test_training_ends_at_the_first_evaluation_at_or_below_the_target_and_resume
 
     # resumed, the run has reached its target: nothing more is trained, evaluated or saved
     before = (tmp_path / 'stop' / 'ckpt.pt').stat().st_mtime_ns
-    proc = run_train(tmp_path / 'stop', data, '--init_from=resume')
+    proc = run_train_in_process(tmp_path / 'stop', data, '--init_from=resume')
     assert "\niter " not in proc.stdout and evaluations(tmp_path / 'stop') == stopped
     assert (tmp_path / 'stop' / 'ckpt.pt').stat().st_mtime_ns == before
 
@@ -81,10 +79,9 @@ def test_compare_counts_a_stopped_run_as_finished_and_tunes_by_how_soon_the_targ
     overrides = (f"--dataset={data} --max_iters={ITERS} --lr_decay_iters={ITERS} --eval_interval=5 --eval_iters=2 "
                  f"--stop_at_val_loss={target!r}")
     out = tmp_path / 'sweep'
-    command = [sys.executable, 'compare.py', f'--base_config={TINY}', f'--overrides={overrides}',
-               '--attn_types=base', '--seeds=1', f'--out_dir={out}', '--samples=False',
-               "--tune={'learning_rate': [1e-06, 0.01]}", '--tune_seeds=5']
-    proc = subprocess.run(command, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    args = [f'--base_config={TINY}', f'--overrides={overrides}', '--attn_types=base', '--seeds=1', f'--out_dir={out}',
+            '--samples=False', "--tune={'learning_rate': [1e-06, 0.01]}", '--tune_seeds=5']
+    proc = run_script_in_process('compare.py', args, env=SCRIPT_VARIABLES)  # its train.py runs are processes
     assert proc.returncode == 0, proc.stdout + proc.stderr
     small, good = (evaluations(out / 'tune' / f'base-learning_rate{lr}-seed5') for lr in ('1e-06', '0.01'))
     assert small[-1]['iter'] == ITERS and small[0]['val_loss'] > target and small[-1]['val_loss'] > target
@@ -104,6 +101,6 @@ def test_compare_counts_a_stopped_run_as_finished_and_tunes_by_how_soon_the_targ
     assert f"| `base` | {int(run['reached_target'])} of 1 | {per_seed} |" in report
 
     logs = {p: p.read_text() for p in out.glob('*/*/train.log')}
-    again = subprocess.run(command, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    again = run_script_in_process('compare.py', args, env=SCRIPT_VARIABLES)
     assert again.returncode == 0, again.stdout + again.stderr
     assert {p: p.read_text() for p in out.glob('*/*/train.log')} == logs  # no train.py started again

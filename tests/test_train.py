@@ -1,16 +1,15 @@
 """train.py end to end on CPU (tiny model, OMP_NUM_THREADS=1 subprocesses, torch.compile off):
-exact resume after SIGKILL and SIGTERM, DDP (gloo) equal to one process, non-finite handling,
+exact resume after SIGKILL and SIGTERM, DDP's refusal of an accumulation it cannot split (DDP equal to one
+process: test_fsdp.py, on the runs its FSDP test trains anyway), non-finite handling,
 every attention variant learning. (The LR schedule itself: test_lr_schedule.py.)"""
 import dataclasses
 import fcntl
 import json
-import os
 import re
 import runpy
 import signal
 import struct
 import subprocess
-import sys
 import termios
 import time
 
@@ -81,8 +80,9 @@ def test_resume_after_sigkill_and_sigterm_reproduces_the_uninterrupted_run(tmp_p
     best = min(evals, key=evals.get)
     assert f"checkpoint: {out / 'ckpt.pt'} holds the last state (iter {k2}); the best val loss seen, " \
            f"{evals[best]:.4f}, was at iter {best}\n" in stdout2
-    # 3) resume to the end
-    stdout3 = run_train(out, data, *common, '--init_from=resume', f'--max_iters={n}').stdout
+    # 3) resume to the end (in this process: nothing signals it)
+    stdout3 = train_in_process(*tiny_args(tmp_path, data, 'interrupted'), *common, '--init_from=resume',
+                               f'--max_iters={n}').stdout
     assert f"python3 sample.py --out_dir={out}" in stdout3
 
     for part in (stdout1, stdout2, stdout3):
@@ -114,19 +114,16 @@ def test_resume_after_sigkill_and_sigterm_reproduces_the_uninterrupted_run(tmp_p
 
 def test_resume_refuses_a_changed_architecture_and_fills_in_what_is_not_given(tmp_path):
     data = make_dataset(tmp_path)
-    run_train(tmp_path / 'out', data, '--max_iters=0')  # writes a checkpoint at iter 0
-    proc = run_train(tmp_path / 'out', data, '--init_from=resume', '--n_layer=3', '--attn_type=symmetric',
-                     '--dropout=0.1', expect_rc=2)
+    train_in_process(*tiny_args(tmp_path, data), '--max_iters=0')  # writes a checkpoint at iter 0
+    proc = train_in_process(*tiny_args(tmp_path, data), '--init_from=resume', '--n_layer=3', '--attn_type=symmetric',
+                            '--dropout=0.1', expect_rc=2)
     assert "the checkpoint in" in proc.stderr and "has a different model" in proc.stderr
     assert "n_layer: checkpoint 2, this run 3" in proc.stderr
     assert "attn_type: checkpoint 'base', this run 'symmetric'" in proc.stderr
     assert "dropout" not in proc.stderr  # a runtime setting may change on resume
     # without the config file (nanoGPT's way), the architecture and block_size come from the checkpoint
-    proc = subprocess.run([sys.executable, 'train.py', '--init_from=resume', f'--dataset={data}',
-                           f'--out_dir={tmp_path / "out"}', '--device=cpu', '--max_iters=1', '--eval_iters=2',
-                           '--gradient_accumulation_steps=1', '--batch_size=2'],
-                          cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
+    train_in_process('--init_from=resume', f'--dataset={data}', f'--out_dir={tmp_path / "out"}', '--device=cpu',
+                     '--max_iters=1', '--eval_iters=2', '--gradient_accumulation_steps=1', '--batch_size=2')
     ckpt = load_checkpoint(tmp_path / 'out')
     assert ckpt['iter_num'] == 1
     assert (ckpt['model_args']['n_layer'], ckpt['model_args']['block_size']) == (2, 32)
@@ -139,8 +136,8 @@ def test_init_from_a_local_gpt2_checkpoint_into_a_variant(tmp_path):
     hf_config = transformers.GPT2Config(vocab_size=64, n_positions=64, n_embd=32, n_layer=2, n_head=2)
     transformers.GPT2LMHeadModel(hf_config).save_pretrained(tmp_path / 'hf')
     data = make_dataset(tmp_path)
-    proc = run_train(tmp_path / 'out', data, f'--init_from={tmp_path / "hf"}', '--attn_type=dint_lowrank',
-                     '--max_iters=2', '--eval_interval=2')
+    proc = train_in_process(*tiny_args(tmp_path, data), f'--init_from={tmp_path / "hf"}', '--attn_type=dint_lowrank',
+                            '--max_iters=2', '--eval_interval=2')
     assert "parameters not in the base weights" in proc.stdout
     args = load_checkpoint(tmp_path / 'out')['model_args']
     assert (args['attn_type'], args['n_layer'], args['vocab_size'], args['bias']) == ('dint_lowrank', 2, 64, True)
@@ -148,31 +145,12 @@ def test_init_from_a_local_gpt2_checkpoint_into_a_variant(tmp_path):
 
 
 # -----------------------------------------------------------------------------
-# DDP with gloo: 2 ranks == 1 process with the same total accumulation
+# DDP with gloo: 2 ranks == 1 process with the same total accumulation is checked in test_fsdp.py, on the
+# one-process and DDP runs its FSDP test compares with (the same settings: the same runs would be trained twice)
 
-def test_ddp_two_ranks_match_one_process(tmp_path):
-    data = make_dataset(tmp_path)
-    args = ['--attn_type=noiseformer_v2', '--gradient_accumulation_steps=4', '--max_iters=8',
-            '--eval_interval=4', '--eval_iters=5', '--lr_decay_iters=8']  # 5 eval batches: 3 + 2 per rank
-    one = run_train(tmp_path / 'one', data, *args)
-    two = run_train(tmp_path / 'two', data, *args, nproc=2)
-    assert '1 process(es)' in one.stdout and '2 process(es)' in two.stdout
-    l1, l2 = iter_losses(one.stdout), iter_losses(two.stdout)
-    assert sorted(l1) == sorted(l2) == list(range(8))
-    for it in l1:
-        assert abs(l1[it] - l2[it]) < 1e-5, (it, l1[it], l2[it])
-    e1, e2 = eval_losses(one.stdout), eval_losses(two.stdout)
-    assert sorted(e1) == sorted(e2) == [0, 4, 8]
-    for it in e1:
-        assert abs(e1[it] - e2[it]) < 1e-5
-    # only rank 0 saves (twice: at the evaluations of iters 4 and 8); the results agree
-    assert one.stdout.count('saved checkpoint') == two.stdout.count('saved checkpoint') == 2
-    assert sorted(os.listdir(tmp_path / 'two')) == ['.lock', 'ckpt.prev.pt', 'ckpt.pt', 'metrics.jsonl']  # rank 0's files
-    w1, w2 = load_checkpoint(tmp_path / 'one')['model'], load_checkpoint(tmp_path / 'two')['model']
-    for name in w1:
-        torch.testing.assert_close(w1[name], w2[name], rtol=0, atol=1e-5)
-    # accumulation steps that do not split over the ranks: a clear error, not a silent change
-    bad = run_train(tmp_path / 'bad', data, '--gradient_accumulation_steps=3', nproc=2, expect_rc=1)
+def test_ddp_accumulation_that_does_not_split_over_the_ranks_is_refused(tmp_path):
+    """A clear error, not a silent change."""
+    bad = run_train(tmp_path / 'bad', make_dataset(tmp_path), '--gradient_accumulation_steps=3', nproc=2, expect_rc=1)
     assert "gradient_accumulation_steps=3 (the total over all ranks) must be divisible by the number " \
            "of processes, 2" in bad.stderr
 
@@ -244,7 +222,7 @@ def test_every_attention_variant_trains(attn_type, tmp_path):
 
 
 def test_config_typo_exits_2_with_the_suggestion(tmp_path):
-    proc = run_train(tmp_path / 'out', make_dataset(tmp_path), '--n_layr=3', expect_rc=2)
+    proc = train_in_process(*tiny_args(tmp_path, make_dataset(tmp_path)), '--n_layr=3', expect_rc=2)
     assert "train.py: error: command line argument '--n_layr=3': unknown config key 'n_layr'; did you mean " \
            "'n_layer'?" in proc.stderr
     assert 'Traceback' not in proc.stderr
