@@ -168,6 +168,9 @@ def protocol_lines(protocol, tuning):
                 "`tune` trains each variant at its own best first).", ""]
     seeds = ', '.join(map(str, protocol['tune_seeds']))
     metric = ' / '.join(METRIC_WORDS[m] for m in protocol['metric'])
+    if protocol.get('stop_at_val_loss'):
+        metric = (f"the fewest iterations to val loss <= {protocol['stop_at_val_loss']:g} (where its runs stopped), "
+                  f"among those that reached it on every tuning seed; else {metric}")
     lines = [f"**Protocol: each variant at its own best settings.** For every variant, each candidate of "
              f"`tune = {protocol['tune']!r}` was trained on tuning seed{'s' if len(protocol['tune_seeds']) > 1 else ''} "
              f"{seeds} (never used in the comparison); the candidate with {metric}, averaged over them, was chosen "

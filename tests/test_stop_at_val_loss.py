@@ -96,6 +96,7 @@ def test_compare_counts_a_stopped_run_as_finished_and_tunes_by_how_soon_the_targ
     compared = evaluations(out / 'runs' / 'base-seed1')
     assert run['reached_target'] == (compared[-1]['val_loss'] <= target) and run['final_iter'] == compared[-1]['iter']
     report = (out / 'report' / 'report.md').read_text()
+    assert f"the candidate with the fewest iterations to val loss <= {target:g} (where its runs stopped)" in report
     assert f"| `base` | {small[-1]['val_loss']:.4f} | **at iter {good[-1]['iter']}: {good[-1]['val_loss']:.4f}** |" in report
     per_seed = str(run['final_iter']) if run['reached_target'] else f"not by {run['final_iter']}"
     assert f"| `base` | {int(run['reached_target'])} of 1 | {per_seed} |" in report
