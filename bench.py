@@ -371,6 +371,9 @@ print(f"model ({size_note}): n_layer {n_layer}, n_head {n_head}, n_embd {n_embd}
 print(f"step: {'fused lm_head + cross-entropy' if fused_loss else 'lm_head + F.cross_entropy'}, "
       f"{' and '.join('compiled' if c else 'eager' for c in compile_modes)} (compile={compile!r})")
 print(f"MFU against {peak / 1e12:.3g} TFLOP/s ({peak_source}); peak memory: {memory_method or 'n/a on this device'}")
+if batches is not None and batches.layout.labels_path:
+    print("answer-only targets: the fused loss runs the lm_head at the labelled positions only, while MFU counts "
+          "it at every position (so MFU reads high)")
 print(f"timing: {warmup_iters} warm-up + {bench_iters} timed steps per variant, {rounds} round(s), "
       f"median per step", flush=True)
 

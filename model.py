@@ -994,5 +994,11 @@ def lm_head_cross_entropy(x, weight, targets, chunk=32):
     kind = x.device.type
     compute_dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
     needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-    loss, _ = _lm_head_ce(x.reshape(-1, x.size(-1)), weight, targets.reshape(-1), compute_dtype, chunk, needs_grad)
+    x, targets = x.reshape(-1, x.size(-1)), targets.reshape(-1)
+    scored = targets != -1
+    if not torch.compiler.is_compiling() and not bool(scored.all()):
+        # rows without a target add nothing to the loss or its gradient: where few rows have one (answer-only
+        # data: 1 position in 4-16) the lm_head runs on those alone. Not when compiled: a data-dependent shape
+        x, targets = x[scored], targets[scored]
+    loss, _ = _lm_head_ce(x, weight, targets, compute_dtype, chunk, needs_grad)
     return loss

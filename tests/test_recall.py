@@ -93,6 +93,21 @@ def test_seeds_reproduce_bit_for_bit_and_train_and_val_are_disjoint(mqar, tmp_pa
     assert np.array_equal(mqar_examples(50, 4, 32, 64, seed=4)[0], val[50:100])
 
 
+def test_zero_filler_keeps_the_examples_and_zeroes_the_rest(tmp_path):
+    tokens, labels = mqar_examples(200, 4, 32, 64, seed=7)
+    zeros, zero_labels = mqar_examples(200, 4, 32, 64, seed=7, filler="zeros")
+    assert np.array_equal(labels, zero_labels)
+    answers = labels >= 0
+    kept = np.zeros_like(answers)
+    kept[:, :8] = True  # the pairs
+    kept[:, :-1] |= answers[:, 1:]  # the query keys, one position before their answers
+    assert np.array_equal(zeros[kept], tokens[kept]) and (zeros[~kept] == 0).all()
+    assert (zeros[kept] != 0).all(), "0 is never a key or value"
+    assert prepare(tmp_path, "--filler=zeros", "--num_kv_pairs", 4, "--train_examples=20",
+                   "--val_examples=5").returncode == 0
+    assert json.loads((tmp_path / "meta.json").read_text())["filler"] == "zeros"
+
+
 def test_query_slots_follow_the_power_law_drawn_without_replacement():
     """Each row keeps `size` distinct slots whose law is that of drawing one at a time in proportion to the
     weights left. Exact inclusion probabilities by enumerating the ordered draws, against 200k rows."""

@@ -13,7 +13,8 @@ apart at laptop scale. One example of seq_len + 1 tokens, for N key-value pairs:
   from the power law P(g) ~ a g^(a - 1), g = 1 .. (seq_len - 2N) / 2 (a = power_a = 0.01 as in the
   paper: most queries come soon after the pairs, a few far away, like repeated bigrams in text);
 - every other position holds a token drawn uniformly from the whole vocabulary (the paper's random
-  non-query tokens), so nothing but recall predicts a value.
+  non-query tokens), so nothing but recall predicts a value; or, with --filler zeros, token 0 (the
+  paper's random_non_queries=False: then a key id in the input is always a pair or a query).
 As in the paper, the value is only a label of the query position: the token after a query is filler,
 so an example never shows an earlier query's answer (were it shown, a model could score H_N / N, 0.34
 at 8 pairs, by guessing among the values not yet answered, without recalling anything).
@@ -57,10 +58,11 @@ def choose_without_replacement(rng, n_rows, population, size, p=None):
     return np.argsort(-score, axis=1, kind="stable")[:, :size]
 
 
-def mqar_examples(num_examples, num_kv_pairs, seq_len, vocab_size, seed, power_a=0.01):
+def mqar_examples(num_examples, num_kv_pairs, seq_len, vocab_size, seed, power_a=0.01, filler="random"):
     """(tokens, labels): (num_examples, seq_len + 1) arrays, uint16 tokens and int32 labels (each answer
     one position after its query key, -1 elsewhere), from numpy's default generator seeded with
-    (seed, num_kv_pairs): the same arguments give the same bytes."""
+    (seed, num_kv_pairs): the same arguments give the same bytes. filler="zeros" writes token 0 (never a
+    key or value) wherever "random" writes a random token, and leaves everything else the same."""
     check_shape(num_kv_pairs, seq_len, vocab_size)
     rng = np.random.default_rng([seed, num_kv_pairs])
     n, pairs, half = num_examples, num_kv_pairs, vocab_size // 2
@@ -70,6 +72,8 @@ def mqar_examples(num_examples, num_kv_pairs, seq_len, vocab_size, seed, power_a
     slots = choose_without_replacement(rng, n, space, pairs, power_law(space, power_a))
 
     tokens = rng.integers(0, vocab_size, size=(n, seq_len + 1))  # the filler, overwritten below
+    if filler == "zeros":
+        tokens[:] = 0  # after the draw: the same keys, values and query slots as with random filler
     labels = np.full((n, seq_len + 1), -1, dtype=np.int32)
     tokens[:, 0:2 * pairs:2], tokens[:, 1:2 * pairs:2] = keys, values
     query_at = 2 * pairs + 2 * slots  # (n, pairs): where key j is asked for
@@ -94,7 +98,7 @@ def check_shape(num_kv_pairs, seq_len, vocab_size):
 
 def split(args, seed, per_pairs):
     """All the examples of one split, grouped by number of pairs in --num_kv_pairs order."""
-    parts = [mqar_examples(per_pairs, pairs, args.seq_len, args.vocab_size, seed, args.power_a)
+    parts = [mqar_examples(per_pairs, pairs, args.seq_len, args.vocab_size, seed, args.power_a, args.filler)
              for pairs in args.num_kv_pairs]
     return np.concatenate([t for t, _ in parts]), np.concatenate([m for _, m in parts])
 
@@ -132,6 +136,7 @@ def prepare(args):
             # what train.py and eval.py need: whole examples, and the loss on the labelled answers only
             "example_tokens": args.seq_len + 1, "labels": "answers",
             "seq_len": args.seq_len, "num_kv_pairs": args.num_kv_pairs, "power_a": args.power_a,
+            "filler": args.filler,
             "train_examples": len(train), "val_examples": len(val), "val_examples_in_train": overlap,
             "seed": args.seed, "val_seed": args.val_seed,
             "train_tokens": train.size, "val_tokens": val.size,
@@ -151,6 +156,9 @@ def main(argv=None):
     p.add_argument("--train_examples", type=int, default=50000, help="training examples per number of pairs")
     p.add_argument("--val_examples", type=int, default=500, help="validation examples per number of pairs")
     p.add_argument("--power_a", type=float, default=0.01, help="the query slots' power law (the paper's 0.01)")
+    p.add_argument("--filler", choices=["random", "zeros"], default="random",
+                   help="what fills the positions that are neither pairs nor queries: uniformly random tokens "
+                        "(the paper's random_non_queries=True) or token 0 (its False)")
     p.add_argument("--seed", type=int, default=0, help="seed of the training examples")
     p.add_argument("--val_seed", type=int, default=1, help="seed of the validation examples (not --seed)")
     p.add_argument("--out_dir", default=HERE, help="where the files go (default: %(default)s)")
