@@ -180,6 +180,8 @@ def checkpoint_path(out_dir_or_file):
     sharded checkpoint's folder is returned unchanged."""
     if os.path.isfile(out_dir_or_file) or is_sharded_checkpoint(out_dir_or_file):
         return out_dir_or_file
+    if os.path.basename(out_dir_or_file) == CKPT_NAME and not os.path.isdir(out_dir_or_file):
+        return out_dir_or_file  # a checkpoint file that is not there (yet): not a folder to look into
     path = os.path.join(out_dir_or_file, CKPT_NAME)
     folder = newest_sharded(out_dir_or_file)
     if folder is None:

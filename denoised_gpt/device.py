@@ -110,7 +110,9 @@ def resolve_dtype(name, device, training=True):
 def setup(device):
     """Per-process device settings before any tensor is made (DDP: device is 'cuda:<local_rank>')."""
     if device_type(device) == 'cuda':
-        torch.cuda.set_device(device)
+        index = torch.device(device).index
+        if index is not None:  # plain 'cuda' is the current device; set_device would refuse it
+            torch.cuda.set_device(index)
         torch.backends.cuda.matmul.allow_tf32 = True  # float32 matmuls on tensor cores (nanoGPT)
         torch.backends.cudnn.allow_tf32 = True
 

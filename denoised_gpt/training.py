@@ -130,9 +130,9 @@ def compile_training_step(model, batch_size, block_size, device, ctx):
     step re-seeds the RNG. Returns the seconds it took. (Not under DDP: there the first step compiles
     inside DDP, which splits the graph at its gradient buckets.)"""
     t0 = time.time()
-    dummy = torch.zeros(batch_size, block_size, dtype=torch.long, device=device)
-    with ctx:
-        _, ce = model(dummy, dummy, return_logits=False)
+    inputs, targets = (torch.zeros(batch_size, block_size, dtype=torch.long, device=device) for _ in range(2))
+    with ctx:  # two tensors, as in training: the same one twice compiles a graph that training never uses
+        _, ce = model(inputs, targets, return_logits=False)
     ce.backward()
     mark_step()
     model.zero_grad(set_to_none=True)

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from denoised_gpt.checkpoint import (NANOGPT_MODEL_ARGS, CheckpointError, capture_rng_state, load_checkpoint,
+from denoised_gpt.checkpoint import (NANOGPT_MODEL_ARGS, CheckpointError, capture_rng_state, checkpoint_path, load_checkpoint,
                         load_optimizer_state, optimizer_param_names, restore_rng_state, save_checkpoint)
 from helpers import ROOT, tiny_gpt
 
@@ -88,6 +88,9 @@ def test_process_killed_mid_save_leaves_checkpoint_intact(tmp_path):
 def test_missing_files_and_foreign_files(tmp_path):
     with pytest.raises(FileNotFoundError, match="no checkpoint at"):
         load_checkpoint(tmp_path)
+    # the file path itself (train.py's resume passes checkpoint_path(out_dir)): named once, not as ckpt.pt/ckpt.pt
+    with pytest.raises(FileNotFoundError, match=f"no checkpoint at {tmp_path / 'ckpt.pt'}: train one first"):
+        load_checkpoint(checkpoint_path(tmp_path))
     save_checkpoint(state(1), tmp_path)
     save_checkpoint(state(2), tmp_path)
     os.remove(tmp_path / 'ckpt.pt')  # e.g. deleted by hand: the previous one is named

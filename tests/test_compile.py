@@ -7,6 +7,7 @@ with the cheap backends: torch._dynamo.explain (tracing only: graphs and graph b
 'aot_eager' (forward and backward traced through AOTAutograd, run without code generation);
 train.py's compile step runs against the fake Gaudi of tests/fake_gaudi.py, whose backend runs
 dynamo's graph as traced. The one inductor test (train.py on the tiny test model) runs with INDUCTOR_TESTS=1."""
+import contextlib
 import os
 import re
 import subprocess
@@ -148,6 +149,29 @@ def test_train_auto_leaves_gaudi_lazy_mode_to_its_own_graphs(tmp_path, fake_haba
     assert 'hpu_backend' not in events(log) and 'compiled the training step' not in proc.stdout
     assert 'compile=True ignored' not in proc.stdout  # that note is for an explicit compile=True
     assert len(iter_losses(proc)) == 3
+
+
+def test_the_warm_up_compile_is_the_graph_training_runs():
+    """compile_training_step compiles on a dummy batch so iter 0 is not charged the compile; with one
+    tensor as both inputs and targets dynamo guarded on `idx is targets`, and training's first step
+    compiled again (on the H200: 22 s wasted, iter 0 16 s). After the warm-up, a step on two
+    tensors and the next one compile nothing."""
+    from denoised_gpt.training import compile_training_step
+    graphs = []
+
+    def counting_backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+    torch._dynamo.reset()
+    model = tiny_gpt('base', vocab_size=VOCAB)
+    compiled = torch.compile(model, backend=counting_backend)
+    compile_training_step(compiled, 2, TINY_MODEL['block_size'], 'cpu', contextlib.nullcontext())
+    assert len(graphs) == 1
+    x, y = tiny_batch()
+    for _ in range(2):
+        _, loss = compiled(x, y, return_logits=False)
+        loss.backward()
+    assert len(graphs) == 1
 
 
 @pytest.mark.skipif(not os.environ.get('INDUCTOR_TESTS'), reason="inductor's cold compile takes 30-90 s on "

@@ -37,6 +37,19 @@ def test_auto_device_and_explicit_names():
             device.resolve_device('hpu')
 
 
+def test_setup_selects_a_cuda_device_only_when_one_is_named(monkeypatch):
+    """train.py --device=cuda: torch.cuda.set_device('cuda') raises (it wants an index), which stopped every
+    single-GPU run on the first CUDA machine. torch's own index check is kept; only the call is recorded."""
+    chosen = []
+    monkeypatch.setattr(torch.cuda, 'set_device',
+                        lambda d: chosen.append(torch.cuda._utils._get_device_index(d)))
+    device.setup('cuda')
+    device.setup('cuda:3')
+    assert chosen == [3]
+    with pytest.raises(ValueError, match="specified index"):  # what the plain name did before
+        torch.cuda._utils._get_device_index('cuda')
+
+
 def test_dtype_resolution():
     native_bf16 = bool(cpu_flags() & {'avx512_bf16', 'amx_bf16'})
     if native_bf16:

@@ -1,0 +1,126 @@
+"""The CUDA paths, on a machine with an NVIDIA GPU (skipped elsewhere, i.e. in CI).
+
+test_model.py checks every variant against the float64 equations on the CPU. Here the same
+references judge the CUDA kernels: SDPA's flash / memory-efficient kernels, NoiseFormer's noise
+drawn by the CUDA generator, DIFF/DINT's split values, the fused loss, in float32 (TF32 off) and
+under bf16 autocast; KV-cache decoding; and train.py on cuda, resumed bitwise.
+"""
+import pytest
+import torch
+
+from helpers import iter_losses, make_dataset, run_train
+from denoised_gpt.checkpoint import load_checkpoint
+from model import KVCache, causal_randn
+from naive_attention import NAIVE
+from test_model import DIFFERENTIAL, NOISE, VARIANTS, make_model, naive_kwargs, noise_shape, rel_err, sdpa_kernels
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+F64 = torch.float64
+CUDA = 'cuda'
+# float32 with TF32 off: rounding of ~1e-7 per operation through a 2-layer model; bf16 keeps 8 bits,
+# and DIFF/DINT's O1 - lambda O2 cancels some of them (input gradient of dint_lowrank: 0.044 at T = 7)
+FP32_TOLERANCE = 1e-4
+BF16_TOLERANCE = 3e-2
+BF16_DIFFERENTIAL_TOLERANCE = 6e-2
+
+
+@pytest.fixture(autouse=True)
+def no_tf32():
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+
+
+def reference_and_cuda_layer(attn_type, layer_index=1, dtype=torch.float32, **overrides):
+    """The float64 layer on the CPU (the reference's parameters) and a copy on cuda in `dtype`."""
+    model = make_model(attn_type, **overrides)
+    on_cuda = make_model(attn_type, **overrides).to(CUDA, dtype)
+    return model, model.transformer.h[layer_index].attn, on_cuda.transformer.h[layer_index].attn
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["float32", "bf16-autocast"])
+@pytest.mark.parametrize("attn_type", VARIANTS)
+def test_attention_on_cuda_equals_naive_float64(attn_type, autocast):
+    """Forward and input gradient of each layer on cuda against the float64 equations on the CPU,
+    at T = 100 (several flash / efficient tiles) and T = 7; NoiseFormer with its noise drawn by the
+    CUDA generator and replayed for the reference."""
+    model, ref_attn, attn = reference_and_cuda_layer(attn_type)
+    ref_attn.train(), attn.train()
+    tolerance = FP32_TOLERANCE if not autocast else \
+        BF16_DIFFERENTIAL_TOLERANCE if attn_type in DIFFERENTIAL else BF16_TOLERANCE
+    for T in (7, 100):
+        x64 = torch.randn(2, T, 32, dtype=F64, requires_grad=True)
+        x = x64.detach().float().to(CUDA).requires_grad_()
+        g64 = torch.randn(2, T, 32, dtype=F64)
+        torch.manual_seed(5)
+        with torch.autocast(CUDA, dtype=torch.bfloat16, enabled=autocast):
+            y = attn(x)
+        (dx,) = torch.autograd.grad(y.float(), x, g64.float().to(CUDA))
+        eps = None
+        if attn_type in NOISE:
+            torch.manual_seed(5)
+            eps = causal_randn(noise_shape(attn_type, 2, 4, T, False), device=CUDA,
+                               dtype=torch.bfloat16 if autocast else torch.float32).to('cpu', F64)
+        kwargs = {"eps": eps} if attn_type in NOISE else naive_kwargs(attn_type, 1, model.config)
+        ref = NAIVE[attn_type](ref_attn, x64, **kwargs)
+        (dx_ref,) = torch.autograd.grad(ref, x64, g64)
+        assert rel_err(y.to('cpu', F64), ref) < tolerance, (T, rel_err(y.to('cpu', F64), ref))
+        assert rel_err(dx.to('cpu', F64), dx_ref) < tolerance, (T, rel_err(dx.to('cpu', F64), dx_ref))
+
+
+@pytest.mark.parametrize("attn_type", VARIANTS[:-1])   # linear has no softmax attention
+def test_bf16_training_step_on_cuda_takes_a_fused_kernel(attn_type):
+    """Which SDPA kernel each variant's bf16 training step gets on this GPU: flash or memory-
+    efficient (or cuDNN), never the math path that keeps the (B, H, T, T) scores."""
+    model = make_model(attn_type, dtype=torch.float32).to(CUDA).train()
+    idx = torch.randint(0, 61, (2, 96), device=CUDA)
+
+    def step():
+        with torch.autocast(CUDA, dtype=torch.bfloat16):
+            _, loss = model(idx, targets=idx)
+        (loss + model.kl_divergence()).backward()
+        torch.cuda.synchronize()
+    kernels = sdpa_kernels(step)
+    print(attn_type, sorted(kernels))
+    assert kernels and not any("math" in k for k in kernels), kernels
+
+
+@pytest.mark.parametrize("attn_type", VARIANTS)
+def test_kv_cache_logits_on_cuda_equal_full_forward(attn_type):
+    """Decoding one token at a time with the cache gives the full forward's logits at every
+    position (float32 on cuda), so generation on the GPU samples from the right distribution."""
+    overrides = {"noise_at_eval": False} if attn_type in NOISE else {}
+    if attn_type == "linear":
+        overrides["linear_chunk_size"] = 4
+    model = make_model(attn_type, dtype=torch.float32, **overrides).to(CUDA).eval()
+    idx = torch.randint(0, 61, (2, 20), device=CUDA)
+    with torch.no_grad():
+        full, _ = model(idx, targets=idx)
+        cache = KVCache(model.config.n_layer)
+        logits, _ = model(idx[:, :5], kv_cache=cache)
+        steps = [logits[:, -1]]
+        for t in range(5, 20):
+            logits, _ = model(idx[:, t:t + 1], kv_cache=cache)
+            steps.append(logits[:, -1])
+    decoded = torch.stack(steps, dim=1)
+    assert rel_err(decoded.double(), full[:, 4:].double()) < FP32_TOLERANCE
+
+
+@pytest.mark.parametrize("attn_type,dtype", [("noiseformer_v2", "bfloat16"), ("diff", "float32")])
+def test_train_on_cuda_resumes_bitwise(tmp_path, attn_type, dtype):
+    """train.py on cuda: the loss falls, and 10 iterations + a resume to 20 equal 20 in one go,
+    loss by loss and weight by weight (the noise's CUDA generator state is restored too)."""
+    data = make_dataset(tmp_path)
+    common = ['--device=cuda', f'--dtype={dtype}', f'--attn_type={attn_type}', '--eval_interval=10']
+    full = run_train(tmp_path / 'full', data, *common, '--max_iters=20')
+    reference_losses = iter_losses(full.stdout)
+    assert reference_losses[19] < reference_losses[0] - 0.3, reference_losses  # diff: 3.89 -> 3.39 on an H200
+    run_train(tmp_path / 'resumed', data, *common, '--max_iters=10')
+    resumed = run_train(tmp_path / 'resumed', data, *common, '--max_iters=20', '--init_from=resume')
+    for it, loss in iter_losses(resumed.stdout).items():
+        assert loss == reference_losses[it], (it, loss, reference_losses[it])
+    a, b = load_checkpoint(tmp_path / 'full'), load_checkpoint(tmp_path / 'resumed')
+    assert a['iter_num'] == b['iter_num'] == 20
+    for name in a['model']:
+        assert torch.equal(a['model'][name], b['model'][name]), name
