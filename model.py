@@ -701,6 +701,14 @@ class GPT(nn.Module):
         sequence outgrows block_size the context is cropped to the last block_size tokens as in
         nanoGPT, which shifts every position, so from then on each step recomputes the window.
         temperature=0 takes the most likely token."""
+        if idx.device.type == 'cuda':
+            # cuDNN's attention builds an execution plan for each new sequence length, and decoding makes a
+            # new length every token (GPT-2 small on an H200: ~49 ms per token, cache or not): other kernels
+            with torch.nn.attention.sdpa_kernel(DECODING_SDPA_BACKENDS):
+                return self._generate(idx, max_new_tokens, temperature, top_k, use_cache)
+        return self._generate(idx, max_new_tokens, temperature, top_k, use_cache)
+
+    def _generate(self, idx, max_new_tokens, temperature, top_k, use_cache):
         cache = None
         for _ in range(max_new_tokens):
             if use_cache and idx.size(1) <= self.config.block_size:
@@ -727,6 +735,10 @@ class GPT(nn.Module):
 
 # ----------------------------------------------------------------------------------------------
 # Kernels: the helpers and autograd functions the classes above call
+
+DECODING_SDPA_BACKENDS = [torch.nn.attention.SDPBackend.FLASH_ATTENTION, torch.nn.attention.SDPBackend.EFFICIENT_ATTENTION,
+                          torch.nn.attention.SDPBackend.MATH]
+
 
 def split_heads(t, n_head):
     """(B, T, n_head * hs) -> (B, n_head, T, hs)"""

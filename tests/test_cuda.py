@@ -124,3 +124,19 @@ def test_train_on_cuda_resumes_bitwise(tmp_path, attn_type, dtype):
     assert a['iter_num'] == b['iter_num'] == 20
     for name in a['model']:
         assert torch.equal(a['model'][name], b['model'][name]), name
+
+
+@pytest.mark.parametrize("attn_type", VARIANTS[:-1])   # linear has no softmax attention
+def test_generation_on_cuda_avoids_cudnn_attention(attn_type):
+    """cuDNN's attention builds a plan per sequence length and decoding makes a new length every token
+    (GPT-2 small on an H200: ~49 ms per token): generate runs flash / memory-efficient kernels instead,
+    with the cache and without it."""
+    overrides = {"noise_at_eval": False} if attn_type in NOISE else {}
+    model = make_model(attn_type, dtype=torch.float32, **overrides).to(CUDA).eval()
+    prompt = torch.randint(0, 61, (2, 5), device=CUDA)
+    outs = []
+    for use_cache in (True, False):
+        with torch.no_grad(), torch.autocast(CUDA, dtype=torch.bfloat16):
+            kernels = sdpa_kernels(lambda: outs.append(model.generate(prompt, 12, temperature=0, use_cache=use_cache)))
+        assert kernels and not any("cudnn" in k for k in kernels), kernels
+    assert torch.equal(outs[0][:, :5], prompt) and outs[0].shape == (2, 17)
