@@ -701,14 +701,6 @@ class GPT(nn.Module):
         sequence outgrows block_size the context is cropped to the last block_size tokens as in
         nanoGPT, which shifts every position, so from then on each step recomputes the window.
         temperature=0 takes the most likely token."""
-        if idx.device.type == 'cuda':
-            # cuDNN's attention builds an execution plan for each new sequence length, and decoding makes a
-            # new length every token (GPT-2 small on an H200: ~49 ms per token, cache or not): other kernels
-            with torch.nn.attention.sdpa_kernel(DECODING_SDPA_BACKENDS):
-                return self._generate(idx, max_new_tokens, temperature, top_k, use_cache)
-        return self._generate(idx, max_new_tokens, temperature, top_k, use_cache)
-
-    def _generate(self, idx, max_new_tokens, temperature, top_k, use_cache):
         cache = None
         for _ in range(max_new_tokens):
             if use_cache and idx.size(1) <= self.config.block_size:
@@ -736,8 +728,21 @@ class GPT(nn.Module):
 # ----------------------------------------------------------------------------------------------
 # Kernels: the helpers and autograd functions the classes above call
 
-DECODING_SDPA_BACKENDS = [torch.nn.attention.SDPBackend.FLASH_ATTENTION,
-                          torch.nn.attention.SDPBackend.EFFICIENT_ATTENTION, torch.nn.attention.SDPBackend.MATH]
+# cuDNN attention is left out on CUDA. On an H200 (torch 2.11) its backward reused a plan cached for
+# an earlier call of the same shape but another memory layout and returned wrong input gradients
+# (relative error 0.4 to 1.4 against float64: base after DINT, low-rank DINT after base), and it builds
+# a plan for every new sequence length, which made decoding ~49 ms a token. Flash / memory-efficient
+# were right in every case and cost 3 % (base) to 14 % (NoiseFormer) of an eager training step.
+CUDA_SDPA_BACKENDS = [torch.nn.attention.SDPBackend.FLASH_ATTENTION,
+                      torch.nn.attention.SDPBackend.EFFICIENT_ATTENTION, torch.nn.attention.SDPBackend.MATH]
+
+
+def sdpa(q, k, v, **kwargs):
+    """F.scaled_dot_product_attention, on CUDA restricted to CUDA_SDPA_BACKENDS."""
+    if q.device.type == 'cuda':
+        with torch.nn.attention.sdpa_kernel(CUDA_SDPA_BACKENDS):
+            return F.scaled_dot_product_attention(q, k, v, **kwargs)
+    return F.scaled_dot_product_attention(q, k, v, **kwargs)
 
 
 def split_heads(t, n_head):
@@ -789,11 +794,11 @@ def causal_attention(q, k, v, dropout_p=0.0, scale=None, score_bias=None):
     t_q, t_k = q.size(-2), k.size(-2)
     if score_bias is None:
         if t_q == t_k:
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale)
+            return sdpa(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale)
         mask = None if t_q == 1 else causal_mask(t_q, t_k, q.device)
     else:
         mask = score_bias.to(q.dtype).masked_fill(~causal_mask(t_q, t_k, q.device), float('-inf'))
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale)
+    return sdpa(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale)
 
 
 def causal_softmax_map(q, k, scale=None, score_bias=None):
@@ -850,7 +855,7 @@ def causal_attention_learned_noise(q, k, v, mu, sigma, eps, dropout_p=0.0, mater
         # rounded to bf16 anyway) so that building the mask is one pass, not a float32 detour.
         mask = eps.to(q.dtype) * sigma.to(q.dtype)
         mask.masked_fill_(~causal_mask(q.size(-2), k.size(-2), q.device), float('-inf'))
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    o = sdpa(q, k, v, attn_mask=mask)
     return NoiseScoreGradient.apply(o, mu, sigma, q.detach(), k.detach(), v.detach(), mask, eps)
 
 
