@@ -26,6 +26,7 @@ refusal is a one-line CheckpointError saying the file holds code, never that it 
 import contextlib
 import functools
 import glob
+import math
 import os
 import pickle
 import re
@@ -207,6 +208,13 @@ def read_metadata(path):
     if not isinstance(metadata, Metadata) or not isinstance(entries, dict) or not all(
             isinstance(m, TensorStorageMetadata) for m in entries.values()):
         raise ValueError(f"{path} is not DCP's metadata of a checkpoint of tensors")
+    # the reader allocates every declared tensor before it reads a byte: a size beyond what the shards
+    # hold is refused here, not met as an out-of-memory kill
+    declared = sum(math.prod(m.size) * m.properties.dtype.itemsize for m in entries.values())
+    folder = os.path.dirname(path)
+    held = sum(os.path.getsize(os.path.join(folder, name)) for name in os.listdir(folder) if name.endswith('.distcp'))
+    if any(n < 0 for m in entries.values() for n in m.size) or declared > held:
+        raise ValueError(f"{path} declares tensors of {declared:,} bytes, but the folder's shards hold {held:,}")
     return metadata
 
 

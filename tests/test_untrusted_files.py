@@ -264,6 +264,30 @@ def test_a_gpt2_folder_holding_code_is_refused_in_one_line(script, tmp_path):
     assert "weights_only" not in proc.stdout + proc.stderr
 
 
+def test_metadata_declaring_more_than_the_shards_hold_is_refused_before_allocating(source, tmp_path):
+    """A crafted .metadata that declares one weight as 10^6 x 10^6 float32 (4 TB): the reader would allocate
+    it before reading; it is refused in one line, and the same file with the true size still loads."""
+    out = tmp_path / 'out'
+    shutil.copytree(source, out)
+    folder = folder_of(out)
+    with open(folder / '.metadata', 'rb') as f:
+        metadata = pickle.load(f)  # written by save_sharded just now: trusted
+    entry = metadata.state_dict_metadata['model.transformer.wte.weight']
+    true_size = entry.size
+    entry.size = torch.Size([10**6, 10**6])
+    with open(folder / '.metadata', 'wb') as f:
+        pickle.dump(metadata, f)
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(out)
+    message = str(e.value)
+    assert len(message.splitlines()) == 1 and "incomplete or corrupt" in message, message
+    assert "declares tensors of 4,000,000" in message and "the folder's shards hold" in message, message
+    entry.size = true_size
+    with open(folder / '.metadata', 'wb') as f:
+        pickle.dump(metadata, f)
+    assert_same_checkpoint(load_checkpoint(out), load_checkpoint(source / 'ckpt.pt'))
+
+
 def test_a_truncated_checkpoint_is_one_short_line_naming_the_fallback(source, tmp_path):
     """torch's zip reader goes on for lines after its first sentence: only that sentence is kept."""
     out = tmp_path / 'out'
