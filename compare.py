@@ -104,7 +104,10 @@ if not 1 <= jobs * nproc <= (os.cpu_count() or 1):
     fail(f"jobs={jobs} runs of nproc={nproc} processes must fit this machine's {os.cpu_count()} CPU cores "
          f"(jobs x nproc at most {os.cpu_count()})")
 extra = shlex.split(overrides)
-train_defaults = script_defaults('train.py')
+# beside this file, so that compare.py runs from any directory (config paths stay relative to the current one)
+TRAIN_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'train.py')
+SAMPLE_SCRIPT = os.path.join(os.path.dirname(TRAIN_SCRIPT), 'sample.py')
+train_defaults = script_defaults(TRAIN_SCRIPT)
 # the settings every run trains with, checked now (a typo fails here, not in the eighth run)
 try:
     train_config = apply_config([base_config, *extra], train_defaults)
@@ -324,7 +327,7 @@ def train(run, slot, progress):
     resume = os.path.exists(checkpoint_path(run.dir))
     launcher = [sys.executable] if nproc == 1 else [sys.executable, '-m', 'torch.distributed.run', '--standalone',
                                                      f'--nproc_per_node={nproc}']
-    cmd = [*launcher, 'train.py', base_config, *extra, *run.args, f'--attn_type={run.attn_type}', f'--seed={run.seed}',
+    cmd = [*launcher, TRAIN_SCRIPT, base_config, *extra, *run.args, f'--attn_type={run.attn_type}', f'--seed={run.seed}',
            f'--out_dir={run.dir}', f'--wandb_run_name={os.path.basename(run.dir)}',
            *(['--init_from=resume'] if resume else [])]
     with open(os.path.join(run.dir, 'train.log'), 'a') as log:
@@ -511,7 +514,7 @@ def tuning_result(run, metric):
 
 
 def sample_text(run_dir):
-    cmd = [sys.executable, 'sample.py', f'--out_dir={run_dir}', '--num_samples=1',
+    cmd = [sys.executable, SAMPLE_SCRIPT, f'--out_dir={run_dir}', '--num_samples=1',
            f'--max_new_tokens={sample_tokens}', '--seed=1337']
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -520,6 +523,9 @@ def sample_text(run_dir):
 
 
 # -----------------------------------------------------------------------------
+if report_only and not os.path.isdir(out_dir):
+    fail(f"out_dir={out_dir!r} does not exist, so there are no runs to report: run the same command without "
+         f"--report_only to train them, or point --out_dir at an earlier study")
 try:  # one sweep per out_dir at a time (its train.py runs each lock their own folder too)
     sweep_lock = lock_out_dir(out_dir)
 except ValueError as e:

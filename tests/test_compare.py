@@ -233,6 +233,24 @@ def test_report_only_names_an_unreadable_checkpoint(sweep):
     assert "its checkpoint cannot be read" in failed[0]['reason'] and "or not a checkpoint" in failed[0]['reason']
 
 
+def test_compare_runs_from_another_directory(sweep):
+    """train.py and sample.py are found beside compare.py, not in the current directory (a traceback
+    'No such file: train.py' before); the finished run is reported, nothing retrained."""
+    tmp, data, _ = sweep
+    out = copy_sweep(tmp, 'elsewhere')
+    before = (out / 'runs' / 'base-seed1' / 'ckpt.pt').stat().st_mtime_ns
+    elsewhere = tmp / 'cwd'
+    elsewhere.mkdir()
+    proc = subprocess.run([sys.executable, str(ROOT / 'compare.py'),
+                           *sweep_args(out, data, '--sample_tokens=20', attn_types='base', seeds='1')],
+                          cwd=elsewhere, env=subprocess_env(), capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert (out / 'runs' / 'base-seed1' / 'ckpt.pt').stat().st_mtime_ns == before
+    report = (out / 'report' / 'report.md').read_text()
+    # sample.py ran (and refused this data's vocabulary, which lacks its default prompt "\\n"), not "can't open"
+    assert "sample.py: error: the prompt" in report and "can't open file" not in report, report
+
+
 @pytest.mark.parametrize('args,message', [
     (['--attn_types=base,noiseformer2'], "unknown 'noiseformer2' (did you mean 'noiseformer_v2'?)"),
     (["--tune={'learning_rate': [1e-3]}", '--tune_seeds=1338'], "tune_seeds and seeds share [1338]"),
@@ -245,6 +263,7 @@ def test_report_only_names_an_unreadable_checkpoint(sweep):
     (['--grid=--n_embd=64,--n_embd=64'], "repeats a point"),
     (['--grid=--seed=3'], "attn_type, seed, out_dir and init_from are compare.py's to set"),
     (['--grid=--n_emb=64'], "n_emb"),
+    (['--report_only=True'], "does not exist, so there are no runs to report"),
 ])
 def test_bad_sweep_settings_are_one_line(args, message, tmp_path):
     proc = run_script_in_process('compare.py', [f'--out_dir={tmp_path / "out"}', *args])
