@@ -247,7 +247,7 @@ def test_compare_runs_from_another_directory(sweep):
     assert proc.returncode == 0, proc.stderr
     assert (out / 'runs' / 'base-seed1' / 'ckpt.pt').stat().st_mtime_ns == before
     report = (out / 'report' / 'report.md').read_text()
-    # sample.py ran (and refused this data's vocabulary, which lacks its default prompt "\\n"), not "can't open"
+    # sample.py ran (and refused this data's vocabulary, which lacks its default prompt, a newline), not "can't open"
     assert "sample.py: error: the prompt" in report and "can't open file" not in report, report
 
 
