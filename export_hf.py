@@ -16,7 +16,8 @@ README.md in the folder (the model card) records the run and what to know when l
 The files are written into a temporary folder beside hf_dir and moved in when all are written, so a
 failed export leaves hf_dir as it was. Exporting into an earlier export (--overwrite=True, e.g. into a
 git clone of the published model) replaces the export's own files and removes those it no longer
-writes; everything else there stays (.git, .gitattributes, your own files and folders).
+writes; everything else there stays (.git, .gitattributes, your own files and folders). A clone of a
+new Hub repository (hidden files only) needs no --overwrite; with the Hub's starting README.md, it does.
 """
 
 from configurator import answer_help

@@ -61,15 +61,19 @@ EXPORT_FILES = ('README.md', RUN_FILE, 'config.json', 'generation_config.json', 
 # Export
 
 def check_hf_dir(hf_dir, overwrite):
-    """ValueError unless hf_dir can take an export: a new or empty folder, or with overwrite one holding an
-    earlier export (and perhaps more: a git clone of the published model), never a folder without one."""
+    """ValueError unless hf_dir can take an export: a new or empty folder (hidden files such as .git do not
+    count: a clone of a new Hub repository), or with overwrite one holding an earlier export (and perhaps
+    more: a git clone of the published model) or only the README.md a new Hub repository starts with."""
     if os.path.exists(hf_dir) and not os.path.isdir(hf_dir):
         raise ValueError(f"hf_dir={hf_dir!r} is a file, not a folder: choose a folder name")
-    if not os.path.isdir(hf_dir) or not os.listdir(hf_dir):
+    visible = [name for name in os.listdir(hf_dir) if not name.startswith('.')] if os.path.isdir(hf_dir) else []
+    if not visible:
         return
     if not overwrite:
         raise ValueError(f"hf_dir={hf_dir!r} is not empty: pass --overwrite=True to replace the export there, "
                          f"or choose another folder")
+    if visible == ['README.md']:
+        return
     if not os.path.isfile(os.path.join(hf_dir, 'config.json')) or os.path.exists(os.path.join(hf_dir, CKPT_NAME)):
         raise ValueError(f"hf_dir={hf_dir!r} holds something other than an exported model (no config.json, or a "
                          f"training checkpoint): overwrite only replaces an earlier export; choose another folder")
@@ -134,7 +138,7 @@ def export(checkpoint, hf_dir, data_dir=None, overwrite=False):
 
 def _move_into_place(tmp, hf_dir):
     """Put the finished export (the files in tmp) in hf_dir. A new folder is tmp renamed. In an existing
-    one (empty, or an earlier export with overwrite) each file is renamed into place, replacing the earlier
+    one (empty, a new Hub repository's clone, or an earlier export with overwrite) each file is renamed into place, replacing the earlier
     file of its name, and the earlier export's files that this one does not write (EXPORT_FILES) are
     removed; nothing else there is touched: .git, .gitattributes, the user's own files and folders.
 

@@ -395,6 +395,33 @@ def test_overwrite_replaces_only_the_exports_files_in_a_clone_and_removes_the_st
         assert (hf(idx).logits - model.lm_head(final_hidden_states(model, idx))).abs().max() <= 1e-5
 
 
+def test_a_clone_of_a_new_hub_repository_takes_an_export(exported, tmp_path):
+    """A new Hub repository cloned: .git and .gitattributes only (taken without --overwrite), or also the
+    README.md the Hub may start it with (replaced with --overwrite); the git files stay as they were."""
+    _, out_dir, _, _ = exported['base']
+    fresh = tmp_path / 'fresh'
+    assert run_script_in_process('export_hf.py', [f'--out_dir={out_dir}', f'--hf_dir={fresh}']).returncode == 0
+    exports = {p.name: p.read_bytes() for p in fresh.iterdir()}
+    for name, readme in (('bare', False), ('with-readme', True)):
+        clone = tmp_path / name
+        (clone / '.git').mkdir(parents=True)
+        (clone / '.git' / 'HEAD').write_text("ref: refs/heads/main\n")
+        (clone / '.gitattributes').write_text("*.safetensors filter=lfs diff=lfs merge=lfs -text\n")
+        if readme:
+            (clone / 'README.md').write_text("---\nlicense: mit\n---\n")
+            refused = run_script_in_process('export_hf.py', [f'--out_dir={out_dir}', f'--hf_dir={clone}'])
+            assert refused.returncode == 2 and "is not empty: pass --overwrite=True" in refused.stderr
+        git = {k: v for k, v in folder_contents(clone).items() if k.startswith('.git')}
+        proc = run_script_in_process('export_hf.py', [f'--out_dir={out_dir}', f'--hf_dir={clone}',
+                                                      *(['--overwrite=True'] if readme else [])])
+        assert proc.returncode == 0, proc.stderr
+        after = folder_contents(clone)
+        assert {k: after[k] for k in git} == git
+        assert set(after) - set(git) == set(exports)
+        assert all(after[n] == exports[n] for n in exports if n != 'README.md')  # the card names its folder
+        assert "license: mit" not in after['README.md'].decode()
+
+
 def test_a_failed_overwrite_leaves_the_folder_exactly_as_it_was(exported, char_data, tmp_path, token_id_data,
                                                                 monkeypatch):
     """Failing while the files are written (the disk full at the tokenizer), or while they are moved in (a
