@@ -5,7 +5,7 @@
 # PARTS picks what runs, in this order (default: all): tests bench compiled profile train sample.
 #   tests     tests/test_cuda.py (every variant against float64 on cuda, KV cache, train.py resume)
 #   bench     bench.py eager, GPT-2 small, bf16, every variant, with generation tokens/s
-#   compiled  bench.py compiled, one process per variant (a timeout keeps the ones done)
+#   compiled  bench.py compiled, one process per variant (a timeout keeps the ones done; VARIANTS picks them)
 #   profile   bench.py --profile for base and noiseformer_v2 (where NoiseFormer's extra time goes)
 #   train     train.py compiled on Tiny Shakespeare BPE, a stop + resume, FSDP2 on one GPU (torchrun)
 #   sample    sample.py on that run's checkpoint, with and without the KV cache
@@ -65,7 +65,7 @@ wants bench && step bench-eager bench.log 150 python3 $BENCH --compile=False --r
   --generate=True --json_out=$OUT/bench_eager.json
 
 if wants compiled; then
-  for v in base noiseformer_v2 diff dint noiseformer_v1 symmetric dint_lowrank linear; do
+  for v in ${VARIANTS:-base noiseformer_v2 diff dint noiseformer_v1 symmetric dint_lowrank linear}; do
     step "bench-compiled $v" bench.log 90 python3 $BENCH --compile=True --attn_types=$v --rounds=1 \
       --bench_iters=10 --json_out=$RUNS/bench_$v.json
     cat $RUNS/bench_$v.json >> "$OUT/bench_compiled.jsonl" 2>/dev/null && echo >> "$OUT/bench_compiled.jsonl"
