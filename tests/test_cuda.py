@@ -5,6 +5,8 @@ references judge the CUDA kernels: SDPA's flash / memory-efficient kernels, Nois
 drawn by the CUDA generator, DIFF/DINT's split values, the fused loss, in float32 (TF32 off) and
 under bf16 autocast; KV-cache decoding; and train.py on cuda, resumed bitwise.
 """
+import math
+
 import pytest
 import torch
 
@@ -136,6 +138,18 @@ def test_train_on_cuda_resumes_bitwise(tmp_path, attn_type, dtype):
     assert a['iter_num'] == b['iter_num'] == 20
     for name in a['model']:
         assert torch.equal(a['model'][name], b['model'][name]), name
+
+
+@pytest.mark.parametrize("attn_type", ["base", "noiseformer_v2", "diff", "linear"])
+def test_float16_training_on_cuda_learns_with_the_grad_scaler(tmp_path, attn_type):
+    """--dtype=float16 (GPUs without bf16: V100, T4) trains through the GradScaler: the loss falls and
+    no iteration's loss is inf or nan (NoiseFormer's mask and DIFF's O1 - lambda O2 in float16)."""
+    data = make_dataset(tmp_path)
+    proc = run_train(tmp_path / 'out', data, '--device=cuda', '--dtype=float16', f'--attn_type={attn_type}',
+                     '--max_iters=20', '--eval_interval=10')
+    losses = iter_losses(proc.stdout)
+    assert len(losses) == 20 and all(math.isfinite(v) for v in losses.values()), losses
+    assert losses[19] < losses[0] - 0.3, losses
 
 
 @pytest.mark.parametrize("attn_type", VARIANTS[:-1])   # linear has no softmax attention
