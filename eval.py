@@ -41,7 +41,7 @@ import os
 import tempfile
 import time
 
-from denoised_gpt.batches import ExampleLayout, TokenBatches, check_token_ids, load_meta
+from denoised_gpt.batches import ExampleLayout, TokenBatches, TokenIdError, check_token_ids, load_meta
 from denoised_gpt.checkpoint import CheckpointError, checkpoint_path, load_checkpoint
 from denoised_gpt.cli import (check_inference_source, check_ranges, fail, gpt2_encoding, load_model, log, noise_on,
                               prepare_device, read_config)
@@ -304,7 +304,10 @@ if entropy:
     def entropy_of(which_model, which_info, data):
         manual_seed(seed)  # NoiseFormer's noise draws
         batches = (data.get_batch()[0] for _ in range(entropy_batches))
-        ent = attention_entropy(which_model, batches, ctx)
+        try:
+            ent = attention_entropy(which_model, batches, ctx)
+        except TokenIdError as e:  # a file too large to scan up front is checked batch by batch
+            fail(e)
         return dict(entropy=ent, layer_mean=entropy_summary(ent), block_size=data.block_size,
                     batches=entropy_batches, batch_size=batch_size, seed=seed, attn_type=which_info['attn_type'],
                     checkpoint=which_info['checkpoint'], noise_on=which_info['noise_on'])

@@ -248,6 +248,25 @@ def test_eval_script_bad_settings_fail_in_one_line(char_run):
         assert message in r.stderr and 'Traceback' not in r.stderr, (args, r.stderr)
 
 
+def test_eval_script_a_bad_id_met_while_drawing_entropy_batches_is_one_line(char_run, tmp_path, monkeypatch):
+    """A val.bin too large to scan up front (FULL_SCAN_TOKENS, lowered here) whose meta.json vouches for its
+    ids, rewritten since with an id past the vocabulary: the batch that draws it stops eval.py in one line."""
+    import denoised_gpt.batches as batches
+    monkeypatch.setattr(batches, 'FULL_SCAN_TOKENS', 0)
+    data = tmp_path / 'data-changed'
+    data.mkdir()
+    meta = json.loads((char_run['data'] / 'meta.json').read_text())
+    (data / 'meta.json').write_text(json.dumps({**meta, 'val_tokens': 300, 'val_max_id': meta['vocab_size'] - 1}))
+    write_tokens(data / 'val.bin', [meta['vocab_size']] * 300)
+    r = run_script_in_process('eval.py', [f"--out_dir={char_run['base_dir']}", f"--eval_dir={tmp_path / 'eval'}",
+                                          '--entropy=True', f'--dataset={data}', '--device=cpu',
+                                          '--entropy_batches=1', '--batch_size=2'])
+    assert r.returncode == 2 and 'Traceback' not in r.stderr, r.stderr
+    errors = [line for line in r.stderr.splitlines() if line.startswith('eval.py: error: ')]
+    assert len(errors) == 1 and r.stderr.strip().splitlines()[-1] == errors[0], r.stderr
+    assert f"holds token id {meta['vocab_size']} at position" in errors[0] and "so the file changed" in errors[0]
+
+
 @pytest.mark.parametrize('wrong', ['missing', 'no_checkpoint_inside', 'not_a_checkpoint'])
 def test_eval_script_a_wrong_compare_to_fails_before_any_entropy_is_computed(char_run, tmp_path, wrong):
     compare_to = {'missing': tmp_path / 'out-bsae', 'no_checkpoint_inside': char_run['root'],
