@@ -24,8 +24,9 @@ more axis: each of its entries (train.py settings, e.g. '--n_embd=64') is a poin
 seed) is trained at, in runs/<attn_type>-<point>-seed<seed>, and each variant is compared with base at
 the same point. Running the command again skips finished runs (tuning runs too) and resumes
 interrupted ones (train.py's resume is exact, so the numbers equal those of an uninterrupted sweep); a
-run that fails is reported and the others go on. Killing compare.py kills its train.py too (Linux), to
-be resumed.
+run that fails is reported and the others go on. Ctrl-C, or SIGTERM / SIGINT sent to compare.py alone
+(`kill`, a scheduler's preemption), makes its train.py runs checkpoint and exit; SIGKILL kills them too
+(Linux). Either way the next run of the command resumes them.
 
 The report (out_dir/report/): report.md, results.json and PNGs. Every number in it is read from the
 runs' metrics.jsonl (train.py writes one row per logged iteration and per evaluation): final and
@@ -45,6 +46,7 @@ from configurator import answer_help
 
 answer_help(__file__)  # --help before the heavy imports below
 
+import contextlib
 import json
 import os
 import queue
@@ -335,13 +337,20 @@ def train(run, slot, progress):
         log.flush()
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 env=job_environment(slot), preexec_fn=die_with_parent if sys.platform == 'linux' else None)
+        running.add(proc)
         for line in proc.stdout:
             log.write(line)
             log.flush()  # `tail -f train.log` follows the run
             if line.startswith('iter '):
                 it = int(line.split(':')[0].split()[1])
                 progress.update(run, it + 1, f"iter {it + 1}/{run.max_iters}")
-        return proc.wait()
+        rc = proc.wait()
+        running.discard(proc)
+        return rc
+
+
+running = set()  # the train.py processes (or their torchrun) now running
+signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill`, a scheduler's preemption: as Ctrl-C
 
 
 def train_all(runs, tuning=False):
@@ -386,7 +395,12 @@ def train_all(runs, tuning=False):
         try:
             for future in [pool.submit(train_one, run) for run in todo]:
                 future.result()
-        except KeyboardInterrupt:  # Ctrl-C reached the train.py processes too: they checkpoint and exit
+        except KeyboardInterrupt:
+            # the train.py processes checkpoint and exit: a Ctrl-C in the terminal reached them already (a
+            # SIGTERM after it changes nothing); a SIGINT or SIGTERM sent to compare.py alone did not
+            for proc in list(running):
+                with contextlib.suppress(ProcessLookupError):
+                    proc.send_signal(signal.SIGTERM)
             pool.shutdown(wait=True, cancel_futures=True)
             progress.bar.close()
             print("\ninterrupted: run the same command again to continue the sweep", file=sys.stderr)

@@ -2,6 +2,7 @@
 runs' metrics.jsonl rows, a sweep killed in the middle of a run and started again gives the same
 numbers as an uninterrupted one, and finished runs are skipped."""
 import json
+import os
 import signal
 import statistics
 import subprocess
@@ -9,6 +10,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from helpers import ROOT, SCRIPT_VARIABLES, TINY, make_dataset, run_script_in_process, subprocess_env
 
@@ -189,6 +191,36 @@ def test_killed_sweep_started_again_gives_the_same_numbers(sweep):
     steps_b, _ = metrics(run_dir)
     assert [s['iter'] for s in steps_b] == list(range(ITERS))  # one row per iteration after the resume
     assert [s['loss'] for s in steps_a] == [s['loss'] for s in steps_b]
+
+
+@pytest.mark.parametrize('sig', [signal.SIGINT, signal.SIGTERM], ids=['SIGINT', 'SIGTERM'])
+def test_a_signal_to_compare_alone_checkpoints_its_runs_and_ends(sweep, sig):
+    """SIGINT or SIGTERM sent to compare.py's process only (not its process group, as Ctrl-C would): its
+    train.py gets SIGTERM, saves and exits, and compare.py exits 130 soon, not after the run's 10^6
+    iterations; the run is resumable from where it stopped."""
+    tmp, data, _ = sweep
+    out = tmp / f'signalled-{sig.name}'
+    overrides = f"--dataset={data} --max_iters=1000000 --lr_decay_iters=1000000 --eval_interval=8 --eval_iters=2"
+    args = [f'--base_config={TINY}', f'--overrides={overrides}', '--attn_types=base', '--seeds=1',
+            f'--out_dir={out}', '--samples=False']
+    proc = subprocess.Popen([sys.executable, 'compare.py', *args], cwd=ROOT, env=subprocess_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    log = out / 'runs' / 'base-seed1' / 'train.log'
+    deadline = time.time() + 120
+    while time.time() < deadline and not (log.exists() and 'saved checkpoint' in log.read_text()):
+        time.sleep(0.01)
+    os.kill(proc.pid, sig)
+    try:
+        _, stderr = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail("compare.py did not end within 60 s of the signal")
+    assert proc.returncode == 130 and "run the same command again to continue" in stderr, stderr
+    text = log.read_text()
+    assert "SIGTERM received: stopping after iter" in text, text[-2000:]
+    stopped = int(text.split("SIGTERM received: stopping after iter ")[1].split()[0])
+    ckpt = torch.load(out / 'runs' / 'base-seed1' / 'ckpt.pt', map_location='cpu', weights_only=True)
+    assert ckpt['iter_num'] == stopped + 1 < 1_000_000
 
 
 def copy_sweep(tmp, name, runs=('base-seed1',)):
