@@ -138,9 +138,10 @@ def export(checkpoint, hf_dir, data_dir=None, overwrite=False):
 
 def _move_into_place(tmp, hf_dir):
     """Put the finished export (the files in tmp) in hf_dir. A new folder is tmp renamed. In an existing
-    one (empty, a new Hub repository's clone, or an earlier export with overwrite) each file is renamed into place, replacing the earlier
-    file of its name, and the earlier export's files that this one does not write (EXPORT_FILES) are
-    removed; nothing else there is touched: .git, .gitattributes, the user's own files and folders.
+    one (empty, a new Hub repository's clone, or an earlier export with overwrite) each file is renamed
+    into place, replacing the earlier file of its name, and the earlier export's files that this one does
+    not write (EXPORT_FILES) are removed; nothing else there is touched: .git, .gitattributes, the user's
+    own files and folders.
 
     What is atomic: each file's rename, not the folder's. While the files go in (milliseconds) a reader
     can see some earlier files beside new ones; if a rename fails, the earlier files are put back and the
