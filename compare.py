@@ -329,8 +329,8 @@ def train(run, slot, progress):
     resume = os.path.exists(checkpoint_path(run.dir))
     launcher = [sys.executable] if nproc == 1 else [sys.executable, '-m', 'torch.distributed.run', '--standalone',
                                                      f'--nproc_per_node={nproc}']
-    cmd = [*launcher, TRAIN_SCRIPT, base_config, *extra, *run.args, f'--attn_type={run.attn_type}', f'--seed={run.seed}',
-           f'--out_dir={run.dir}', f'--wandb_run_name={os.path.basename(run.dir)}',
+    cmd = [*launcher, TRAIN_SCRIPT, base_config, *extra, *run.args, f'--attn_type={run.attn_type}',
+           f'--seed={run.seed}', f'--out_dir={run.dir}', f'--wandb_run_name={os.path.basename(run.dir)}',
            *(['--init_from=resume'] if resume else [])]
     with open(os.path.join(run.dir, 'train.log'), 'a') as log:
         log.write(f"$ {shlex.join(cmd)}\n")
