@@ -350,6 +350,7 @@ def train(run, slot, progress):
 
 
 running = set()  # the train.py processes (or their torchrun) now running
+stopping = threading.Event()  # set once a stop signal is being passed on to them
 signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill`, a scheduler's preemption: as Ctrl-C
 
 
@@ -376,6 +377,9 @@ def train_all(runs, tuning=False):
         finally:
             slots.put(slot)
         ok = rc == 0 and finished(run)
+        if stopping.is_set() and not ok:  # checkpointed on the stop signal: resumed next time, not failed
+            progress.update(run, progress.done.get(run.dir, 0), 'stopped')
+            return
         if rc == 3 and tuning:  # train.py's exit status for a non-finite loss or gradient
             with open(os.path.join(run.dir, DIVERGED_NAME), 'w') as f:
                 f.write("train.py stopped it: non-finite loss or gradient (see train.log)\n")
@@ -398,6 +402,7 @@ def train_all(runs, tuning=False):
         except KeyboardInterrupt:
             # the train.py processes checkpoint and exit: a Ctrl-C in the terminal reached them already (a
             # SIGTERM after it changes nothing); a SIGINT or SIGTERM sent to compare.py alone did not
+            stopping.set()
             for proc in list(running):
                 with contextlib.suppress(ProcessLookupError):
                     proc.send_signal(signal.SIGTERM)

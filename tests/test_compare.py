@@ -216,6 +216,7 @@ def test_a_signal_to_compare_alone_checkpoints_its_runs_and_ends(sweep, sig):
         proc.kill()
         pytest.fail("compare.py did not end within 60 s of the signal")
     assert proc.returncode == 130 and "run the same command again to continue" in stderr, stderr
+    assert "failed" not in stderr and "base seed 1: stopped" in stderr, stderr  # checkpointed, not failed
     text = log.read_text()
     assert "SIGTERM received: stopping after iter" in text, text[-2000:]
     stopped = int(text.split("SIGTERM received: stopping after iter ")[1].split()[0])
