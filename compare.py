@@ -69,7 +69,7 @@ from denoised_gpt.evaluation import mean_std
 from denoised_gpt.training import NOT_RESUMED
 from denoised_gpt.run_dir import lock_out_dir
 from denoised_gpt.tuning import (METRICS, candidate_args, candidate_label, candidate_settings, candidate_tag, candidates,
-                                 choose, edge_warnings, score)
+                                 choose, edge_warnings, outranked, score)
 from model import GPT, GPTConfig
 
 # -----------------------------------------------------------------------------
@@ -200,6 +200,7 @@ SHARED_SETTINGS = ('learning_rate', 'min_lr', 'weight_decay', 'beta2', 'warmup_i
                    'gradient_accumulation_steps', 'max_iters', 'dropout')
 CHANGES_NAME = 'settings_changes.jsonl'  # in out_dir: each run continued with other settings, and from when
 DIVERGED_NAME = 'diverged.txt'  # in a tuning run's folder: train.py stopped it for a non-finite loss (exit 3)
+OUTRANKED_NAME = 'outranked.txt'  # in a tuning run's folder: stopped once another candidate was sure to rank above it
 
 
 def settings_changes(runs):
@@ -282,6 +283,18 @@ def diverged(run):
     return os.path.exists(os.path.join(run.dir, DIVERGED_NAME))
 
 
+def was_outranked(run):
+    return os.path.exists(os.path.join(run.dir, OUTRANKED_NAME))
+
+
+def done_tuning(run):
+    return finished(run) or diverged(run) or was_outranked(run)
+
+
+def stop_at_val_loss_of(run):
+    return run.config['stop_at_val_loss']
+
+
 def die_with_parent():
     """Linux: the kernel sends SIGKILL to this train.py when compare.py dies, so an orphan never trains
     on beside the resumed run; the next compare.py resumes from the last checkpoint, exactly."""
@@ -296,7 +309,7 @@ def job_environment(slot):
     """The environment of a train.py in job slot `slot` of `jobs`: with several jobs, each gets its share
     of the CPU cores (OpenMP threads that outnumber the cores spin-wait and run many times slower) and,
     where there are CUDA GPUs, its own nproc of them."""
-    env = dict(os.environ)
+    env = dict(os.environ, PYTHONUNBUFFERED='1')  # its lines as they come, not in blocks: for the bar and stopping
     if jobs > 1:
         env['OMP_NUM_THREADS'] = str(max(1, len(os.sched_getaffinity(0)) // (jobs * nproc)))
         if torch.cuda.is_available():
@@ -323,8 +336,9 @@ class Progress:
             self.bar.write(text)
 
 
-def train(run, slot, progress):
-    """One train.py process; returns its exit code. Progress goes to the bar, output to train.log."""
+def train(run, slot, progress, should_stop=lambda: False):
+    """One train.py process; returns its exit code. Progress goes to the bar, output to train.log. After each
+    evaluation, a true should_stop() sends the run SIGTERM: it checkpoints and exits."""
     os.makedirs(run.dir, exist_ok=True)
     resume = os.path.exists(checkpoint_path(run.dir))
     launcher = [sys.executable] if nproc == 1 else [sys.executable, '-m', 'torch.distributed.run', '--standalone',
@@ -338,12 +352,19 @@ def train(run, slot, progress):
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 env=job_environment(slot), preexec_fn=die_with_parent if sys.platform == 'linux' else None)
         running.add(proc)
+        evaluated = False
         for line in proc.stdout:
             log.write(line)
             log.flush()  # `tail -f train.log` follows the run
             if line.startswith('iter '):
                 it = int(line.split(':')[0].split()[1])
                 progress.update(run, it + 1, f"iter {it + 1}/{run.max_iters}")
+            if line.startswith('step '):
+                evaluated = True
+            elif line.startswith('iter ') and evaluated:  # the evaluation's metrics row is on disk by now
+                evaluated = False
+                if should_stop():
+                    proc.send_signal(signal.SIGTERM)
         rc = proc.wait()
         running.discard(proc)
         return rc
@@ -354,28 +375,69 @@ stopping = threading.Event()  # set once a stop signal is being passed on to the
 signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill`, a scheduler's preemption: as Ctrl-C
 
 
-def train_all(runs, tuning=False):
+def outranked_now(rows):
+    """outranked() of a variant's tuning runs ([[its Run per tuning seed] per candidate]) as they stand on disk."""
+    def so_far(run):
+        if diverged(run):
+            return None
+        _, evals = read_metrics(run.dir)
+        return (evals[-1]['iter'], reached_target(run, evals[-1])) if evals else (None, False)
+    return outranked([[so_far(run) for run in seed_runs] for seed_runs in rows])
+
+
+def train_all(runs, rivals=None):
     """Every unfinished run, `jobs` at a time; returns {(variant, seed): why} for the runs that failed.
-    A tuning run that diverges is marked so: its candidate ranks last, and it is not trained again."""
+    Tuning (rivals: {run.dir: (its variant's [[Run per seed] per candidate], its candidate's index)}): a run
+    that diverges is marked so (its candidate ranks last) and not trained again, and one whose candidate can
+    no longer be chosen (another reached stop_at_val_loss sooner than it can) stops, marked out-ranked."""
+    tuning = rivals is not None
     failures = {}
     progress = Progress(runs, 'tuning runs' if tuning else 'runs')
     todo = []
     for run in runs:
-        if finished(run) or diverged(run):
+        if (done_tuning if tuning else finished)(run):
             progress.update(run, run.max_iters, "already done")
         else:
             todo.append(run)
+
+    def beaten(run):
+        """Why the tuning run's candidate can no longer be chosen, or None."""
+        if not tuning or not stop_at_val_loss_of(run):
+            return None
+        rows, index = rivals[run.dir]
+        losers, best = outranked_now(rows)
+        if index not in losers:
+            return None
+        _, evals = read_metrics(run.dir)
+        return (f"stopped at iteration {evals[-1]['iter']}: another candidate reached stop_at_val_loss in {best:g} "
+                f"iterations (the mean over the tuning seeds), sooner than this one can\n")
+
+    def mark_outranked(run, why):
+        with open(os.path.join(run.dir, OUTRANKED_NAME), 'w') as f:
+            f.write(why)
+        progress.update(run, run.max_iters, 'out-ranked')
     slots = queue.SimpleQueue()  # job slot numbers: which CPU share / GPUs a run gets
     for slot in range(jobs):
         slots.put(slot)
 
     def train_one(run):
         slot = slots.get()
+        why = beaten(run)
+        if why:  # e.g. runs resumed for a longer max_iters, beaten by a candidate that reached the target sooner
+            slots.put(slot)
+            return mark_outranked(run, why)
         progress.update(run, progress.done.get(run.dir, 0), "starting")  # not the previous run's last words
+        stop_reason = []
+
+        def should_stop():
+            stop_reason.extend(filter(None, [beaten(run)]))
+            return bool(stop_reason)
         try:
-            rc = train(run, slot, progress)
+            rc = train(run, slot, progress, should_stop)
         finally:
             slots.put(slot)
+        if stop_reason and rc == 0 and not finished(run):
+            return mark_outranked(run, stop_reason[0])
         ok = rc == 0 and finished(run)
         if stopping.is_set() and not ok:  # checkpointed on the stop signal: resumed next time, not failed
             progress.update(run, progress.done.get(run.dir, 0), 'stopped')
@@ -494,8 +556,9 @@ def tune_variants():
     every = [run for rows in table.values() for seed_runs in rows for run in seed_runs]
     if not report_only:
         check_settings_unchanged(every)
-        train_all(every, tuning=True)
-    unfinished = [run for run in every if not finished(run) and not diverged(run)]
+        train_all(every, rivals={run.dir: (rows, c) for rows in table.values()
+                                 for c, seed_runs in enumerate(rows) for run in seed_runs})
+    unfinished = [run for run in every if not done_tuning(run)]
     if unfinished:
         fail(f"{len(unfinished)} tuning run{'s' if len(unfinished) > 1 else ''} did not finish (first: "
              f"{unfinished[0].dir}, see its train.log), so no variant's best can be chosen yet: run the same "
@@ -508,6 +571,7 @@ def tune_variants():
             per_seed = [None if diverged(run) else tuning_result(run, metric) for run in seed_runs]
             entries.append({'label': candidate_label(candidate), 'candidate': candidate,
                             'settings': seed_runs[0].settings, 'seeds': list(tune_seeds), 'per_seed': per_seed,
+                            'outranked': any(r is not None and r['outranked'] for r in per_seed),
                             **score(per_seed, metric)})
         best = choose(entries, metric)
         for i, entry in enumerate(entries):
@@ -523,7 +587,7 @@ def tune_variants():
 def tuning_result(run, metric):
     _, evals = read_metrics(run.dir)
     result = {'final_val_loss': evals[-1]['val_loss'], 'final_iter': evals[-1]['iter'],
-              'reached_target': reached_target(run, evals[-1])}
+              'reached_target': reached_target(run, evals[-1]), 'outranked': was_outranked(run)}
     if metric == 'accuracy':
         try:
             result['accuracy'] = recall_results(run)['accuracy']

@@ -186,12 +186,16 @@ def protocol_lines(protocol, tuning):
                 f"{c['accuracy']:.3f} (val {c['val_loss']:.4f})" if t['metric'] == 'accuracy' else f"{c['val_loss']:.4f}")
             if c.get('reached'):
                 cell = f"at iter {c['iters']:.0f}: {cell}"
+            elif c.get('outranked'):
+                cell = f"out-ranked at iter {c['iters']:.0f}: {cell}"
             cells.append(f"**{cell}**" if c['chosen'] else cell)
         lines.append(f"| `{t['variant']}` | " + " | ".join(cells) + f" | {t['chosen'] or 'none: every candidate diverged'} |")
     lines += ["", "Each cell: the candidate's " + ("answer accuracy (and final val loss)" if 'accuracy' in protocol['metric']
               else "final val loss") + ", the mean over the tuning seeds; bold: chosen."
               + (f" \"at iter n\": every tuning seed stopped at stop_at_val_loss={protocol['stop_at_val_loss']:g}, at n "
-                 "iterations on average; such a candidate ranks above every one that did not, the sooner the better."
+                 "iterations on average; such a candidate ranks above every one that did not, the sooner the better. "
+                 "\"out-ranked at iter n\": stopped there, not having reached it, once another candidate had reached it "
+                 "in fewer iterations (it can only rank below that one)."
                  if protocol.get('stop_at_val_loss') else ''), ""]
     warnings = [f"- `{t['variant']}`: {w}" for t in tuning for w in t['warnings']]
     if warnings:

@@ -81,6 +81,25 @@ def choose(scores, metric):
     return None if scores[best]['diverged'] else best
 
 
+def outranked(candidates_so_far):
+    """Which candidates can no longer be chosen, given each one's tuning runs so far: per candidate, per seed,
+    (the iteration of its last evaluation or None before the first, whether it stopped there at
+    stop_at_val_loss); None for a seed that diverged. A candidate that reached the target on every seed at
+    n iterations on average ranks above every one that gets there later; a seed still short of the target
+    can only get there after its last evaluation, so a candidate whose every seed has started and whose
+    iterations so far already average n or more cannot beat it and need not train on. Returns the indices
+    of those candidates, and n (None when no candidate has reached the target)."""
+    def mean_iters(runs):
+        return sum(i for i, _ in runs) / len(runs)
+    reached = [mean_iters(runs) for runs in candidates_so_far if all(r is not None and r[1] for r in runs)]
+    if not reached:
+        return [], None
+    best = min(reached)
+    return [c for c, runs in enumerate(candidates_so_far)
+            if all(r is not None and r[0] is not None for r in runs) and not all(r[1] for r in runs)
+            and mean_iters(runs) >= best], best
+
+
 def edge_warnings(tune, chosen):
     """For each tuned key with numbers to choose from: a warning when the chosen value is the smallest or
     the largest tried, since the best may then lie outside the range."""

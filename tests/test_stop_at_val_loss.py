@@ -71,16 +71,23 @@ def test_tuning_ranks_reaching_the_target_sooner_above_later_above_never():
         assert choose([scores[0], scores[3]], metric) == 0  # neither reached: the metric decides
 
 
+TARGET = math.log(VOCAB) - 0.5  # half a nat below the initial val loss: 1e-2 gets there in ITERS, 1e-6 does not
+
+
+def tuning_sweep(data, out, learning_rates):
+    """compare.py's arguments: base tuned over learning_rates on seed 5 to reach TARGET, then seed 1."""
+    overrides = (f"--dataset={data} --max_iters={ITERS} --lr_decay_iters={ITERS} --eval_interval=5 --eval_iters=2 "
+                 f"--stop_at_val_loss={TARGET!r}")
+    return [f'--base_config={TINY}', f'--overrides={overrides}', '--attn_types=base', '--seeds=1', f'--out_dir={out}',
+            '--samples=False', f"--tune={{'learning_rate': {learning_rates!r}}}", '--tune_seeds=5']
+
+
 def test_compare_counts_a_stopped_run_as_finished_and_tunes_by_how_soon_the_target_is_reached(data, tmp_path):
     """lr 1e-6 cannot move the loss in 40 iterations, 1e-2 can: with the target half a nat below the
     initial val loss (about log(VOCAB): the initial weights predict nearly uniformly), only 1e-2 reaches
     it, stops there, is chosen, and a second sweep trains nothing."""
-    target = math.log(VOCAB) - 0.5
-    overrides = (f"--dataset={data} --max_iters={ITERS} --lr_decay_iters={ITERS} --eval_interval=5 --eval_iters=2 "
-                 f"--stop_at_val_loss={target!r}")
-    out = tmp_path / 'sweep'
-    args = [f'--base_config={TINY}', f'--overrides={overrides}', '--attn_types=base', '--seeds=1', f'--out_dir={out}',
-            '--samples=False', "--tune={'learning_rate': [1e-06, 0.01]}", '--tune_seeds=5']
+    target, out = TARGET, tmp_path / 'sweep'
+    args = tuning_sweep(data, out, [1e-06, 0.01])
     proc = run_script_in_process('compare.py', args, env=SCRIPT_VARIABLES)  # its train.py runs are processes
     assert proc.returncode == 0, proc.stdout + proc.stderr
     small, good = (evaluations(out / 'tune' / f'base-learning_rate{lr}-seed5') for lr in ('1e-06', '0.01'))
@@ -105,3 +112,42 @@ def test_compare_counts_a_stopped_run_as_finished_and_tunes_by_how_soon_the_targ
     again = run_script_in_process('compare.py', args, env=SCRIPT_VARIABLES)
     assert again.returncode == 0, again.stdout + again.stderr
     assert {p: p.read_text() for p in out.glob('*/*/train.log')} == logs  # no train.py started again
+
+
+def test_a_candidate_is_outranked_once_its_iterations_so_far_average_the_best_reached():
+    from denoised_gpt.tuning import outranked
+    reached_at_50 = [(40, True), (60, True)]
+    assert outranked([reached_at_50, [(50, False), (40, False)]]) == ([], 50)  # mean 45: may still reach it sooner
+    assert outranked([reached_at_50, [(50, False), (50, False)]]) == ([1], 50)  # can only reach it after 50
+    assert outranked([reached_at_50, [(90, True), (10, False)]]) == ([1], 50)
+    assert outranked([reached_at_50, [(80, True), (70, True)]]) == ([], 50)  # finished: ranked, not stopped
+    assert outranked([reached_at_50, [(100, False), (None, False)]]) == ([], 50)  # a seed not started yet
+    assert outranked([reached_at_50, [(100, False), None]]) == ([], 50)  # diverged: ranks last anyway
+    assert outranked([[(100, False)], [(200, False)]]) == ([], None)  # nothing reached: nothing is out-ranked
+    assert outranked([[(30, True)], [(20, True)], [(25, False)]]) == ([2], 20)
+
+
+def test_tuning_stops_a_candidate_once_another_has_reached_the_target_sooner(data, tmp_path):
+    """1e-2 reaches the target first; 1e-6, trained after it, stops at its first evaluation at or past that
+    iteration, is marked out-ranked, shown so in the table, and is not trained again by a second sweep."""
+    target, out = TARGET, tmp_path / 'sweep'
+    args = tuning_sweep(data, out, [0.01, 1e-06])
+    proc = run_script_in_process('compare.py', args, env=SCRIPT_VARIABLES)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    good, small = (out / 'tune' / f'base-learning_rate{lr}-seed5' for lr in ('0.01', '1e-06'))
+    reached_at = evaluations(good)[-1]['iter']
+    assert evaluations(good)[-1]['val_loss'] <= target and reached_at < ITERS
+    stopped_at = evaluations(small)[-1]['iter']
+    assert reached_at <= stopped_at < ITERS and (small / 'outranked.txt').exists()
+    assert f"another candidate reached stop_at_val_loss in {reached_at}" in (small / 'outranked.txt').read_text()
+    tuning, = json.loads((out / 'report' / 'results.json').read_text())['tuning']
+    assert [(c['reached'], c['outranked'], c['iters']) for c in tuning['candidates']] == [
+        (True, False, reached_at), (False, True, stopped_at)]
+    assert tuning['chosen'] == 'learning_rate=0.01'
+    report = (out / 'report' / 'report.md').read_text()
+    assert f"| out-ranked at iter {stopped_at}: {evaluations(small)[-1]['val_loss']:.4f} |" in report
+
+    logs = {p: p.read_text() for p in out.glob('*/*/train.log')}
+    again = run_script_in_process('compare.py', args, env=SCRIPT_VARIABLES)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert {p: p.read_text() for p in out.glob('*/*/train.log')} == logs
