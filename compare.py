@@ -109,6 +109,7 @@ extra = shlex.split(overrides)
 # beside this file, so that compare.py runs from any directory (config paths stay relative to the current one)
 TRAIN_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'train.py')
 SAMPLE_SCRIPT = os.path.join(os.path.dirname(TRAIN_SCRIPT), 'sample.py')
+EVAL_SCRIPT = os.path.join(os.path.dirname(TRAIN_SCRIPT), 'eval.py')
 train_defaults = script_defaults(TRAIN_SCRIPT)
 # the settings every run trains with, checked now (a typo fails here, not in the eighth run)
 try:
@@ -504,19 +505,25 @@ def run_results(run):
     }
 
 
+def read_json(path):
+    with open(path) as f:
+        return json.load(f)
+
+
 def recall_results(run):
     """On a recall dataset: {'accuracy', 'accuracy_by_pairs'} from eval.py --recall=True on the run's final
-    checkpoint (its recall.json, computed again only when ckpt.pt is newer); {} on other datasets."""
+    checkpoint (its recall.json, computed again when ckpt.pt is newer, or when it does not say its dtype: an
+    older eval.py's, which measured a float32-trained model in bfloat16); {} on other datasets."""
     if not is_recall_data(run.config):
         return {}
     path = os.path.join(run.dir, 'recall.json')
-    if not os.path.exists(path) or os.path.getmtime(path) < os.path.getmtime(checkpoint_path(run.dir)):
-        cmd = [sys.executable, 'eval.py', f'--out_dir={run.dir}', '--recall=True', '--batch_size=64']
+    if not os.path.exists(path) or os.path.getmtime(path) < os.path.getmtime(checkpoint_path(run.dir)) \
+            or 'dtype' not in read_json(path):
+        cmd = [sys.executable, EVAL_SCRIPT, f'--out_dir={run.dir}', '--recall=True', '--batch_size=64']
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             raise CheckpointError(f"eval.py --recall=True failed: {proc.stderr.strip().splitlines()[-1:]}")
-    with open(path) as f:
-        recall = json.load(f)
+    recall = read_json(path)
     return {'accuracy': recall['accuracy'],
             'accuracy_by_pairs': {k: v['accuracy'] for k, v in recall['by_pairs'].items()}}
 

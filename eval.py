@@ -146,7 +146,20 @@ if glue and glue_cache_dir:
 # -----------------------------------------------------------------------------
 # model(s)
 
-device, dtype = prepare_device(device, dtype)
+
+
+def trained_dtype():
+    """The dtype the checkpoint was trained in, if it names one: 'auto' runs it there, so a model trained in
+    float32 (config/train_mqar.py) is not measured in bfloat16, which can change what it answers."""
+    if init_from != 'resume' or not os.path.exists(checkpoint_path(out_dir)):
+        return 'auto'
+    try:
+        return load_checkpoint(out_dir, metadata_only=True)['config'].get('dtype', 'auto')
+    except CheckpointError:  # loading the model says why, below
+        return 'auto'
+
+
+device, dtype = prepare_device(device, dtype, trained_dtype())
 ctx = autocast_context(device, dtype)
 
 
@@ -287,7 +300,7 @@ if recall:
         r = answer_accuracy(model, info['data_dir'], batch_size, device, ctx)
     except ValueError as e:
         fail(e)
-    r.update(file=val_path, noise_on=info['noise_on'])
+    r.update(file=val_path, noise_on=info['noise_on'], dtype=dtype)
     print(f"answer accuracy {r['accuracy']:.4f} over {r['answers']:,} answers of {r['examples']:,} validation "
           f"examples ({time.time() - t0:.1f}s)")
     print("  by key-value pairs: " + ", ".join(f"{k}: {v['accuracy']:.4f}" for k, v in r['by_pairs'].items()))

@@ -79,11 +79,15 @@ def check_ranges(config, at_least_one=(), non_negative=(), unit_interval=(), pos
             raise ValueError(f"{key}={config[key]} must be a non-negative integer below 2**63")
 
 
-def prepare_device(device, dtype):
-    """The device and dtype settings ('auto' or a name) resolved, and the device set up; exit 2 on a bad one."""
+def prepare_device(device, dtype, trained_dtype='auto'):
+    """The device and dtype settings ('auto' or a name) resolved, and the device set up; exit 2 on a bad one.
+    trained_dtype: the dtype the model was trained in, which 'auto' takes where the device runs it."""
     from denoised_gpt.device import resolve_device, resolve_dtype, setup
     try:
         device = resolve_device(device)
+        if dtype == 'auto' and trained_dtype != 'auto':
+            with contextlib.suppress(ValueError):  # float16 off CUDA: the device's own choice
+                dtype = resolve_dtype(trained_dtype, device, training=False)
         dtype = resolve_dtype(dtype, device, training=False)  # sample.py and eval.py run a model, never train it
     except ValueError as e:
         fail(e)

@@ -230,6 +230,20 @@ def test_eval_script_val_loss_and_entropy_with_a_side_by_side(char_run):
         assert (out / png).read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
 
 
+@pytest.mark.parametrize('trained_in', ['float32', 'bfloat16'])
+def test_eval_script_measures_a_checkpoint_in_the_dtype_it_was_trained_in(char_run, tmp_path, trained_in):
+    """dtype='auto' takes the run's training dtype (where the device runs it), not the device's fastest: a
+    model trained in float32 can answer differently in bfloat16 (linear attention on recall did)."""
+    from helpers import save_model_checkpoint
+    save_model_checkpoint(tmp_path, char_run['base'], config={'dataset': str(char_run['data']), 'dtype': trained_in})
+    r = run_script_in_process('eval.py', [f'--out_dir={tmp_path}', '--val_loss=True', '--device=cpu'])
+    assert r.returncode == 0, r.stderr
+    assert f"device cpu ({trained_in})" in r.stderr
+    if trained_in == 'float32':
+        expected = exact_val_loss(char_run['base'].eval(), char_run['data'] / 'val.bin', 32, 5, 'cpu', NO_AUTOCAST)
+        assert json.loads((tmp_path / 'val_loss.json').read_text())['loss'] == pytest.approx(expected['loss'], abs=1e-6)
+
+
 def test_eval_script_refuses_glue_and_lm_eval_for_a_char_level_model(char_run):
     for arg in ('--glue=all', '--lm_eval=hellaswag'):
         r = refused(f"--out_dir={char_run['base_dir']}", arg, '--device=cpu')

@@ -329,3 +329,12 @@ def test_compare_sweeps_a_grid_and_reports_accuracy(mqar, tmp_path):
         line = next(line for line in report.splitlines() if line.startswith(f"| `linear n_embd={width}` | 0."))
         assert f"| {mine[1]:.3f} | {mine[1]:.3f} | " in line
     assert "## Answer accuracy (recall)" in report and (out / "report" / "accuracy.png").stat().st_size > 0
+
+    # a recall.json that does not say its dtype is an older eval.py's (bfloat16 on a float32-trained run):
+    # measured again, though newer than the checkpoint
+    path = out / "runs" / "linear-n_embd16-seed1" / "recall.json"
+    kept = json.loads(path.read_text())
+    path.write_text(json.dumps({k: v for k, v in kept.items() if k != "dtype"} | {"accuracy": -1.0}))
+    proc = run_script_in_process("compare.py", args + ["--report_only=True"], env=SCRIPT_VARIABLES)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert json.loads(path.read_text()) == kept
