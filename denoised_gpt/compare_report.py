@@ -217,7 +217,15 @@ def stop_lines(results, target, max_iters):
         rs = [r for r in results if r['variant'] == variant]
         per_seed = ', '.join(f"{r['final_iter']}" if r['reached_target'] else f"not by {r['final_iter']}" for r in rs)
         lines.append(f"| `{variant}` | {sum(r['reached_target'] for r in rs)} of {len(rs)} | {per_seed} |")
-    return lines + [""]
+    lines.append("")
+    for variant in dict.fromkeys(r['variant'] for r in results if r['variant'] == r['base']):
+        rs = [r for r in results if r['variant'] == variant]
+        if not all(r['reached_target'] for r in rs):
+            lines += [f"**`{variant}` did not reach it on every seed ({sum(r['reached_target'] for r in rs)} of "
+                      f"{len(rs)})**: at this setting and budget a variant that does not reach it is not shown to do "
+                      f"worse than base. Give every run more iterations, or choose an easier setting, until base "
+                      f"reaches it on every seed.", ""]
+    return lines
 
 
 def write_report(report_dir, summary, results, failures, samples, plots, setup):

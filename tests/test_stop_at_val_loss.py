@@ -151,3 +151,17 @@ def test_tuning_stops_a_candidate_once_another_has_reached_the_target_sooner(dat
     again = run_script_in_process('compare.py', args, env=SCRIPT_VARIABLES)
     assert again.returncode == 0, again.stdout + again.stderr
     assert {p: p.read_text() for p in out.glob('*/*/train.log')} == logs
+
+
+def test_the_report_says_when_base_did_not_reach_the_target_on_every_seed():
+    from denoised_gpt.compare_report import stop_lines
+
+    def run(variant, reached, iters):
+        return {'variant': variant, 'base': 'base', 'reached_target': reached, 'final_iter': iters}
+    solved = [run('base', True, 30), run('base', True, 35), run('diff', False, 40), run('diff', True, 20)]
+    text = '\n'.join(stop_lines(solved, 0.01, 40))
+    assert "| `base` | 2 of 2 | 30, 35 |" in text and "| `diff` | 1 of 2 | not by 40, 20 |" in text
+    assert "did not reach it on every seed" not in text
+    unsolved = [run('base', True, 30), run('base', False, 40), run('diff', True, 20), run('diff', True, 25)]
+    text = '\n'.join(stop_lines(unsolved, 0.01, 40))
+    assert "**`base` did not reach it on every seed (1 of 2)**: at this setting and budget" in text
