@@ -6,7 +6,7 @@
 # $ python3 compare.py config/compare_recall.py
 # Run it again after an interruption: it resumes. Measured at 16,000 iterations on 2 CPU cores (torch 2.13.0,
 # two one-thread runs at a time): the 40 tuning runs took ~4.3 hours (a run that stays on the plateau trains
-# all its iterations, ~15 minutes on one core), the 24 compared ~2 hours; at 32,000 a tuning candidate stops
+# all its iterations, ~15 minutes on one core), 18 of the 24 compared 1.2 hours; at 32,000 a tuning candidate stops
 # once another has reached the target sooner, so the extension trains mainly what did not. Without `tune`
 # every variant trains at 1e-2 (chosen for base). The earlier studies in docs/recall.md trained with a decay to 1e-3 over 8000
 # iterations (then config/train_mqar.py's: overrides = '--min_lr=1e-3 --max_iters=8000 --lr_decay_iters=8000
