@@ -193,6 +193,7 @@ class Run:
         self.variant, self.base = variant_name(attn_type, label), variant_name('base', label)
         self.max_iters = self.config['max_iters']
         self.metric = tune_metric if tune_metric != 'auto' else 'accuracy' if is_recall_data(self.config) else 'val_loss'
+        self.folder = folder
         self.dir = os.path.join(out_dir, folder, '-'.join(filter(None, (attn_type, self.tag, name, f'seed{seed}'))))
 
 
@@ -224,10 +225,20 @@ def settings_changes(runs):
 
 
 def check_settings_unchanged(runs):
-    """A sweep continues its runs only with the settings they were trained with, unless told otherwise."""
+    """A sweep continues its runs only with the settings they were trained with, unless told otherwise; never
+    a compared run with another tuned value (the tuning chose anew): that is another candidate's run."""
     changes = settings_changes(runs)
     if not changes:
         return
+    retuned = [(variant, seed, differ) for variant, seed, _, differ in changes if set(differ) & set(tune)
+               and any(run.variant == variant and run.seed == seed and run.folder == 'runs' for run in runs)]
+    if retuned:
+        variant, seed, differ = retuned[0]
+        key = next(k for k in differ if k in tune)
+        fail(f"{len(retuned)} compared run{'s' if len(retuned) > 1 else ''} (first: {variant} seed {seed}) "
+             f"{'were' if len(retuned) > 1 else 'was'} trained at {key}={differ[key][0]!r}, and the tuning now "
+             f"chooses {differ[key][1]!r}: move {'their folders' if len(retuned) > 1 else 'its folder'} out of "
+             f"{out_dir}/runs to train {'them' if len(retuned) > 1 else 'it'} at the new choice")
     keys = sorted({k for *_, differ in changes for k in differ})
     lines = []
     for k in keys:

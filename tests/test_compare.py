@@ -364,6 +364,22 @@ def test_a_tuned_sweep_run_again_trains_nothing(tuned_sweep):
     assert len(logs) == 8 and {p: p.read_bytes() for p in logs} == before
 
 
+def test_a_compared_run_is_never_continued_at_a_value_the_tuning_chose_anew(tuned_sweep, tmp_path):
+    """With another grid the tuning chooses 0.003 where the compared runs trained at 0.01: even with
+    --continue_changed=True (meant for e.g. a longer max_iters) the sweep refuses to continue them."""
+    import shutil
+    out, args, _ = tuned_sweep
+    copy = tmp_path / 'tuned'
+    shutil.copytree(out, copy)
+    before = (copy / 'runs' / 'base-seed1' / 'ckpt.pt').read_bytes()
+    args = [a for a in args if not a.startswith(('--tune=', '--out_dir='))]
+    proc = compare([*args, f'--out_dir={copy}', "--tune={'learning_rate': [1e-06, 0.003]}", '--continue_changed=True'])
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert ("2 compared runs (first: base seed 1) were trained at learning_rate=0.01, and the tuning now chooses "
+            "0.003: move their folders out of") in proc.stderr
+    assert (copy / 'runs' / 'base-seed1' / 'ckpt.pt').read_bytes() == before
+
+
 def test_an_untuned_report_says_every_variant_used_the_same_settings(sweep):
     tmp, _, _ = sweep
     results = json.loads((tmp / 'out' / 'report' / 'results.json').read_text())
