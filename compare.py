@@ -193,7 +193,6 @@ class Run:
         self.variant, self.base = variant_name(attn_type, label), variant_name('base', label)
         self.max_iters = self.config['max_iters']
         self.metric = tune_metric if tune_metric != 'auto' else 'accuracy' if is_recall_data(self.config) else 'val_loss'
-        self.folder = folder
         self.dir = os.path.join(out_dir, folder, '-'.join(filter(None, (attn_type, self.tag, name, f'seed{seed}'))))
 
 
@@ -230,8 +229,8 @@ def check_settings_unchanged(runs):
     changes = settings_changes(runs)
     if not changes:
         return
-    retuned = [(variant, seed, differ) for variant, seed, _, differ in changes if set(differ) & set(tune)
-               and any(run.variant == variant and run.seed == seed and run.folder == 'runs' for run in runs)]
+    # (a tuning run's tuned values are in its folder's name, so only a compared run can differ in them)
+    retuned = [(variant, seed, differ) for variant, seed, _, differ in changes if set(differ) & set(tune)]
     if retuned:
         variant, seed, differ = retuned[0]
         key = next(k for k in differ if k in tune)
@@ -301,10 +300,6 @@ def was_outranked(run):
 
 def done_tuning(run):
     return finished(run) or diverged(run) or was_outranked(run)
-
-
-def stop_at_val_loss_of(run):
-    return run.config['stop_at_val_loss']
 
 
 def die_with_parent():
@@ -414,7 +409,7 @@ def train_all(runs, rivals=None):
 
     def beaten(run):
         """Why the tuning run's candidate can no longer be chosen, or None."""
-        if not tuning or not stop_at_val_loss_of(run):
+        if not tuning or not run.config['stop_at_val_loss']:
             return None
         rows, index = rivals[run.dir]
         losers, best = outranked_now(rows)
