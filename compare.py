@@ -201,7 +201,6 @@ SHARED_SETTINGS = ('learning_rate', 'min_lr', 'weight_decay', 'beta2', 'warmup_i
                    'gradient_accumulation_steps', 'max_iters', 'dropout')
 CHANGES_NAME = 'settings_changes.jsonl'  # in out_dir: each run continued with other settings, and from when
 DIVERGED_NAME = 'diverged.txt'  # in a tuning run's folder: train.py stopped it for a non-finite loss (exit 3)
-OUTRANKED_NAME = 'outranked.txt'  # in a tuning run's folder: stopped once another candidate was sure to rank above it
 
 
 def settings_changes(runs):
@@ -294,14 +293,6 @@ def diverged(run):
     return os.path.exists(os.path.join(run.dir, DIVERGED_NAME))
 
 
-def was_outranked(run):
-    return os.path.exists(os.path.join(run.dir, OUTRANKED_NAME))
-
-
-def done_tuning(run):
-    return finished(run) or diverged(run) or was_outranked(run)
-
-
 def die_with_parent():
     """Linux: the kernel sends SIGKILL to this train.py when compare.py dies, so an orphan never trains
     on beside the resumed run; the next compare.py resumes from the last checkpoint, exactly."""
@@ -392,59 +383,49 @@ def outranked_now(rows):
     return outranked([[so_far(run) for run in seed_runs] for seed_runs in rows])
 
 
+def outranked_dirs(rows):
+    """The folders of the runs whose candidate can no longer be chosen (derived from the runs, never stored,
+    so it follows any change to them)."""
+    losers, _ = outranked_now(rows)
+    return {run.dir for c in losers for run in rows[c]}
+
+
 def train_all(runs, rivals=None):
     """Every unfinished run, `jobs` at a time; returns {(variant, seed): why} for the runs that failed.
     Tuning (rivals: {run.dir: (its variant's [[Run per seed] per candidate], its candidate's index)}): a run
     that diverges is marked so (its candidate ranks last) and not trained again, and one whose candidate can
-    no longer be chosen (another reached stop_at_val_loss sooner than it can) stops, marked out-ranked."""
+    no longer be chosen (another reached stop_at_val_loss sooner than it can) stops: it is out-ranked."""
     tuning = rivals is not None
     failures = {}
     progress = Progress(runs, 'tuning runs' if tuning else 'runs')
     todo = []
+
+    def beaten(run):
+        """Whether the tuning run's candidate can no longer be chosen."""
+        return bool(run.config['stop_at_val_loss']) and run.dir in outranked_dirs(rivals[run.dir][0])
+
     for run in runs:
-        if (done_tuning if tuning else finished)(run):
+        if finished(run) or tuning and (diverged(run) or beaten(run)):
             progress.update(run, run.max_iters, "already done")
         else:
             todo.append(run)
 
-    def beaten(run):
-        """Why the tuning run's candidate can no longer be chosen, or None."""
-        if not tuning or not run.config['stop_at_val_loss']:
-            return None
-        rows, index = rivals[run.dir]
-        losers, best = outranked_now(rows)
-        if index not in losers:
-            return None
-        _, evals = read_metrics(run.dir)
-        return (f"stopped at iteration {evals[-1]['iter']}: another candidate reached stop_at_val_loss in {best:g} "
-                f"iterations (the mean over the tuning seeds), sooner than this one can\n")
-
-    def mark_outranked(run, why):
-        with open(os.path.join(run.dir, OUTRANKED_NAME), 'w') as f:
-            f.write(why)
-        progress.update(run, run.max_iters, 'out-ranked')
     slots = queue.SimpleQueue()  # job slot numbers: which CPU share / GPUs a run gets
     for slot in range(jobs):
         slots.put(slot)
 
     def train_one(run):
         slot = slots.get()
-        why = beaten(run)
-        if why:  # e.g. runs resumed for a longer max_iters, beaten by a candidate that reached the target sooner
+        if tuning and beaten(run):  # beaten while it waited for its slot
             slots.put(slot)
-            return mark_outranked(run, why)
+            return progress.update(run, run.max_iters, 'out-ranked')
         progress.update(run, progress.done.get(run.dir, 0), "starting")  # not the previous run's last words
-        stop_reason = []
-
-        def should_stop():
-            stop_reason.extend(filter(None, [beaten(run)]))
-            return bool(stop_reason)
         try:
-            rc = train(run, slot, progress, should_stop)
+            rc = train(run, slot, progress, (lambda: beaten(run)) if tuning else (lambda: False))
         finally:
             slots.put(slot)
-        if stop_reason and rc == 0 and not finished(run):
-            return mark_outranked(run, stop_reason[0])
+        if tuning and rc == 0 and not finished(run) and beaten(run):
+            return progress.update(run, run.max_iters, 'out-ranked')
         ok = rc == 0 and finished(run)
         if stopping.is_set() and not ok:  # checkpointed on the stop signal: resumed next time, not failed
             progress.update(run, progress.done.get(run.dir, 0), 'stopped')
@@ -571,7 +552,10 @@ def tune_variants():
         check_settings_unchanged(every)
         train_all(every, rivals={run.dir: (rows, c) for rows in table.values()
                                  for c, seed_runs in enumerate(rows) for run in seed_runs})
-    unfinished = [run for run in every if not done_tuning(run)]
+    # stopped short of max_iters because beaten (one trained to the end is just ranked)
+    beaten = set().union(*(outranked_dirs(rows) for rows in table.values()))
+    out = {run.dir for run in every if run.dir in beaten and not finished(run)}
+    unfinished = [run for run in every if not finished(run) and not diverged(run) and run.dir not in out]
     if unfinished:
         fail(f"{len(unfinished)} tuning run{'s' if len(unfinished) > 1 else ''} did not finish (first: "
              f"{unfinished[0].dir}, see its train.log), so no variant's best can be chosen yet: run the same "
@@ -581,7 +565,7 @@ def tune_variants():
         metric = rows[0][0].metric
         entries = []
         for candidate, seed_runs in zip(options, rows):
-            per_seed = [None if diverged(run) else tuning_result(run, metric) for run in seed_runs]
+            per_seed = [None if diverged(run) else tuning_result(run, metric, run.dir in out) for run in seed_runs]
             entries.append({'label': candidate_label(candidate), 'candidate': candidate,
                             'settings': seed_runs[0].settings, 'seeds': list(tune_seeds), 'per_seed': per_seed,
                             'outranked': any(r is not None and r['outranked'] for r in per_seed),
@@ -597,10 +581,10 @@ def tune_variants():
     return tuning
 
 
-def tuning_result(run, metric):
+def tuning_result(run, metric, is_outranked):
     _, evals = read_metrics(run.dir)
     result = {'final_val_loss': evals[-1]['val_loss'], 'final_iter': evals[-1]['iter'],
-              'reached_target': reached_target(run, evals[-1]), 'outranked': was_outranked(run)}
+              'reached_target': reached_target(run, evals[-1]), 'outranked': is_outranked}
     if metric == 'accuracy':
         try:
             result['accuracy'] = recall_results(run)['accuracy']

@@ -146,8 +146,6 @@ if glue and glue_cache_dir:
 # -----------------------------------------------------------------------------
 # model(s)
 
-
-
 def trained_dtype():
     """The dtype the checkpoint was trained in, if it names one: 'auto' runs it there, so a model trained in
     float32 (config/train_mqar.py) is not measured in bfloat16, which can change what it answers."""
