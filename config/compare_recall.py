@@ -19,14 +19,14 @@ base_config = 'config/train_mqar.py'  # width 64 / 8 heads, the rate held consta
 # (min_lr = learning_rate, so every tuned candidate is constant too): base at 1e-2 then left the plateau on
 # every seed tried (tuning seed 1 at 2000, 1337 at 2500, 1338 at ~13,500, 1339 at ~14,250; answer accuracy
 # 0.992-0.998), where a decay to 1e-3 over 8000 left it on 2 of 4 (docs/recall.md); in the study itself
-# seed 1339 stayed on it for 16,000, hence the 32,000 below. A run ends once its val
+# seed 1339 stayed on it for 32,000, hence the 64,000 below. A run ends once its val
 # loss (over the answers) is at or below 1e-2 (the config's stop_at_val_loss): then at most 1.4 % of the
 # evaluated answers can be wrong (a wrong answer costs at least ln 2 = 0.69), the task is solved, and
 # training on costs time without telling the variants apart; how soon a run gets there is what the report compares.
-# 32000 iterations at most: at 16000 base, at its own best rate, left the plateau on 2 of the 3 compared
-# seeds (1339 stayed on it), so the budget was doubled (docs/recall.md); the rate is constant, so a run
-# continued from 16000 is the run a 32000-iteration budget trains
-overrides = '--max_iters=32000 --lr_decay_iters=32000'
+# 64000 iterations at most: at 16000 base, at its own best rate, left the plateau on 2 of the 3 compared
+# seeds; seed 1339 stayed on it to 32000 and left it at ~35,000, so the budget was doubled twice
+# (docs/recall.md); the rate is constant, so a run continued from a smaller budget is the run this one trains
+overrides = '--max_iters=64000 --lr_decay_iters=64000'
 out_dir = 'out-compare-recall'
 nproc = 1
 jobs = 2  # on 2 cores, two one-thread runs at a time train about a third faster than one two-thread run
