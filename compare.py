@@ -203,23 +203,42 @@ CHANGES_NAME = 'settings_changes.jsonl'  # in out_dir: each run continued with o
 DIVERGED_NAME = 'diverged.txt'  # in a tuning run's folder: train.py stopped it for a non-finite loss (exit 3)
 
 
+def changed_settings(run):
+    """{key: (trained with, this sweep's)} for a run whose checkpoint's training settings differ from what this
+    sweep gives it; {} when they agree or there is no checkpoint."""
+    if not os.path.exists(checkpoint_path(run.dir)):
+        return {}
+    try:
+        ckpt = load_checkpoint(run.dir, metadata_only=True)
+    except CheckpointError as e:
+        fail(e)
+    want = {**run.config, 'attn_type': run.attn_type, 'seed': run.seed}
+    differ = {k: (ckpt['config'][k], v) for k, v in want.items()
+              if k not in NOT_RESUMED + ('wandb_run_name',) and k in ckpt['config'] and ckpt['config'][k] != v}
+    return dict(differ, from_iter=ckpt['iter_num']) if differ else {}
+
+
 def settings_changes(runs):
-    """[(attn_type, seed, the checkpoint's iter, {key: (trained with, this sweep's)})] for the runs in out_dir
-    that have a checkpoint whose training settings differ from what this sweep gives them."""
-    found = []
-    for run in runs:
-        if not os.path.exists(checkpoint_path(run.dir)):
-            continue
-        try:
-            ckpt = load_checkpoint(run.dir, metadata_only=True)
-        except CheckpointError as e:
-            fail(e)
-        want = {**run.config, 'attn_type': run.attn_type, 'seed': run.seed}
-        differ = {k: (ckpt['config'][k], v) for k, v in want.items()
-                  if k not in NOT_RESUMED + ('wandb_run_name',) and k in ckpt['config'] and ckpt['config'][k] != v}
-        if differ:
-            found.append((run.variant, run.seed, ckpt['iter_num'], differ))
-    return found
+    """[(attn_type, seed, {key: (trained with, this sweep's)})] for the runs in out_dir that have a checkpoint
+    whose training settings differ from what this sweep gives them."""
+    found = [(run.variant, run.seed, changed_settings(run)) for run in runs]
+    return [(variant, seed, {k: v for k, v in differ.items() if k != 'from_iter'})
+            for variant, seed, differ in found if differ]
+
+
+changes_lock = threading.Lock()
+
+
+def record_change(run):
+    """A run continued with other settings than its checkpoint's: one line in out_dir's CHANGES_NAME, read by
+    the report. Written when the run is continued, so a run that is never trained again is not listed."""
+    differ = changed_settings(run)
+    if not differ:
+        return
+    from_iter = differ.pop('from_iter')
+    with changes_lock, open(os.path.join(out_dir, CHANGES_NAME), 'a') as f:
+        f.write(json.dumps(dict(run=os.path.relpath(run.dir, out_dir), attn_type=run.variant, seed=run.seed,
+                                from_iter=from_iter, changes={k: list(v) for k, v in differ.items()})) + '\n')
 
 
 def check_settings_unchanged(runs):
@@ -229,7 +248,7 @@ def check_settings_unchanged(runs):
     if not changes:
         return
     # (a tuning run's tuned values are in its folder's name, so only a compared run can differ in them)
-    retuned = [(variant, seed, differ) for variant, seed, _, differ in changes if set(differ) & set(tune)]
+    retuned = [(variant, seed, differ) for variant, seed, differ in changes if set(differ) & set(tune)]
     if retuned:
         variant, seed, differ = retuned[0]
         key = next(k for k in differ if k in tune)
@@ -247,11 +266,7 @@ def check_settings_unchanged(runs):
         fail(f"the runs in {out_dir} were trained with other settings than this sweep gives them:\n"
              + "\n".join(lines) + "\nChoose a new --out_dir for a sweep with these settings, or continue these "
              "runs with them with --continue_changed=True (the report then lists the change)")
-    print("continuing runs with changed settings (listed in the report):\n" + "\n".join(lines))
-    with open(os.path.join(out_dir, CHANGES_NAME), 'a') as f:
-        for attn_type, seed, it, differ in changes:
-            f.write(json.dumps(dict(attn_type=attn_type, seed=seed, from_iter=it,
-                                    changes={k: list(v) for k, v in differ.items()})) + '\n')
+    print("continuing runs with changed settings (those trained on are listed in the report):\n" + "\n".join(lines))
 
 
 def recorded_changes():
@@ -259,7 +274,12 @@ def recorded_changes():
     if not os.path.exists(path):
         return []
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        rows = [json.loads(line) for line in f if line.strip()]
+    # a run killed before its next checkpoint is continued, and recorded, again with the same change: the first counts
+    first = {}
+    for row in rows:
+        first.setdefault(json.dumps({k: v for k, v in row.items() if k != 'from_iter'}, sort_keys=True), row)
+    return list(first.values())
 
 
 # -----------------------------------------------------------------------------
@@ -339,6 +359,8 @@ def train(run, slot, progress, should_stop=lambda: False):
     evaluation, a true should_stop() sends the run SIGTERM: it checkpoints and exits."""
     os.makedirs(run.dir, exist_ok=True)
     resume = os.path.exists(checkpoint_path(run.dir))
+    if resume:
+        record_change(run)
     launcher = [sys.executable] if nproc == 1 else [sys.executable, '-m', 'torch.distributed.run', '--standalone',
                                                      f'--nproc_per_node={nproc}']
     cmd = [*launcher, TRAIN_SCRIPT, base_config, *extra, *run.args, f'--attn_type={run.attn_type}',

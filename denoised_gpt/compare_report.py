@@ -301,7 +301,8 @@ def write_report(report_dir, summary, results, failures, samples, plots, setup):
         lines += ["## Settings changed during the sweep", "",
                   "These runs were continued (compare.py --continue_changed=True) with other settings than they "
                   "started with, from the iteration of their checkpoint then:", ""]
-        lines += [f"- `{c['attn_type']}` seed {c['seed']}, from iter {c['from_iter']}: " +
+        lines += [f"- `{c['run'] if 'run' in c else c['attn_type'] + ' seed ' + str(c['seed'])}`, "
+                  f"from iter {c['from_iter']}: " +
                   ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in c['changes'].items())
                   for c in setup['changes']] + [""]
     if 'val_loss' in plots:

@@ -250,7 +250,23 @@ def test_a_sweep_with_other_settings_is_refused_unless_told_to_continue(sweep):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = (out / 'report' / 'report.md').read_text()
     assert "## Settings changed during the sweep" in report
-    assert f"- `base` seed 1, from iter {ITERS}: " in report and f"max_iters {ITERS} -> {ITERS + 2}" in report
+    line = f"- `runs/base-seed1`, from iter {ITERS}: "
+    assert line in report and f"max_iters {ITERS} -> {ITERS + 2}" in report
+    proc = compare(args + longer + ['--continue_changed=True'])  # again: nothing to train, nothing changed since
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (out / 'report' / 'report.md').read_text().count("from iter") == 1
+
+
+def test_a_changed_run_that_is_not_trained_again_is_not_listed(sweep):
+    """Only a run continued under the new settings was trained with two: a finished one keeps its own."""
+    tmp, data, _ = sweep
+    out = copy_sweep(tmp, 'changed-finished')
+    other = [f'--overrides=--dataset={data} --max_iters={ITERS} --lr_decay_iters={ITERS} --eval_interval=8 '
+             f'--eval_iters=2 --weight_decay=0.123', '--samples=False', '--continue_changed=True']
+    proc = compare(sweep_args(out, data, attn_types='base', seeds='1') + other)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "weight_decay" in proc.stdout  # told, since the sweep's settings differ from the run's
+    assert "Settings changed during the sweep" not in (out / 'report' / 'report.md').read_text()
 
 
 def test_report_only_names_an_unreadable_checkpoint(sweep):
