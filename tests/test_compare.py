@@ -269,6 +269,16 @@ def test_a_changed_run_that_is_not_trained_again_is_not_listed(sweep):
     assert "Settings changed during the sweep" not in (out / 'report' / 'report.md').read_text()
 
 
+def test_a_sweep_refuses_a_dataset_that_is_not_there(sweep):
+    """Without the dataset a report would score its runs by another metric than they were trained for."""
+    tmp, data, _ = sweep
+    out = copy_sweep(tmp, 'no-dataset')
+    missing = tmp / 'not-prepared'
+    proc = compare(sweep_args(out, data, '--report_only=True', f'--overrides=--dataset={missing}', attn_types='base'))
+    assert proc.returncode == 2 and f"dataset '{missing}' not found" in proc.stderr, proc.stderr
+    assert "prepare it first" in proc.stderr and not (out / 'report').exists()
+
+
 def test_report_only_names_an_unreadable_checkpoint(sweep):
     tmp, data, _ = sweep
     out = copy_sweep(tmp, 'damaged', runs=('base-seed1', 'base-seed2'))
