@@ -28,7 +28,8 @@ def candidate_settings(candidate, config):
     a fixed min_lr above a smaller learning rate would turn the cosine decay into a rise."""
     settings = dict(candidate)
     if 'learning_rate' in candidate and 'min_lr' not in candidate and config['learning_rate']:
-        settings['min_lr'] = candidate['learning_rate'] * config['min_lr'] / config['learning_rate']
+        # the ratio first: a rate times a ratio <= 1 never rounds above the rate (train.py refuses min_lr > it)
+        settings['min_lr'] = candidate['learning_rate'] * (config['min_lr'] / config['learning_rate'])
     return settings
 
 

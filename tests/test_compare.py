@@ -425,6 +425,9 @@ def test_tuning_ranks_candidates_and_warns_at_the_edge_of_the_range():
     config = {'learning_rate': 2e-3, 'min_lr': 2e-4}
     assert candidate_settings({'learning_rate': 1e-2}, config) == {'learning_rate': 1e-2, 'min_lr': pytest.approx(1e-3)}
     assert candidate_settings({'learning_rate': 1e-2, 'min_lr': 0.0}, config) == {'learning_rate': 1e-2, 'min_lr': 0.0}
+    for rate in (1e-4, 3e-4, 1e-3, 3e-3, 0.1, 7e-5):  # a constant rate stays constant, never a rise
+        assert candidate_settings({'learning_rate': rate}, {'learning_rate': 1e-2, 'min_lr': 1e-2})['min_lr'] == rate
+        assert candidate_settings({'learning_rate': rate}, config)['min_lr'] <= rate
     # accuracy first, val loss between equals; a seed that diverged sinks its candidate; nan is not finite
     def result(val_loss, accuracy):  # a tuning run that trained to max_iters
         return {'final_val_loss': val_loss, 'accuracy': accuracy, 'final_iter': 100, 'reached_target': False}
