@@ -208,10 +208,10 @@ DIVERGED_NAME = 'diverged.txt'  # in a tuning run's folder: train.py stopped it 
 
 
 def changed_settings(run):
-    """{key: (trained with, this sweep's)} for a run whose checkpoint's training settings differ from what this
-    sweep gives it; {} when they agree or there is no checkpoint."""
+    """(the checkpoint's iter, {key: (trained with, this sweep's)}) for a run whose checkpoint's training settings
+    differ from what this sweep gives it; the dict is empty when they agree or there is no checkpoint."""
     if not os.path.exists(checkpoint_path(run.dir)):
-        return {}
+        return None, {}
     try:
         ckpt = load_checkpoint(run.dir, metadata_only=True)
     except CheckpointError as e:
@@ -219,15 +219,14 @@ def changed_settings(run):
     want = {**run.config, 'attn_type': run.attn_type, 'seed': run.seed}
     differ = {k: (ckpt['config'][k], v) for k, v in want.items()
               if k not in NOT_RESUMED + ('wandb_run_name',) and k in ckpt['config'] and ckpt['config'][k] != v}
-    return dict(differ, from_iter=ckpt['iter_num']) if differ else {}
+    return ckpt['iter_num'], differ
 
 
 def settings_changes(runs):
     """[(attn_type, seed, {key: (trained with, this sweep's)})] for the runs in out_dir that have a checkpoint
     whose training settings differ from what this sweep gives them."""
-    found = [(run.variant, run.seed, changed_settings(run)) for run in runs]
-    return [(variant, seed, {k: v for k, v in differ.items() if k != 'from_iter'})
-            for variant, seed, differ in found if differ]
+    found = [(run.variant, run.seed, changed_settings(run)[1]) for run in runs]
+    return [(variant, seed, differ) for variant, seed, differ in found if differ]
 
 
 changes_lock = threading.Lock()
@@ -236,10 +235,9 @@ changes_lock = threading.Lock()
 def record_change(run):
     """A run continued with other settings than its checkpoint's: one line in out_dir's CHANGES_NAME, read by
     the report. Written when the run is continued, so a run that is never trained again is not listed."""
-    differ = changed_settings(run)
+    from_iter, differ = changed_settings(run)
     if not differ:
         return
-    from_iter = differ.pop('from_iter')
     with changes_lock, open(os.path.join(out_dir, CHANGES_NAME), 'a') as f:
         f.write(json.dumps(dict(run=os.path.relpath(run.dir, out_dir), attn_type=run.variant, seed=run.seed,
                                 from_iter=from_iter, changes={k: list(v) for k, v in differ.items()})) + '\n')
