@@ -170,8 +170,8 @@ if tune:
                 fail(f"tune candidate {candidate_label(candidate)}: {e}")
 missing = sorted({c['dataset'] for c in point_configs.values() if not os.path.isdir(os.path.join('data', c['dataset']))})
 if missing:  # how runs are scored (answer accuracy or val loss) is read from the dataset's meta.json
-    fail(f"dataset {missing[0]!r} not found (data/{missing[0]}): prepare it first (e.g. python3 "
-         f"data/{missing[0]}/prepare.py), or run from the folder where it was prepared")
+    fail(f"dataset {missing[0]!r} not found ({os.path.join('data', missing[0])}): prepare it first (its "
+         f"prepare.py), or run from the folder where it was prepared")
 if tune_metric not in ('auto', *METRICS):
     fail(f"tune_metric={tune_metric!r} must be one of 'auto', {', '.join(map(repr, METRICS))}")
 if tune and tune_metric == 'accuracy' and not all(is_recall_data(c) for c in point_configs.values()):
