@@ -146,7 +146,13 @@ def test_the_newest_is_chosen_and_refused_even_with_a_good_ckpt_pt_beside_it(evi
     assert_refused(str(e.value), marker)
 
 
+# load_sharded_state is collective: train.py calls it under a process group; here one process calls it
+# on purpose, and DCP warns that it assumes a single process
+SINGLE_PROCESS_DCP = pytest.mark.filterwarnings('ignore:torch.distributed is disabled:UserWarning')
+
+
 @pytest.mark.parametrize('evil', ['.metadata', 'shard', 'bytes entry'], indirect=True)
+@SINGLE_PROCESS_DCP
 def test_an_fsdp_resume_refuses_in_one_line(evil):
     """load_sharded_state, what train.py --init_from=resume --parallel=fsdp runs on every rank (here in
     one process, with a plain model and optimizer)."""
@@ -158,6 +164,7 @@ def test_an_fsdp_resume_refuses_in_one_line(evil):
     assert_refused(str(e.value), marker)
 
 
+@SINGLE_PROCESS_DCP
 def test_a_real_sharded_checkpoint_loads_through_the_restricted_reader(source, tmp_path):
     """Everything torch writes into .metadata is admitted: the same Metadata as plain pickle reads, for
     model and AdamW state in float32 and bfloat16; load_checkpoint and load_sharded_state read it all."""
