@@ -5,9 +5,10 @@
 # $ python3 data/mqar/prepare.py
 # $ python3 compare.py config/compare_recall.py
 # Run it again after an interruption: it resumes. Measured on 2 CPU cores (torch 2.13.0, two one-thread runs at
-# a time), the budget grown from 16,000 to 64,000 while it ran: about 7.7 hours in all, 13.7 core-hours of
-# training (the 40 tuning runs 9.0, the 24 compared 4.7; a run that stays on the plateau trains all its
-# iterations, ~40-65 ms each on one core); a tuning candidate stops once another has reached the target sooner.
+# a time), the budget grown from 16,000 to 64,000 and the range down to 1e-4 while it ran: about 9.5 hours in
+# all, 15.9 core-hours of training (the 48 tuning runs 10.5, the 24 compared 5.4; a run that stays on the
+# plateau trains all its iterations, ~40-65 ms each on one core); a tuning candidate stops once another has
+# reached the target sooner.
 # Without `tune` every variant trains at 1e-2 (chosen for base). The earlier studies in docs/recall.md trained with a decay to 1e-3 over 8000
 # iterations (then config/train_mqar.py's: overrides = '--min_lr=1e-3 --max_iters=8000 --lr_decay_iters=8000
 # --stop_at_val_loss=0'), untuned, and also ran width 32 (grid = ['--n_embd=32 --n_head=4', '--n_embd=64 --n_head=8']).
