@@ -44,7 +44,7 @@ import time
 from denoised_gpt.batches import ExampleLayout, TokenBatches, TokenIdError, check_token_ids, load_meta
 from denoised_gpt.checkpoint import CheckpointError, checkpoint_path, load_checkpoint
 from denoised_gpt.cli import (check_inference_source, check_ranges, fail, gpt2_encoding, load_model, log, noise_on,
-                              prepare_device, read_config)
+                              prepare_device, read_config, trained_dtype)
 from denoised_gpt.device import autocast_context, manual_seed
 from model import ATTENTION_TYPES
 
@@ -146,18 +146,7 @@ if glue and glue_cache_dir:
 # -----------------------------------------------------------------------------
 # model(s)
 
-def trained_dtype():
-    """The dtype the checkpoint was trained in, if it names one: 'auto' runs it there, so a model trained in
-    float32 (config/train_mqar.py) is not measured in bfloat16, which can change what it answers."""
-    if init_from != 'resume' or not os.path.exists(checkpoint_path(out_dir)):
-        return 'auto'
-    try:
-        return load_checkpoint(out_dir, metadata_only=True)['config'].get('dtype', 'auto')
-    except CheckpointError:  # loading the model says why, below
-        return 'auto'
-
-
-device, dtype = prepare_device(device, dtype, trained_dtype())
+device, dtype = prepare_device(device, dtype, trained_dtype(init_from, out_dir))
 ctx = autocast_context(device, dtype)
 
 

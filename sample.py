@@ -20,9 +20,11 @@ none of the others, and the samples of prompt i equal those of --start=<that pro
 Prompts are not batched with each other, even when of equal length: the shared batch would make a
 prompt's samples depend on which other prompts are in the file (NoiseFormer noise draws, rounding).
 
-Weights are held in the sampling dtype (bfloat16, or float16 on CUDA) instead of being autocast from
-float32 at every token; the few parameters model.py computes with in float32 (DIFF/DINT lambda and
-head norm, NoiseFormer mu/sigma) stay float32. --dtype=float32 keeps everything in float32.
+Weights are held in the sampling dtype instead of being autocast from float32 at every token; the few
+parameters model.py computes with in float32 (DIFF/DINT lambda and head norm, NoiseFormer mu/sigma) stay
+float32. --dtype=auto is the dtype the checkpoint was trained in where the device runs it (a model trained in
+float32 can answer differently in bfloat16), else the device's fastest (bfloat16, or float16 on CUDA without
+bfloat16). --dtype=float32 keeps everything in float32.
 
 Only the samples go to stdout; messages go to stderr, so `> appendix.md` captures a clean file.
 Formats:
@@ -62,7 +64,7 @@ import torch
 from denoised_gpt.batches import load_meta, read_meta_pkl
 from denoised_gpt.checkpoint import checkpoint_path
 from denoised_gpt.cli import (check_inference_source, check_ranges, fail, gpt2_encoding, load_model, log, noise_on,
-                              prepare_device, read_config)
+                              prepare_device, read_config, trained_dtype)
 from denoised_gpt.device import autocast_context, manual_seed, torch_dtype
 from model import ATTENTION_TYPES
 
@@ -77,7 +79,7 @@ temperature = 0.8  # 1.0 = no change, < 1.0 = less random, > 1.0 = more random; 
 top_k = 200  # retain only the top_k most likely tokens, clamp others to have 0 probability (0: keep all)
 seed = 1337  # prompt i (0-based) is sampled after seeding with seed + i: its samples never depend on other prompts
 device = 'auto'  # 'auto' (cuda > hpu > mps > cpu), 'cpu', 'cuda', 'cuda:1', 'hpu', 'mps'
-dtype = 'auto'  # 'auto', 'float32', 'bfloat16' or 'float16' (CUDA); the weights are held in it while sampling
+dtype = 'auto'  # 'auto' (the training dtype), 'float32', 'bfloat16' or 'float16' (CUDA); the weights are held in it
 format = 'text'  # 'text', 'markdown', 'latex' or 'jsonl' (see the top of this file)
 noise_at_eval = None  # NoiseFormer only: None keeps the checkpoint's setting (noise on), False turns it off
 kv_cache = True  # generate with the KV cache; False recomputes the whole context for every token
@@ -131,7 +133,7 @@ else:
 # -----------------------------------------------------------------------------
 # model
 
-device, dtype = prepare_device(device, dtype)
+device, dtype = prepare_device(device, dtype, trained_dtype(init_from, out_dir))
 
 # the completions of a prompt are one batch: give each its own noise draw, as if it had been generated
 # alone (a shared draw would correlate them; see the top of this file)

@@ -79,6 +79,19 @@ def check_ranges(config, at_least_one=(), non_negative=(), unit_interval=(), pos
             raise ValueError(f"{key}={config[key]} must be a non-negative integer below 2**63")
 
 
+def trained_dtype(init_from, out_dir):
+    """The dtype out_dir's checkpoint was trained in, if it names one ('auto' otherwise). prepare_device's
+    'auto' runs the model there: a model trained in float32 (config/train_mqar.py) can answer differently in
+    bfloat16 (linear attention on recall did)."""
+    from denoised_gpt.checkpoint import CheckpointError, checkpoint_path, load_checkpoint
+    if init_from != 'resume' or not os.path.exists(checkpoint_path(out_dir)):
+        return 'auto'
+    try:
+        return load_checkpoint(out_dir, metadata_only=True)['config'].get('dtype', 'auto')
+    except CheckpointError:  # loading the model says why, in one line
+        return 'auto'
+
+
 def prepare_device(device, dtype, trained_dtype='auto'):
     """The device and dtype settings ('auto' or a name) resolved, and the device set up; exit 2 on a bad one.
     trained_dtype: the dtype the model was trained in, which 'auto' takes where the device runs it."""

@@ -342,6 +342,23 @@ def test_bf16_weights_sample_valid_tokens(runs, attn_type):
     assert len(set(r['completion'] for r in records[:NUM_SAMPLES])) == NUM_SAMPLES
 
 
+@pytest.mark.parametrize('trained_in', ['float32', 'bfloat16'])
+def test_auto_dtype_samples_in_the_dtype_the_checkpoint_was_trained_in(ckpts, tmp_path, trained_in):
+    """dtype='auto' takes the run's training dtype, as eval.py does: on a CPU with bfloat16, a model trained in
+    float32 (config/train_mqar.py) keeps float32 weights, and greedy samples equal --dtype=float32's."""
+    from helpers import save_model_checkpoint
+    save_model_checkpoint(tmp_path, tiny_gpt('base', **SHAPE),
+                          config={'dataset': str(ckpts['root'] / 'data-char'), 'dtype': trained_in})
+    args = [f'--out_dir={tmp_path}', f'--start={PROMPTS[0]}', '--device=cpu', '--temperature=0',
+            '--num_samples=1', '--max_new_tokens=20', '--format=jsonl']
+    auto = run_script_in_process('sample.py', args)
+    assert auto.returncode == 0, auto.stderr
+    assert f"device cpu ({trained_in})" in auto.stderr
+    assert ("weights held in bfloat16" in auto.stderr) == (trained_in == 'bfloat16')
+    explicit = run_script_in_process('sample.py', args + [f'--dtype={trained_in}'])
+    assert auto.stdout == explicit.stdout and auto.stdout.strip()
+
+
 @pytest.mark.parametrize("name", ['evil_pkl', 'evil_json'])
 def test_crafted_meta_pkl_refused_never_run(runs, ckpts, name):
     """A clean checkpoint whose config['dataset'] points (outside data/) at a folder with a meta.pkl
