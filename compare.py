@@ -243,6 +243,22 @@ def record_change(run):
                                 from_iter=from_iter, changes={k: list(v) for k, v in differ.items()})) + '\n')
 
 
+def forget_changes(run):
+    """A run trained from scratch (its folder was emptied or removed) carries none of the changes recorded for
+    an earlier run in its folder: they leave CHANGES_NAME."""
+    path, name = os.path.join(out_dir, CHANGES_NAME), os.path.relpath(run.dir, out_dir)
+    with changes_lock:
+        if not os.path.exists(path):
+            return
+        with open(path) as f:
+            lines = [line for line in f if line.strip()]
+        kept = [line for line in lines if json.loads(line)['run'] != name]
+        if len(kept) < len(lines):
+            with open(path + '.tmp', 'w') as f:
+                f.writelines(kept)
+            os.replace(path + '.tmp', path)
+
+
 def check_settings_unchanged(runs):
     """A sweep continues its runs only with the settings they were trained with, unless told otherwise; never
     a compared run with another tuned value (the tuning chose anew): that is another candidate's run."""
@@ -363,6 +379,8 @@ def train(run, slot, progress, should_stop=lambda: False):
     resume = os.path.exists(checkpoint_path(run.dir))
     if resume:
         record_change(run)
+    else:
+        forget_changes(run)
     launcher = [sys.executable] if nproc == 1 else [sys.executable, '-m', 'torch.distributed.run', '--standalone',
                                                      f'--nproc_per_node={nproc}']
     cmd = [*launcher, TRAIN_SCRIPT, base_config, *extra, *run.args, f'--attn_type={run.attn_type}',

@@ -257,6 +257,24 @@ def test_a_sweep_with_other_settings_is_refused_unless_told_to_continue(sweep):
     assert (out / 'report' / 'report.md').read_text().count("from iter") == 1
 
 
+def test_a_run_trained_again_from_scratch_drops_the_changes_recorded_for_its_folder(sweep):
+    """Removing a run's folder to retrain it gives a run trained with one set of settings: the report must not
+    list the continuation of the run that was there before."""
+    import shutil
+    tmp, data, _ = sweep
+    out = copy_sweep(tmp, 'changed-then-removed', runs=('base-seed1', 'base-seed2'))
+    longer = [f'--overrides=--dataset={data} --max_iters={ITERS + 2} --lr_decay_iters={ITERS + 2} --eval_interval=8 '
+              f'--eval_iters=2', '--samples=False', '--continue_changed=True']
+    args = sweep_args(out, data, attn_types='base', seeds='1,2') + longer
+    assert compare(args).returncode == 0
+    assert (out / 'report' / 'report.md').read_text().count("from iter") == 2
+    shutil.rmtree(out / 'runs' / 'base-seed1')
+    proc = compare(args)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = (out / 'report' / 'report.md').read_text()
+    assert "`runs/base-seed1`" not in report and "- `runs/base-seed2`, from iter" in report
+
+
 def test_a_changed_run_that_is_not_trained_again_is_not_listed(sweep):
     """Only a run continued under the new settings was trained with two: a finished one keeps its own."""
     tmp, data, _ = sweep
