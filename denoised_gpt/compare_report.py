@@ -65,6 +65,20 @@ def seed_band(runs, key):
     return iters, [sum(v) / len(v) for v in table], [min(v) for v in table], [max(v) for v in table]
 
 
+def seed_tails(runs, shared_iters):
+    """Each run's curve points from the last iteration all seeds share to its own end, for the runs that went
+    on past it (runs that stop at a target end at different iterations): [(iters, val losses, times)]."""
+    if not shared_iters:
+        return []
+    last = shared_iters[-1]
+    tails = []
+    for r in runs:
+        points = [p for p in r['curve'] if p['iter'] >= last]
+        if len(points) > 1:
+            tails.append(([p['iter'] for p in points], [p['val_loss'] for p in points], [p['time'] for p in points]))
+    return tails
+
+
 def write_plots(results, report_dir):
     """val_loss.png (against iterations and training time) and learned.png (sigma / lambda over
     training, where a variant learns them). Returns {name: file name} of the plots written."""
@@ -81,10 +95,14 @@ def write_plots(results, report_dir):
         if len(runs) > 1:
             ax_it.fill_between(iters, low, high, color=color, alpha=0.2)
             ax_t.fill_between([t / 60 for t in times], low, high, color=color, alpha=0.2)
+        for tail_iters, tail_loss, tail_times in seed_tails(runs, iters):  # a seed that trained on alone
+            ax_it.plot(tail_iters, tail_loss, color=color, linewidth=0.8, alpha=0.6)
+            ax_t.plot([t / 60 for t in tail_times], tail_loss, color=color, linewidth=0.8, alpha=0.6)
     ax_it.set_xlabel('iteration')
     ax_t.set_xlabel('training time (minutes, evaluation excluded)')
     ax_it.set_ylabel('val loss (cross-entropy, fixed eval batches)')
-    ax_it.set_title('val loss: mean over seeds, band = min..max')
+    ax_it.set_title('val loss: mean over seeds, band = min..max;\nthin: a seed past the iterations all seeds reached',
+                    fontsize=10)
     ax_t.set_title('the same against training time')
     for ax in (ax_it, ax_t):
         ax.grid(alpha=0.3)

@@ -164,3 +164,19 @@ def test_the_report_says_when_base_did_not_reach_the_target_on_every_seed():
     unsolved = [run('base', True, 30), run('base', False, 40), run('diff', True, 20), run('diff', True, 25)]
     text = '\n'.join(stop_lines(unsolved, 0.01, 40))
     assert "**`base` did not reach it on every seed (1 of 2)**: at this setting and budget" in text
+
+
+def test_the_val_loss_plot_shows_a_seed_that_trained_on_after_the_others_stopped():
+    """The mean curve covers the iterations every seed reached; a seed still on the plateau when the others
+    reached the target (the recall study's base seed 1339) is drawn on to its own end, not cut off."""
+    from denoised_gpt.compare_report import seed_band, seed_tails
+
+    def run(last, loss):
+        return {'curve': [{'iter': it, 'val_loss': loss(it), 'time': it / 10} for it in range(0, last + 1, 10)]}
+    solved, stuck, later = run(20, lambda it: 1 / (it + 1)), run(60, lambda it: 1.6), run(40, lambda it: 1.0)
+    iters, *_ = seed_band([solved, stuck, later], 'val_loss')
+    assert iters == [0, 10, 20]
+    tails = seed_tails([solved, stuck, later], iters)
+    assert tails == [([20, 30, 40, 50, 60], [1.6] * 5, [2.0, 3.0, 4.0, 5.0, 6.0]),
+                     ([20, 30, 40], [1.0] * 3, [2.0, 3.0, 4.0])]
+    assert seed_tails([solved, run(20, lambda it: 0.5)], iters) == []  # all stopped together: the mean says it all
