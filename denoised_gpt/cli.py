@@ -92,15 +92,15 @@ def trained_dtype(init_from, out_dir):
         return 'auto'
 
 
-def prepare_device(device, dtype, trained_dtype='auto'):
+def prepare_device(device, dtype, trained_in='auto'):
     """The device and dtype settings ('auto' or a name) resolved, and the device set up; exit 2 on a bad one.
-    trained_dtype: the dtype the model was trained in, which 'auto' takes where the device runs it."""
+    trained_in: the dtype the model was trained in (trained_dtype's), which 'auto' takes where the device runs it."""
     from denoised_gpt.device import resolve_device, resolve_dtype, setup
     try:
         device = resolve_device(device)
-        if dtype == 'auto' and trained_dtype != 'auto':
+        if dtype == 'auto' and trained_in != 'auto':
             with contextlib.suppress(ValueError):  # float16 off CUDA: the device's own choice
-                dtype = resolve_dtype(trained_dtype, device, training=False)
+                dtype = resolve_dtype(trained_in, device, training=False)
         dtype = resolve_dtype(dtype, device, training=False)  # sample.py and eval.py run a model, never train it
     except ValueError as e:
         fail(e)
