@@ -6,6 +6,7 @@ $ python eval.py --init_from=gpt2 --glue=all --seeds=0,1,2
 $ python eval.py --out_dir=out-owt-dint --lm_eval=hellaswag,lambada_openai,arc_easy,piqa
 $ python eval.py --out_dir=out-owt-dint_lowrank --entropy=True --compare_to=out-owt-base
 $ python eval.py --out_dir=out-mqar --recall=True --val_loss=True
+$ python eval.py --out_dir=out-mqar-diff --attention_noise=True --compare_to=out-mqar
 $ python eval.py --init_from=hf-owt-dint --val_loss=True   # a folder written by export_hf.py
 
 What it measures (any combination in one run; results go to eval_dir as JSON, tables to stdout):
@@ -23,6 +24,11 @@ What it measures (any combination in one run; results go to eval_dir as JSON, ta
   recall    on a recall dataset (data/mqar): the share of answers the model's most likely next token
             gets right over every validation example, overall, by number of key-value pairs and by
             query distance (docs/recall.md)
+  attention_noise  on a recall dataset: per layer and head, the share of each answer's effective
+            attention row (the weights that multiply V) on the answer span (the queried key and its
+            value in the pairs) against the rest, the other pairs and the context after them, as
+            shares of the row's absolute mass; by pairs, filler length and distance. JSON and a
+            heatmap PNG; --compare_to side by side on the same examples
 
 GLUE details: a sentence pair is joined as `first + "\\n" + second` (GPT-2 has no separator token),
 encoded with GPT-2's BPE, and the start is cut if it exceeds block_size so the last token is kept.
@@ -84,13 +90,14 @@ lm_eval_include_path = ''  # a folder of extra task YAMLs (your own tasks)
 max_gen_toks = 256  # generate_until tasks: the most tokens generated per request
 # recall
 recall = False  # answer accuracy over a recall dataset's validation examples (data/mqar), by pairs and distance
+attention_noise = False  # recall dataset: each answer's attention share on its key and value vs the rest, per layer and head
 # -----------------------------------------------------------------------------
 config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str, list, type(None)))]
 
 globals().update(read_config(__file__, {k: globals()[k] for k in config_keys}, optional_bools=('noise_at_eval',)))
-if not (val_loss or entropy or glue or lm_eval or recall):
+if not (val_loss or entropy or glue or lm_eval or recall or attention_noise):
     fail("nothing to evaluate: pass one or more of --val_loss=True, --entropy=True, --glue=all (or a list "
-         "of tasks), --lm_eval=TASK[,TASK], --recall=True")
+         "of tasks), --lm_eval=TASK[,TASK], --recall=True, --attention_noise=True")
 check_inference_source(init_from)
 try:
     check_ranges({k: globals()[k] for k in config_keys}, seeds=('seed',),
@@ -105,8 +112,8 @@ if not all(type(s) is int and 0 <= s < 2 ** 63 for s in seed_list):
     fail(f"seeds={seeds!r} must be non-negative integers, e.g. --seeds=0,1,2")
 if not seed_list:
     fail("seeds is empty: give at least one probe seed, e.g. --seeds=0")
-if compare_to and not entropy:
-    fail("compare_to compares attention entropy: add --entropy=True")
+if compare_to and not (entropy or attention_noise):
+    fail("compare_to compares attention entropy or attention shares: add --entropy=True or --attention_noise=True")
 if glue:
     from denoised_gpt.evaluation import glue as glue_eval
     try:
@@ -232,11 +239,11 @@ if glue:
     needs_gpt2_vocabulary("GLUE")
 if lm_eval:
     needs_gpt2_vocabulary("lm_eval")
-if val_loss or entropy or recall:
+if val_loss or entropy or recall or attention_noise:
     val_path = val_bin(info)
     if not os.path.isfile(val_path):
         fail(f"{val_path} not found: run that dataset's prepare.py first, or pass --dataset=<name>")
-if val_loss or recall:  # they read the whole file: an id the model has no embedding for is said now
+if val_loss or recall or attention_noise:  # they read the whole file: an id the model has no embedding for is said now
     try:
         check_token_ids(val_path, model.config.vocab_size)
     except ValueError as e:
@@ -258,18 +265,24 @@ if entropy:
         val_bin(other_info)
         other_data = entropy_data(other_model, other_info, f"compare_to's model ({other_info['checkpoint']})")
 
+
+def seeded(measure, *args, **kwargs):
+    """measure(*args, **kwargs) after seeding NoiseFormer's noise draws; its ValueError is the one-line error."""
+    manual_seed(seed)
+    try:
+        return measure(*args, **kwargs)
+    except ValueError as e:
+        fail(e)
+
+
 # -----------------------------------------------------------------------------
 # exact validation loss
 
 if val_loss:
     from denoised_gpt.evaluation import exact_val_loss
     t0 = time.time()
-    manual_seed(seed)  # NoiseFormer's noise draws
-    try:
-        r = exact_val_loss(model, val_path, model.config.block_size, batch_size, device, ctx,
-                           ExampleLayout(info['data_dir'], 'val'))
-    except ValueError as e:
-        fail(e)
+    r = seeded(lambda: exact_val_loss(model, val_path, model.config.block_size, batch_size, device, ctx,
+                                      ExampleLayout(info['data_dir'], 'val')))  # the layout's errors are one line too
     r.update(file=val_path, block_size=model.config.block_size, noise_on=info['noise_on'])
     print(f"val loss {r['loss']:.4f} (perplexity {r['perplexity']:.2f}) over all {r['tokens']:,} target tokens "
           f"of {val_path} ({r['windows']} windows of {model.config.block_size}, {time.time() - t0:.1f}s)")
@@ -282,11 +295,7 @@ if val_loss:
 if recall:
     from denoised_gpt.evaluation.recall import answer_accuracy
     t0 = time.time()
-    manual_seed(seed)  # NoiseFormer's noise draws
-    try:
-        r = answer_accuracy(model, info['data_dir'], batch_size, device, ctx)
-    except ValueError as e:
-        fail(e)
+    r = seeded(answer_accuracy, model, info['data_dir'], batch_size, device, ctx)
     r.update(file=val_path, noise_on=info['noise_on'], dtype=dtype)
     print(f"answer accuracy {r['accuracy']:.4f} over {r['answers']:,} answers of {r['examples']:,} validation "
           f"examples ({time.time() - t0:.1f}s)")
@@ -294,6 +303,44 @@ if recall:
     print("  by query distance:  " + ", ".join(f"{k}: {v['accuracy']:.4f}" for k, v in r['by_distance'].items()))
     results['recall'] = r
     write_json('recall.json', r)
+
+# -----------------------------------------------------------------------------
+# where attention goes on a recall task: the answer span against the rest
+
+if attention_noise:
+    from denoised_gpt.evaluation.attention_noise import attention_noise as attention_shares, heatmap_panels
+    from denoised_gpt.evaluation.entropy import file_name_part, plot_heatmaps
+
+    def shares_of(which_model, which_info):
+        """which_model's shares on this checkpoint's dataset: a compared model sees the same examples."""
+        t0 = time.time()
+        r = seeded(attention_shares, which_model, info['data_dir'], batch_size, device, ctx)
+        r.update(file=val_path, attn_type=which_info['attn_type'], checkpoint=which_info['checkpoint'],
+                 noise_on=which_info['noise_on'], dtype=dtype, seed=seed)
+        look = r['lookup']
+        print(f"attention shares ({which_info['name']}, {r['answers']:,} answers of {r['examples']:,} examples, "
+              f"{time.time() - t0:.1f}s): best head per layer, answer / noise = "
+              + ', '.join(f"L{b['layer']}h{b['head']} {b['answer']:.3f} / {b['noise']:.3f}" for b in r['best_head']))
+        print(f"  lookup head L{look['layer']}h{look['head']}: answer {look['answer']:.3f} (signed "
+              f"{look['signed_answer']:.3f}), other pairs {look['pairs']:.3f}, context {look['context']:.3f}; "
+              "answer by filler length: " + ', '.join(f"{k}: {v['lookup']['answer']:.3f}" for k, v in r['by_filler'].items()))
+        return r
+
+    label = 'share of the row\'s absolute attention'
+    mine_shares = shares_of(model, info)
+    results['attention_noise'] = mine_shares
+    write_json('attention_noise.json', mine_shares)
+    plot_heatmaps([(info['name'], heatmap_panels(mine_shares))], label, os.path.join(eval_dir, 'attention_noise.png'))
+    log(f"wrote {os.path.join(eval_dir, 'attention_noise.png')}")
+    if compare_to:
+        other_model.to(device)
+        theirs_shares = shares_of(other_model, other_info)
+        other_model.cpu()
+        write_json(f"attention_noise_{file_name_part(other_info['name'])}.json", theirs_shares)
+        png = os.path.join(eval_dir, f"attention_noise_vs_{file_name_part(other_info['name'])}.png")
+        plot_heatmaps([(info['name'], heatmap_panels(mine_shares)), (other_info['name'], heatmap_panels(theirs_shares))],
+                      label, png)
+        log(f"wrote {png}")
 
 # -----------------------------------------------------------------------------
 # attention entropy

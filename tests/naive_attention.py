@@ -1,10 +1,13 @@
 """Naive float64 reference implementations of every attention variant, written from
 docs/attention.md and the parameter names of the model contract, independently of model.py.
 
-Each `naive_<variant>(attn, x, eps=None, ...)` reads the weights of an attention module
-(`model.transformer.h[i].attn`) by their contract names, casts everything to float64 and builds the
-full T x T matrices with explicit loops or plain tensor ops: no SDPA, no chunking, no cumsum. The
-result is the module's output after `c_proj` (dropout is taken to be 0), shape (B, T, C).
+Each `<variant>_map(attn, x, eps=None, ...)` builds the variant's effective attention map (the matrix
+that multiplies V, per head) and returns it with the values; `naive_<variant>(attn, x, eps=None, ...)`
+gives the module's output after `c_proj` from them (dropout taken to be 0), shape (B, T, C); linear
+attention's output is built from explicit running sums instead, independently of its map. Both read
+the weights of an attention module (`model.transformer.h[i].attn`) by their contract names, cast
+everything to float64 and build the full T x T matrices with explicit loops or plain tensor ops: no
+SDPA, no chunking, no cumsum.
 
 Extra keyword arguments, passed by the tests from the config rather than read from the module:
 - `layer_index` (diff, dint, dint_lowrank): lambda_init = 0.8 - 0.6 * exp(-0.3 * layer_index).
@@ -114,24 +117,20 @@ def _layer_index(attn, layer_index):
 
 
 # ----------------------------------------------------------------------------- the variants
+# Each variant's effective map (the matrix that multiplies V, per head), then its output from it.
 
-def naive_base(attn, x, eps=None):
-    """Standard causal attention: softmax(Q K^T / sqrt(d) + M) V."""
+def base_map(attn, x, eps=None):
+    """Standard causal attention: A = softmax(Q K^T / sqrt(d) + M); returns (A, V)."""
     C, H, d = _sizes(attn)
-    x = x.to(F64)
-    qkv = _linear(attn.c_attn, x)
-    q, k, v = (_heads(t, H, d) for t in qkv.split(C, dim=2))
-    a = causal_probs(q @ k.transpose(-1, -2) / math.sqrt(d))
-    return _linear(attn.c_proj, _merge(a @ v))
+    q, k, v = (_heads(t, H, d) for t in _linear(attn.c_attn, x.to(F64)).split(C, dim=2))
+    return causal_probs(q @ k.transpose(-1, -2) / math.sqrt(d)), v
 
 
-def naive_symmetric(attn, x, eps=None):
-    """K := Q: softmax(Q Q^T / sqrt(d) + M) V, c_attn gives (q, v)."""
+def symmetric_map(attn, x, eps=None):
+    """K := Q: A = softmax(Q Q^T / sqrt(d) + M), c_attn gives (q, v)."""
     C, H, d = _sizes(attn)
-    x = x.to(F64)
-    q, v = (_heads(t, H, d) for t in _linear(attn.c_attn, x).split(C, dim=2))
-    a = causal_probs(q @ q.transpose(-1, -2) / math.sqrt(d))
-    return _linear(attn.c_proj, _merge(a @ v))
+    q, v = (_heads(t, H, d) for t in _linear(attn.c_attn, x.to(F64)).split(C, dim=2))
+    return causal_probs(q @ q.transpose(-1, -2) / math.sqrt(d)), v
 
 
 def noise_mu_sigma(attn):
@@ -144,83 +143,96 @@ def noise_mu_sigma(attn):
     return mu, sigma
 
 
-def naive_noiseformer(attn, x, eps=None):
-    """S = Q Q^T / sqrt(d) + mu + sigma * eps, A = softmax(S + M), O = A V.
+def noiseformer_map(attn, x, eps=None):
+    """S = Q Q^T / sqrt(d) + mu + sigma * eps, A = softmax(S + M).
 
     mu, sigma have shape (1,) (v1) or (H,) (v2) and broadcast over heads; eps (1 or B, 1 or H, T, T).
     """
     C, H, d = _sizes(attn)
-    x = x.to(F64)
-    q, v = (_heads(t, H, d) for t in _linear(attn.c_attn, x).split(C, dim=2))
+    q, v = (_heads(t, H, d) for t in _linear(attn.c_attn, x.to(F64)).split(C, dim=2))
     s = q @ q.transpose(-1, -2) / math.sqrt(d)
     if eps is not None:
         mu, sigma = noise_mu_sigma(attn)
-        mu = mu.reshape(1, -1, 1, 1)
-        sigma = sigma.reshape(1, -1, 1, 1)
-        s = s + mu + sigma * eps.to(F64)
-    a = causal_probs(s)
-    return _linear(attn.c_proj, _merge(a @ v))
+        s = s + mu.reshape(1, -1, 1, 1) + sigma.reshape(1, -1, 1, 1) * eps.to(F64)
+    return causal_probs(s), v
 
 
-naive_noiseformer_v1 = naive_noiseformer
-naive_noiseformer_v2 = naive_noiseformer
-
-
-def _differential(attn, x, layer_index, integral):
-    """diff / dint: n_head q/k heads of d, n_head/2 value heads of 2d; head h = q/k heads 2h, 2h+1."""
+def _differential_map(attn, x, layer_index, integral):
+    """diff / dint: n_head q/k heads of d, n_head/2 value heads of 2d; head h = q/k heads 2h, 2h+1.
+    A = A1 - lambda A2 (+ lambda A3 for dint), per differential head."""
     C, H, d = _sizes(attn)
-    Hp = H // 2
-    x = x.to(F64)
-    q, k, v = _linear(attn.c_attn, x).split(C, dim=2)
+    q, k, v = _linear(attn.c_attn, x.to(F64)).split(C, dim=2)
     q, k = _heads(q, H, d), _heads(k, H, d)            # (B, H, T, d)
-    v = _heads(v, Hp, 2 * d)                             # (B, H', T, 2d)
-    lam = diff_lambda(attn, layer_index)
-    lam_init = lambda_init_for(layer_index)
-    norm_w = _w(attn.head_norm.weight)
-    outs = []
-    for h in range(Hp):
-        q1, k1 = q[:, 2 * h], k[:, 2 * h]
-        q2, k2 = q[:, 2 * h + 1], k[:, 2 * h + 1]
-        a1 = causal_probs(q1 @ k1.transpose(-1, -2) / math.sqrt(d))
-        a2 = causal_probs(q2 @ k2.transpose(-1, -2) / math.sqrt(d))
-        a = a1 - lam * a2
-        if integral:
-            a = a + lam * integral_probs(a1)
-        o = a @ v[:, h]                                  # (B, T, 2d)
-        outs.append(rms_norm(o, norm_w) * (1.0 - lam_init))
-    return _linear(attn.c_proj, torch.cat(outs, dim=-1))
+    lam = diff_lambda(attn, _layer_index(attn, layer_index))
+    maps = []
+    for h in range(H // 2):
+        a1 = causal_probs(q[:, 2 * h] @ k[:, 2 * h].transpose(-1, -2) / math.sqrt(d))
+        a2 = causal_probs(q[:, 2 * h + 1] @ k[:, 2 * h + 1].transpose(-1, -2) / math.sqrt(d))
+        maps.append(a1 - lam * a2 + (lam * integral_probs(a1) if integral else 0))
+    return torch.stack(maps, dim=1), _heads(v, H // 2, 2 * d)
 
 
-def naive_diff(attn, x, eps=None, layer_index=None):
-    """O = (A1 - lambda A2) V per differential head, RMSNorm(2d), * (1 - lambda_init)."""
-    return _differential(attn, x, _layer_index(attn, layer_index), integral=False)
+def diff_map(attn, x, eps=None, layer_index=None):
+    return _differential_map(attn, x, layer_index, integral=False)
 
 
-def naive_dint(attn, x, eps=None, layer_index=None):
-    """O = (lambda A3 + A1 - lambda A2) V, A3 the causal running row-mean of A1."""
-    return _differential(attn, x, _layer_index(attn, layer_index), integral=True)
+def dint_map(attn, x, eps=None, layer_index=None):
+    """A = lambda A3 + A1 - lambda A2, A3 the causal running row-mean of A1."""
+    return _differential_map(attn, x, layer_index, integral=True)
 
 
-def naive_dint_lowrank(attn, x, eps=None, layer_index=None, score_divisor=81.0):
+def dint_lowrank_map(attn, x, eps=None, layer_index=None, score_divisor=81.0):
     """DINT where every base head h (q1, k1, v from c_attn exactly as base) is one differential head;
     Q2 = X W_q2_down W_q2_up, K2 = X W_k2_down W_k2_up split into the same H heads of d;
-    A2 = softmax(Q2 K2^T * sqrt(score_divisor) / sqrt(d) + M); RMSNorm(d), * (1 - lambda_init)."""
-    layer_index = _layer_index(attn, layer_index)
+    A2 = softmax(Q2 K2^T * sqrt(score_divisor) / sqrt(d) + M)."""
     C, H, d = _sizes(attn)
     x = x.to(F64)
     q1, k1, v = (_heads(t, H, d) for t in _linear(attn.c_attn, x).split(C, dim=2))
     q2 = _heads(_linear(attn.q2_up, _linear(attn.q2_down, x)), H, d)
     k2 = _heads(_linear(attn.k2_up, _linear(attn.k2_down, x)), H, d)
-    lam = diff_lambda(attn, layer_index)
-    lam_init = lambda_init_for(layer_index)
-    norm_w = _w(attn.head_norm.weight)
-    outs = []
-    for h in range(H):
-        a1 = causal_probs(q1[:, h] @ k1[:, h].transpose(-1, -2) / math.sqrt(d))
-        a2 = causal_probs(q2[:, h] @ k2[:, h].transpose(-1, -2) * math.sqrt(score_divisor) / math.sqrt(d))
-        a = lam * integral_probs(a1) + a1 - lam * a2
-        outs.append(rms_norm(a @ v[:, h], norm_w) * (1.0 - lam_init))
-    return _linear(attn.c_proj, torch.cat(outs, dim=-1))
+    lam = diff_lambda(attn, _layer_index(attn, layer_index))
+    a1 = causal_probs(q1 @ k1.transpose(-1, -2) / math.sqrt(d))
+    a2 = causal_probs(q2 @ k2.transpose(-1, -2) * math.sqrt(score_divisor) / math.sqrt(d))
+    return lam * integral_probs(a1) + a1 - lam * a2, v
+
+
+def linear_map(attn, x, eps=None):
+    """The map linear attention applies: A_ij = phi(q_i).phi(k_j) / (sum_{j' <= i} phi(q_i).phi(k_j') + 1e-6)
+    for j <= i, 0 after; phi = elu + 1."""
+    C, H, d = _sizes(attn)
+    q, k, v = (_heads(t, H, d) for t in _linear(attn.c_attn, x.to(F64)).split(C, dim=2))
+    phi = lambda t: torch.where(t > 0, t + 1.0, torch.exp(t))   # elu(t) + 1
+    scores = phi(q) @ phi(k).transpose(-1, -2)
+    T = scores.shape[-1]
+    a = torch.zeros_like(scores)
+    for i in range(T):
+        a[..., i, : i + 1] = scores[..., i, : i + 1] / (scores[..., i, : i + 1].sum(-1, keepdim=True) + LINEAR_EPS)
+    return a, v
+
+
+def _softmax_output(variant_map):
+    def naive(attn, x, eps=None, **kwargs):
+        a, v = variant_map(attn, x, eps, **kwargs)
+        return _linear(attn.c_proj, _merge(a @ v))
+    naive.__doc__ = f"O = A V with A from {variant_map.__name__}, then c_proj."
+    return naive
+
+
+def _differential_output(variant_map):
+    def naive(attn, x, eps=None, layer_index=None, **kwargs):
+        """O = A V per differential head, RMSNorm(value size), * (1 - lambda_init), then c_proj."""
+        a, v = variant_map(attn, x, eps, layer_index=layer_index, **kwargs)
+        o = rms_norm(a @ v, _w(attn.head_norm.weight)) * (1.0 - lambda_init_for(layer_index))
+        return _linear(attn.c_proj, _merge(o))
+    return naive
+
+
+naive_base = _softmax_output(base_map)
+naive_symmetric = _softmax_output(symmetric_map)
+naive_noiseformer = naive_noiseformer_v1 = naive_noiseformer_v2 = _softmax_output(noiseformer_map)
+naive_diff = _differential_output(diff_map)
+naive_dint = _differential_output(dint_map)
+naive_dint_lowrank = _differential_output(dint_lowrank_map)
 
 
 def naive_linear(attn, x, eps=None):
@@ -254,4 +266,16 @@ NAIVE = {
     "dint": naive_dint,
     "dint_lowrank": naive_dint_lowrank,
     "linear": naive_linear,
+}
+
+# attn_type -> (its effective map, V): the matrix that multiplies the values, per head
+NAIVE_MAPS = {
+    "base": base_map,
+    "symmetric": symmetric_map,
+    "noiseformer_v1": noiseformer_map,
+    "noiseformer_v2": noiseformer_map,
+    "diff": diff_map,
+    "dint": dint_map,
+    "dint_lowrank": dint_lowrank_map,
+    "linear": linear_map,
 }

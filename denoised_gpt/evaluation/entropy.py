@@ -52,17 +52,22 @@ def entropy_summary(entropy):
 
 
 def plot_entropy(results, path=None):
-    """results: [(run name, {map name: [[per head] per layer]})] -> a matplotlib Figure with one row of
-    heatmaps (layers x heads), one per map that exists: the first run's maps in their order, then the
-    next run's, so that dint compared with base reads branch1, branch2, combined, attn, the combined
-    map next to the one it replaces. Each panel is titled with its run and map; colours are fixed to
-    [0, 1] so that panels compare. Writes a PNG to path when given. The figure is returned for
-    inspection (fig.axes: the panels in that order, then the colour bar)."""
+    """plot_heatmaps of attention entropies (results: [(run name, {map name: [[per head] per layer]})])."""
+    return plot_heatmaps(results, 'normalised entropy H / log(keys)', path)
+
+
+def plot_heatmaps(results, colour_label, path=None):
+    """results: [(run name, {panel name: [[per head] per layer]})] with values in [0, 1] -> a matplotlib
+    Figure with one row of heatmaps (layers x heads), one per panel that exists: the first run's panels
+    in their order, then the next run's, so that dint compared with base reads branch1, branch2,
+    combined, attn, the combined map next to the one it replaces. Each panel is titled with its run and
+    name; colours are fixed to [0, 1] so that panels compare. Writes a PNG to path when given. The figure
+    is returned for inspection (fig.axes: the panels in that order, then the colour bar)."""
     from matplotlib.figure import Figure  # no pyplot: no backend to choose, no global figure to close
 
-    panels = [(label, name, layers) for label, entropy in results for name, layers in entropy.items()]
+    panels = [(label, name, layers) for label, maps in results for name, layers in maps.items()]
     if not panels:
-        raise ValueError("plot_entropy: no attention maps to plot")
+        raise ValueError("plot_heatmaps: nothing to plot")
     fig = Figure(figsize=(3.2 * len(panels) + 1, 3.4), layout='constrained')
     axes = fig.subplots(1, len(panels), squeeze=False)[0]
     for ax, (label, name, layers) in zip(axes, panels):
@@ -74,7 +79,7 @@ def plot_entropy(results, path=None):
         ax.set_yticks(range(len(layers)))
         ax.set_xlabel('head', fontsize=8)
         ax.set_ylabel('layer', fontsize=8)
-    fig.colorbar(image, ax=list(axes), label='normalised entropy H / log(keys)')
+    fig.colorbar(image, ax=list(axes), label=colour_label)
     if path is not None:
         fig.savefig(path, dpi=100)
     return fig

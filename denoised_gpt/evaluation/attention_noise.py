@@ -1,0 +1,107 @@
+"""
+Where attention goes on a recall task (DIFF's "attention noise"): for every answer of a recall dataset's
+validation examples (data/mqar), in every layer and head, how the query's *effective* attention row
+divides between the answer span and everything else.
+
+The row is the one that multiplies V (GPT.attention_maps): softmax for base, symmetric and NoiseFormer
+(with its noise exactly as evaluation runs it: on, one draw per layer and batch, unless noise_at_eval is
+off), A1 - lambda A2 for DIFF, A1 + lambda (A3 - A2) for DINT and low-rank DINT, linear attention's
+normalised feature-map weights. The query at position p sees keys 0..p, in three parts:
+  answer   the queried key in the pairs and its value (2 tokens): where a lookup must read
+  pairs    the other key-value pairs (2N - 2 tokens): relevant context, but the wrong entries
+  context  everything after the pairs up to the query itself: earlier queries and the random filler
+noise = pairs + context, everything but the answer.
+
+One normalisation for every variant: a part's share is its *absolute* mass over the row's absolute mass,
+sum_{j in part} |a_pj| / sum_{j <= p} |a_pj|, so the shares are in [0, 1] and add up to 1 even where
+DIFF / DINT maps are negative or rows do not sum to 1. `signed_answer` is the answer span's signed mass
+over the same denominator (in [-1, 1]; equal to the answer share where no weight is negative), so a
+differential map that cancels onto the answer shows as a gap between the two.
+"""
+import numpy as np
+import torch
+
+from denoised_gpt.evaluation.recall import answers, distance_bucket, validation_examples
+
+PARTS = ('answer', 'pairs', 'context', 'noise', 'signed_answer')
+
+
+def effective_map(maps):
+    """Of a layer's attention_maps, the one that multiplies V."""
+    return maps['combined'] if 'combined' in maps else maps['attn']
+
+
+def query_shares(rows, key_at, pairs, at):
+    """rows (Q, heads, T): the effective attention rows of Q queries; key_at, pairs, at (Q,) int tensors: where
+    each one's key stands in the pairs, its example's number of pairs, the query's own position.
+    -> (Q, heads, len(PARTS)) float64, the parts' shares (module docstring); keys after the query count for
+    nothing (a causal map has no weight there)."""
+    j = torch.arange(rows.size(-1), device=rows.device)
+    visible = j <= at[:, None]
+    answer = (j >= key_at[:, None]) & (j <= key_at[:, None] + 1)
+    in_pairs = (j < 2 * pairs[:, None]) & ~answer
+    rows = rows.double() * visible[:, None, :]
+    mass = rows.abs()
+    total = mass.sum(-1).clamp_min(1e-300)
+
+    def share(where, of=mass):
+        return (of * where[:, None, :]).sum(-1) / total
+    a, p, c = share(answer), share(in_pairs), share(visible & ~answer & ~in_pairs)
+    return torch.stack([a, p, c, p + c, share(answer, of=rows)], dim=-1)
+
+
+@torch.no_grad()
+def attention_noise(model, data_dir, batch_size, device, ctx, split="val"):
+    """Per layer and head, the mean share of each part (module docstring) over every answer of the split's
+    examples; the best head of each layer (highest answer share) and the best overall (the `lookup` head);
+    and, by number of pairs, by the example's filler length and by query distance, the same means.
+    ValueError when data_dir is not a recall dataset."""
+    examples, batches = validation_examples(model, data_dir, batch_size, split)
+    shares, groups = [], []  # per answer: (layers, heads, parts), and (pairs, filler, distance bucket)
+    for x, y in batches:
+        found = []  # (row, query position, key position, pairs) of every answer in the batch
+        for row in range(len(x)):
+            asked = answers(x[row].numpy(), y[row].numpy())
+            found += [(row, p, key_at, len(asked)) for p, key_at in asked]
+        b, at, key_at, pairs = (torch.tensor(c, dtype=torch.long) for c in zip(*found))
+        per_layer = []
+        with ctx:
+            for _, maps in model.attention_maps(x.to(device)):
+                a = effective_map(maps).cpu()
+                per_layer.append(query_shares(a[b, :, at, :], key_at, pairs, at))
+        shares.append(torch.stack(per_layer, dim=1))  # (Q, layers, heads, parts)
+        T = x.size(1)
+        groups += [(int(n), T - 3 * int(n), distance_bucket(int(p - k))) for n, p, k in zip(pairs, at, key_at)]
+    shares = torch.cat(shares)
+    result = dict(normalisation='abs', parts=list(PARTS), examples=examples,
+                  **summary(shares))
+    lookup = (result['lookup']['layer'], result['lookup']['head'])
+    for name, column, order in (('by_pairs', 0, int), ('by_filler', 1, int),
+                                ('by_distance', 2, lambda k: int(k.split('-')[0]))):
+        keys = np.array([g[column] for g in groups], dtype=object)
+        result[name] = {str(k): summary(shares[torch.from_numpy(keys == k)], lookup)
+                        for k in sorted(set(keys), key=order)}
+    return result
+
+
+def summary(shares, lookup=None):
+    """shares (Q, layers, heads, parts) -> dict(answers, shares: {part: [[mean per head] per layer]},
+    best_head: per layer, lookup: the best head overall, or the given (layer, head))."""
+    mean = shares.mean(0)  # (layers, heads, parts)
+    answer = mean[..., PARTS.index('answer')]
+
+    def head(layer, h):
+        return dict(layer=int(layer), head=int(h), **{part: float(mean[layer, h, i]) for i, part in enumerate(PARTS)})
+    if lookup is None:
+        flat = int(answer.argmax())
+        lookup = divmod(flat, answer.size(1))
+    return dict(answers=shares.size(0),
+                shares={part: mean[..., i].tolist() for i, part in enumerate(PARTS)},
+                best_head=[head(layer, int(answer[layer].argmax())) for layer in range(answer.size(0))],
+                lookup=head(*lookup))
+
+
+def heatmap_panels(result):
+    """The panels of the heatmap PNG: the three parts' shares per layer and head."""
+    return {'answer': result['shares']['answer'], 'other pairs': result['shares']['pairs'],
+            'context': result['shares']['context']}

@@ -1,0 +1,189 @@
+"""eval.py --attention_noise: the share of each query's effective attention row on its answer span and on
+the rest, for every attn_type, against a float64 computation from the variant's equations
+(naive_attention.py's maps, recomputed from the layer's weights), causal, and as a user runs it."""
+import json
+
+import pytest
+import torch
+
+from denoised_gpt.evaluation.attention_noise import PARTS, attention_noise
+from helpers import NO_AUTOCAST, run_script_in_process, tiny_checkpoint, tiny_gpt
+from model import ATTENTION_TYPES, causal_randn
+from naive_attention import NAIVE_MAPS
+
+T = 12
+# Two handmade examples (T + 1 tokens: the model reads the first T) and their answers, by construction:
+# (position of the query key, position of that key in the pairs, number of pairs). Keys below 32, values
+# from 32; in the first, key 3's query at 8 has a copy of key 3 in the filler at 7, which is noise.
+EXAMPLES = [
+    ([3, 40, 5, 50, 5, 9, 7, 3, 3, 11, 12, 13, 1], {4: 50, 8: 40}),
+    ([4, 33, 6, 44, 8, 55, 8, 1, 4, 2, 6, 0, 1], {6: 55, 8: 33, 10: 44}),
+]
+ANSWERS = [[(4, 2, 2), (8, 0, 2)], [(6, 4, 3), (8, 0, 3), (10, 2, 3)]]
+
+
+def write_examples(data_dir, examples):
+    """A recall dataset as data/mqar/prepare.py writes one: tokens, labels (each answer one position after
+    its query) and meta.json."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    tokens = torch.tensor([t for t, _ in examples], dtype=torch.int64)
+    labels = torch.full_like(tokens, -1)
+    for row, (_, values) in enumerate(examples):
+        for p, value in values.items():
+            labels[row, p + 1] = value
+    tokens.numpy().astype('uint16').tofile(data_dir / 'val.bin')
+    labels.numpy().astype('int32').tofile(data_dir / 'val_labels.bin')
+    (data_dir / 'meta.json').write_text(json.dumps({'tokenizer': 'ids', 'vocab_size': 64, 'example_tokens': T + 1,
+                                                    'labels': 'answers'}))
+    return data_dir
+
+
+def peaked_model(attn_type, seed=0):
+    """A tiny float64 model whose maps are far from uniform (and, for DIFF / DINT, have negative entries)."""
+    model = tiny_gpt(attn_type, seed, block_size=T, vocab_size=64, n_head=4, lowrank_rank=4).double().eval()
+    with torch.no_grad():
+        for block in model.transformer.h:
+            attn = block.attn
+            attn.c_attn.weight.mul_(40)
+            if hasattr(attn, 'lambda_q1'):
+                attn.lambda_q1.fill_(0.5)
+                attn.lambda_k1.fill_(0.5)  # lambda = exp(0.25 d) - ... : well above 1
+            if hasattr(attn, 'q2_down'):
+                for lin in (attn.q2_down, attn.q2_up, attn.k2_down, attn.k2_up):
+                    lin.weight.mul_(10)
+            if hasattr(attn, 'noise_sigma'):
+                attn.noise_sigma.fill_(2.0)  # noise that moves the maps
+    return model
+
+
+@torch.no_grad()
+def reference_shares(model, idx, seed):
+    """{part: (layers, heads) mean over ANSWERS}, from naive float64 maps, with explicit loops. The layer
+    inputs come from the model's own blocks; NoiseFormer's noise is drawn in the order GPT.attention_maps
+    draws it (the layer's map, then the block's forward)."""
+    torch.manual_seed(seed)
+    cfg = model.config
+    x = model.transformer.wte(idx) + model.transformer.wpe(torch.arange(T))
+    per_layer = []
+    for layer, block in enumerate(model.transformer.h):
+        attn = block.attn
+        eps, kwargs = None, {}
+        if hasattr(attn, 'noise_mu'):
+            eps = causal_randn((1, attn.noise_mu.numel(), T, T), dtype=torch.float64)
+        if hasattr(attn, 'lambda_q1'):
+            kwargs['layer_index'] = layer
+        if cfg.attn_type == 'dint_lowrank':
+            kwargs['score_divisor'] = cfg.lowrank_score_divisor
+        a, _ = NAIVE_MAPS[cfg.attn_type](attn, block.ln_1(x), eps, **kwargs)
+        heads = a.size(1)
+        sums = torch.zeros(heads, len(PARTS), dtype=torch.float64)
+        for row, asked in enumerate(ANSWERS):
+            for p, key_at, pairs in asked:
+                for h in range(heads):
+                    total = answer = signed = in_pairs = context = 0.0
+                    for j in range(p + 1):
+                        w = float(a[row, h, p, j])
+                        total += abs(w)
+                        if j in (key_at, key_at + 1):
+                            answer += abs(w)
+                            signed += w
+                        elif j < 2 * pairs:
+                            in_pairs += abs(w)
+                        else:
+                            context += abs(w)
+                    sums[h] += torch.tensor([answer, in_pairs, context, in_pairs + context, signed], dtype=torch.float64) / total
+        per_layer.append(sums / sum(map(len, ANSWERS)))
+        x = block(x)
+    return torch.stack(per_layer)  # (layers, heads, parts)
+
+
+@pytest.mark.parametrize('attn_type', list(ATTENTION_TYPES))
+def test_shares_equal_a_float64_computation_from_the_equations(tmp_path, attn_type):
+    data = write_examples(tmp_path / 'data', EXAMPLES)
+    model = peaked_model(attn_type)
+    idx = torch.tensor([t[:T] for t, _ in EXAMPLES])
+    torch.manual_seed(3)
+    r = attention_noise(model, str(data), 8, 'cpu', NO_AUTOCAST)
+    expected = reference_shares(model, idx, seed=3)
+    got = torch.tensor([r['shares'][part] for part in PARTS], dtype=torch.float64).permute(1, 2, 0)
+    assert got.shape == expected.shape
+    assert torch.allclose(got, expected, rtol=1e-9, atol=1e-12)
+    assert r['answers'] == 5 and r['examples'] == 2
+    # the heads' shares differ widely (the maps are far from uniform), so equality says something; DIFF /
+    # DINT maps have negative weight
+    assert expected[..., 0].max() - expected[..., 0].min() > 0.05
+    if attn_type in ('diff', 'dint', 'dint_lowrank'):
+        assert (expected[..., 4] - expected[..., 0]).abs().max() > 1e-3
+    # the parts split the row's absolute mass, and noise is everything but the answer
+    assert torch.allclose(got[..., :3].sum(-1), torch.ones_like(got[..., 0]))
+    assert torch.allclose(got[..., 3], 1 - got[..., 0])
+    # the best head of each layer, and the lookup head: the highest answer share overall
+    answer = got[..., 0]
+    for layer, best in enumerate(r['best_head']):
+        assert best['layer'] == layer and best['head'] == int(answer[layer].argmax())
+    layer, head = divmod(int(answer.argmax()), answer.size(1))
+    assert (r['lookup']['layer'], r['lookup']['head']) == (layer, head)
+    assert r['lookup']['answer'] == pytest.approx(float(expected[layer, head, 0]))
+    # groups: the first example has 2 pairs and 12 - 6 filler tokens, the second 3 and 12 - 9
+    assert {k: v['answers'] for k, v in r['by_pairs'].items()} == {'2': 2, '3': 3}
+    assert {k: v['answers'] for k, v in r['by_filler'].items()} == {'3': 3, '6': 2}
+    assert sum(v['answers'] for v in r['by_distance'].values()) == 5
+    assert all((v['lookup']['layer'], v['lookup']['head']) == (layer, head) for v in r['by_pairs'].values())
+
+
+@pytest.mark.parametrize('attn_type', list(ATTENTION_TYPES))
+def test_no_share_comes_from_a_later_token(tmp_path, attn_type):
+    """Tokens after every query changed: no query's shares move (a map with weight on a later key, or a
+    mean term that looked ahead, would move them)."""
+    last_query = max(p for _, values in EXAMPLES for p in values)
+    later = [([*t[:last_query + 1], *[(x * 7 + 1) % 64 for x in t[last_query + 1:]]], v) for t, v in EXAMPLES]
+    assert later != EXAMPLES
+    model = peaked_model(attn_type)
+    results = []
+    for name, examples in (('data', EXAMPLES), ('later', later)):
+        torch.manual_seed(3)
+        results.append(attention_noise(model, str(write_examples(tmp_path / name, examples)), 8, 'cpu', NO_AUTOCAST))
+    assert results[0]['shares'] == results[1]['shares']
+    # while changing a token before a query does move them
+    (tokens, values), second = EXAMPLES
+    earlier = [([*tokens[:6], 20, *tokens[7:]], values), second]  # filler at 6, before the query at 8
+    torch.manual_seed(3)
+    moved = attention_noise(model, str(write_examples(tmp_path / 'earlier', earlier)), 8, 'cpu', NO_AUTOCAST)
+    assert moved['shares'] != results[0]['shares']
+
+
+# ----------------------------------------------------------------------------- eval.py as a user runs it
+
+def test_eval_script_writes_the_shares_and_heatmaps_side_by_side(tmp_path):
+    data = write_examples(tmp_path / 'data', EXAMPLES)
+    shape = dict(block_size=T, vocab_size=64, n_head=4)
+    diff = tiny_checkpoint(tmp_path / 'out-diff', 'diff', data, seed=1, **shape)
+    base = tiny_checkpoint(tmp_path / 'out-base', 'base', data, **shape)
+    r = run_script_in_process('eval.py', [f"--out_dir={tmp_path / 'out-diff'}", '--attention_noise=True',
+                                          '--device=cpu', '--dtype=float32', '--seed=5',
+                                          f"--compare_to={tmp_path / 'out-base'}"])
+    assert r.returncode == 0, r.stderr
+    out = tmp_path / 'out-diff'
+    for name, model in (('attention_noise.json', diff), ('attention_noise_out-base.json', base)):
+        written = json.loads((out / name).read_text())
+        torch.manual_seed(5)
+        expected = attention_noise(model.eval(), str(data), 8, 'cpu', NO_AUTOCAST)
+        assert torch.allclose(torch.tensor([written['shares'][part] for part in PARTS]),
+                              torch.tensor([expected['shares'][part] for part in PARTS]), atol=1e-6)
+        assert (written['lookup']['layer'], written['lookup']['head']) == \
+            (expected['lookup']['layer'], expected['lookup']['head'])
+        assert written['attn_type'] == model.config.attn_type and written['normalisation'] == 'abs'
+    for png in ('attention_noise.png', 'attention_noise_vs_out-base.png'):
+        assert (out / png).read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
+    assert r.stdout.count('lookup head L') == 2
+
+
+def test_eval_script_refuses_attention_noise_on_data_without_answers(tmp_path):
+    data = tmp_path / 'data'
+    data.mkdir()
+    torch.arange(40, dtype=torch.int32).numpy().astype('uint16').tofile(data / 'val.bin')
+    tiny_checkpoint(tmp_path / 'out', 'base', data, block_size=T, vocab_size=64)
+    r = run_script_in_process('eval.py', [f"--out_dir={tmp_path / 'out'}", '--attention_noise=True', '--device=cpu'])
+    assert r.returncode == 2 and 'Traceback' not in r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith('eval.py: error:') and 'not a recall dataset' in r.stderr
+    assert not (tmp_path / 'out' / 'attention_noise.json').exists()
