@@ -37,9 +37,10 @@ lambda) over training; one sample per variant (sample.py). Each variant is also 
 seed by seed (runs with the same seed share data order and evaluation batches): the differences in
 final val loss, their mean +- std, and whether every seed agrees in sign; the report calls a variant
 lower or higher than base only when they all do. On a recall dataset (data/mqar: its meta.json marks
-the answers), eval.py --recall=True scores each finished run, and the report adds answer accuracy:
-overall and by number of key-value pairs, its paired reading against base, and a plot of accuracy
-against pairs per variant.
+the answers), eval.py --recall=True --attention_noise=True scores each finished run, and the report adds
+answer accuracy (overall and by number of key-value pairs) and where attention goes (the share of the
+lookup head's attention on the answer against the rest, docs/eval.md), each with its paired reading
+against base, a plot of accuracy against pairs and one of accuracy and answer share against filler length.
 """
 
 from configurator import answer_help
@@ -539,22 +540,38 @@ def read_json(path):
         return json.load(f)
 
 
-def recall_results(run):
+def recall_results(run, attention=True):
     """On a recall dataset: {'accuracy', 'accuracy_by_pairs'} from eval.py --recall=True on the run's final
-    checkpoint (its recall.json, computed again when ckpt.pt is newer, or when it does not say its dtype: an
-    older eval.py's, which measured a float32-trained model in bfloat16); {} on other datasets."""
+    checkpoint and, with attention, where its attention goes from --attention_noise=True (its lookup head's
+    answer, noise, other-pairs and context shares, the head, and the filler length per example); {} on other
+    datasets. Read from the run's recall.json and attention_noise.json, computed again when ckpt.pt is newer,
+    or when recall.json does not say its dtype (an older eval.py's, which measured a float32-trained model in
+    bfloat16)."""
     if not is_recall_data(run.config):
         return {}
-    path = os.path.join(run.dir, 'recall.json')
-    if not os.path.exists(path) or os.path.getmtime(path) < os.path.getmtime(checkpoint_path(run.dir)) \
-            or 'dtype' not in read_json(path):
-        cmd = [sys.executable, EVAL_SCRIPT, f'--out_dir={run.dir}', '--recall=True', '--batch_size=64']
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+    measures = {'recall': 'recall.json', **({'attention_noise': 'attention_noise.json'} if attention else {})}
+    paths = [os.path.join(run.dir, name) for name in measures.values()]
+    if any(not os.path.exists(p) or os.path.getmtime(p) < os.path.getmtime(checkpoint_path(run.dir)) for p in paths) \
+            or 'dtype' not in read_json(paths[0]):
+        flags = [f'--{m}=True' for m in measures]
+        proc = subprocess.run([sys.executable, EVAL_SCRIPT, f'--out_dir={run.dir}', *flags, '--batch_size=64'],
+                              capture_output=True, text=True)
         if proc.returncode != 0:
-            raise CheckpointError(f"eval.py --recall=True failed: {proc.stderr.strip().splitlines()[-1:]}")
-    recall = read_json(path)
-    return {'accuracy': recall['accuracy'],
-            'accuracy_by_pairs': {k: v['accuracy'] for k, v in recall['by_pairs'].items()}}
+            raise CheckpointError(f"eval.py {' '.join(flags)} failed: {proc.stderr.strip().splitlines()[-1:]}")
+    recall = read_json(paths[0])
+    result = {'accuracy': recall['accuracy'],
+              'accuracy_by_pairs': {k: v['accuracy'] for k, v in recall['by_pairs'].items()}}
+    if attention:
+        shares = read_json(paths[1])
+        look = shares['lookup']
+        result.update({f'{part}_share': look[part] for part in ('answer', 'noise', 'pairs', 'context')},
+                      lookup_head=f"L{look['layer']}h{look['head']}",
+                      filler_length=sum(int(k) * v['answers'] for k, v in shares['by_filler'].items()) / shares['answers'])
+    return result
+
+
+# what recall_results adds to a run, summarised over seeds like the val loss
+RECALL_KEYS = ('accuracy', 'answer_share', 'noise_share', 'pairs_share', 'context_share', 'filler_length')
 
 
 def summarize(results):
@@ -564,9 +581,9 @@ def summarize(results):
     for variant in dict.fromkeys(r['variant'] for r in results):  # in the sweep's order
         rs = [r for r in results if r['variant'] == variant]
         s = {'seeds': [r['seed'] for r in rs], 'params': rs[0]['params'], 'base': rs[0]['base']}
-        for key in ('final_val_loss', 'best_val_loss', 'tokens_per_s', 'peak_memory_mib', 'train_time_s', 'accuracy'):
+        for key in ('final_val_loss', 'best_val_loss', 'tokens_per_s', 'peak_memory_mib', 'train_time_s', *RECALL_KEYS):
             values = [r[key] for r in rs if r.get(key) is not None]
-            if key != 'accuracy' or values:
+            if key not in RECALL_KEYS or values:
                 s[key] = mean_std(values)
         if 'accuracy_by_pairs' in rs[0]:
             s['accuracy_by_pairs'] = {k: mean_std(r['accuracy_by_pairs'][k] for r in rs)
@@ -575,8 +592,9 @@ def summarize(results):
     for variant, s in summary.items():
         if variant != s['base'] and s['base'] in summary:
             s['paired_vs_base'] = paired_vs_base(results, variant, s['base'])
-            if 'accuracy' in s:
-                s['accuracy_vs_base'] = paired_vs_base(results, variant, s['base'], key='accuracy')
+            for key in ('accuracy', 'answer_share'):
+                if key in s:
+                    s[f'{key}_vs_base'] = paired_vs_base(results, variant, s['base'], key=key)
     return summary
 
 
@@ -629,7 +647,7 @@ def tuning_result(run, metric, is_outranked):
               'reached_target': reached_target(run, evals[-1]), 'outranked': is_outranked}
     if metric == 'accuracy':
         try:
-            result['accuracy'] = recall_results(run)['accuracy']
+            result['accuracy'] = recall_results(run, attention=False)['accuracy']
         except CheckpointError as e:
             fail(f"tuning run {run.dir}: {e}")
     return result

@@ -114,6 +114,8 @@ def write_plots(results, report_dir):
 
     if any('accuracy_by_pairs' in r for r in results):
         written['accuracy'] = plot_accuracy(results, report_dir)
+    if any('answer_share' in r for r in results):
+        written['attention'] = plot_against_filler(results, report_dir)
 
     learners = {a: runs[0] for a, runs in variants.items() if any(len(p) > 1 for p in runs[0]['learned'])}
     if learners:
@@ -165,6 +167,34 @@ def plot_accuracy(results, report_dir):
     fig.savefig(os.path.join(report_dir, 'accuracy.png'), dpi=120)
     plt.close(fig)
     return 'accuracy.png'
+
+
+def plot_against_filler(results, report_dir):
+    """attention.png: answer accuracy and the lookup head's answer share against the examples' filler length
+    (the grid points' datasets), one line per attn_type: mean over seeds, bars = min..max."""
+    attn_types = list(dict.fromkeys(r['attn_type'] for r in results))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for ax, key, what in ((axes[0], 'accuracy', 'answer accuracy'),
+                          (axes[1], 'answer_share', "lookup head's attention share on the answer")):
+        for i, attn_type in enumerate(attn_types):
+            runs = [r for r in results if r['attn_type'] == attn_type and key in r]
+            fillers = sorted({r['filler_length'] for r in runs})
+            table = [[r[key] for r in runs if r['filler_length'] == f] for f in fillers]
+            if not table:
+                continue
+            mean = [sum(v) / len(v) for v in table]
+            ax.errorbar(fillers, mean, yerr=[[m - min(v) for m, v in zip(mean, table)],
+                                             [max(v) - m for m, v in zip(mean, table)]],
+                        color=f'C{i % 10}', marker='o', markersize=4, capsize=3, label=attn_type)
+        ax.set_xlabel('filler tokens per example (neither pairs nor queries)')
+        ax.set_ylabel(f'{what}\n(mean over seeds, bars = min..max)')
+        ax.set_ylim(0, 1.02)
+        ax.grid(alpha=0.3)
+    axes[1].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(os.path.join(report_dir, 'attention.png'), dpi=120)
+    plt.close(fig)
+    return 'attention.png'
 
 
 def fmt(stat, digits=4):
@@ -246,6 +276,35 @@ def stop_lines(results, target, max_iters):
     return lines
 
 
+def attention_lines(summary, results, plots):
+    """The report's section on where attention goes (recall data), or [] without it."""
+    shares = {a: s for a, s in summary.items() if 'answer_share' in s}
+    if not shares:
+        return []
+    lines = ["## Where attention goes: the answer against attention noise (recall)", "",
+             "eval.py --attention_noise=True on each run's final checkpoint (docs/eval.md): every answer's "
+             "effective attention row (the weights that multiply V), split into the answer (the queried key and "
+             "its value in the pairs), the other pairs and the context after them (queries, filler), as shares of "
+             "the row's absolute mass; noise = other pairs + context = 1 - answer. Each run is read at its lookup "
+             "head, the layer and head with the highest mean answer share over all validation answers (chosen "
+             "among the variant's own heads: DIFF and DINT have half as many as base, so base's best-of-more "
+             "choice favours it slightly). Mean ± sample standard deviation over seeds. Reading: the answer share "
+             "minus base's at the same point, seed by seed, as for the val loss.", "",
+             "| variant | filler tokens | answer share | per seed | lookup head per seed | noise share | "
+             "other pairs | context | reading (answer share) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for variant, s in shares.items():
+        heads = ', '.join(r['lookup_head'] for r in results if r['variant'] == variant and 'lookup_head' in r)
+        lines.append(f"| `{variant}` | {s['filler_length']['mean']:g} | {fmt(s['answer_share'], 3)} | "
+                     f"{', '.join(f'{v:.3f}' for v in s['answer_share']['values'])} | {heads} | "
+                     f"{fmt(s['noise_share'], 3)} | {fmt(s['pairs_share'], 3)} | {fmt(s['context_share'], 3)} | "
+                     f"{reading(s['answer_share_vs_base']) if 'answer_share_vs_base' in s else ''} |")
+    lines.append("")
+    if 'attention' in plots:
+        lines += [f"![answer accuracy and answer share against filler length]({plots['attention']})", ""]
+    return lines
+
+
 def write_report(report_dir, summary, results, failures, samples, plots, setup):
     grid = (f" At each grid point ({'; '.join(f'`{p}`' for p in setup['grid'])}) every variant is trained and "
             f"compared with base at the same point." if setup.get('grid') else '')
@@ -315,6 +374,7 @@ def write_report(report_dir, summary, results, failures, samples, plots, setup):
         lines.append("")
         if 'accuracy' in plots:
             lines += [f"![answer accuracy against the number of key-value pairs]({plots['accuracy']})", ""]
+    lines += attention_lines(summary, results, plots)
     if setup.get('changes'):
         lines += ["## Settings changed during the sweep", "",
                   "These runs were continued (compare.py --continue_changed=True) with other settings than they "

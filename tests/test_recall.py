@@ -299,7 +299,8 @@ def test_ddp_two_ranks_match_one_process_on_labelled_examples(mqar, tmp_path):
 
 def test_compare_sweeps_a_grid_and_reports_accuracy(mqar, tmp_path):
     """Two widths x two variants, two runs at a time: each run trained at its grid point, the accuracy
-    table and its paired reading read from each run's recall.json."""
+    and attention-share tables and their paired readings read from each run's recall.json and
+    attention_noise.json."""
     out = tmp_path / "sweep"
     overrides = f"--dataset={mqar} --max_iters=6 --lr_decay_iters=6 --eval_interval=3 --eval_iters=2"
     # compare.py in this process (its train.py and eval.py runs are processes all the same)
@@ -316,6 +317,12 @@ def test_compare_sweeps_a_grid_and_reports_accuracy(mqar, tmp_path):
         recall = json.loads((run_dir / "recall.json").read_text())
         assert r["accuracy"] == recall["accuracy"]
         assert r["accuracy_by_pairs"] == {k: v["accuracy"] for k, v in recall["by_pairs"].items()}
+        lookup = json.loads((run_dir / "attention_noise.json").read_text())["lookup"]
+        assert (r["answer_share"], r["noise_share"], r["context_share"]) == \
+            (lookup["answer"], lookup["noise"], lookup["context"])
+        assert r["lookup_head"] == f"L{lookup['layer']}h{lookup['head']}"
+        # 2, 4 and 8 pairs at seq_len 32, 50 examples each: 26, 20 and 8 filler tokens, weighted by answers
+        assert r["filler_length"] == pytest.approx((2 * 26 + 4 * 20 + 8 * 8) / 14)
         ckpt = torch.load(run_dir / "ckpt.pt", map_location="cpu", weights_only=False)
         assert ckpt["model_args"]["n_embd"] == int(r["variant"].split("=")[1])
     summary = results["summary"]
@@ -325,10 +332,16 @@ def test_compare_sweeps_a_grid_and_reports_accuracy(mqar, tmp_path):
         mine = {r["seed"]: r["accuracy"] for r in results["runs"] if r["variant"] == f"linear n_embd={width}"}
         theirs = {r["seed"]: r["accuracy"] for r in results["runs"] if r["variant"] == f"base n_embd={width}"}
         assert linear["accuracy_vs_base"]["differences"] == [mine[1] - theirs[1]]
+        shares = {r["variant"]: r["answer_share"] for r in results["runs"]}
+        assert linear["answer_share_vs_base"]["differences"] == \
+            [shares[f"linear n_embd={width}"] - shares[f"base n_embd={width}"]]
         assert base["accuracy"]["values"] == [theirs[1]]
         line = next(line for line in report.splitlines() if line.startswith(f"| `linear n_embd={width}` | 0."))
         assert f"| {mine[1]:.3f} | {mine[1]:.3f} | " in line
     assert "## Answer accuracy (recall)" in report and (out / "report" / "accuracy.png").stat().st_size > 0
+    assert "## Where attention goes" in report and (out / "report" / "attention.png").stat().st_size > 0
+    line = next(line for line in report.splitlines() if line.startswith("| `linear n_embd=16` | 14"))
+    assert f"| {summary['linear n_embd=16']['answer_share']['mean']:.3f} |" in line
 
     # a recall.json that does not say its dtype is an older eval.py's (bfloat16 on a float32-trained run):
     # measured again, though newer than the checkpoint
