@@ -49,9 +49,10 @@ import zlib
 import numpy as np
 import torch
 
+from denoised_gpt.checkpoint_base import (CheckpointError, clean_name, first_damaged_record, nanogpt_param_names,
+                                          short_reason)
 from denoised_gpt.sharded_checkpoint import (POINTER_NAME, failure_cause, is_sharded_checkpoint, newest_sharded,
-                                             raise_if_refused, read_sharded, read_train_state, sharded_pointer,
-                                             short_reason)
+                                             raise_if_refused, read_sharded, read_train_state, sharded_pointer)
 
 CKPT_NAME = 'ckpt.pt'
 PREV_NAME = 'ckpt.prev.pt'
@@ -60,10 +61,6 @@ REQUIRED_KEYS = ('model', 'optimizer', 'model_args', 'iter_num', 'best_val_loss'
 # nanoGPT's GPTConfig fields: what its sample.py / train.py pass to GPTConfig(**model_args)
 NANOGPT_MODEL_ARGS = ('n_layer', 'n_head', 'n_embd', 'block_size', 'bias', 'vocab_size', 'dropout')
 NANOGPT_MASK_KEY = re.compile(r'transformer\.h\.\d+\.attn\.bias')  # a buffer, not a parameter
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used; the message says why and what to do instead."""
 
 
 def save_checkpoint(state, out_dir):
@@ -233,7 +230,7 @@ def load_checkpoint(out_dir_or_file, map_location='cpu', metadata_only=False, mo
         if mmap and not metadata_only and isinstance(ckpt, dict) and isinstance(ckpt.get('model'), dict):
             damaged = _first_damaged_tensor(path, ckpt['model'])
         else:
-            damaged = None if metadata_only else _first_damaged_record(path)
+            damaged = None if metadata_only else first_damaged_record(path)
     except pickle.UnpicklingError as e:
         raise_if_refused(path, e)  # holds code: refused as such
         raise CheckpointError(f"checkpoint {path} is truncated or corrupt ({short_reason(e)}). {use_prev}") from e
@@ -248,7 +245,7 @@ def load_checkpoint(out_dir_or_file, map_location='cpu', metadata_only=False, mo
         raise CheckpointError(f"{path} is not a training checkpoint: it lacks {', '.join(missing)}")
     # torch.compile'd models (nanoGPT saves them so) prefix every key with '_orig_mod.'; nanoGPT
     # without flash attention (torch < 2) saved each layer's causal mask, a buffer, as attn.bias
-    model = {_clean_name(k): v for k, v in ckpt['model'].items()}
+    model = {clean_name(k): v for k, v in ckpt['model'].items()}
     ckpt['model'] = {k: v for k, v in model.items() if not NANOGPT_MASK_KEY.fullmatch(k)}
     ckpt['model_args'] = full_model_args(ckpt)
     ckpt.pop('attn_args', None)
@@ -281,46 +278,10 @@ def _load_sharded(folder, metadata_only, model_only):
     return ckpt
 
 
-def untrusted_file_error(path, e):
-    """The CheckpointError for a file (or a folder of them) at path that torch.load(weights_only=True)
-    refused (e) because it holds pickled objects other than tensors and plain values; None when e is any
-    other error or the file is damaged (bytes that read as garbage, not as code). The message names what
-    was refused, and never repeats torch's advice to load the file some other way."""
-    text = str(e).lower()
-    if not isinstance(e, pickle.UnpicklingError) or not ('weights_only' in text or 'weights only' in text) \
-            or _is_damaged(path):
-        return None
-    refused = re.search(r"GLOBAL ([\w.]+)", str(e))
-    what = f" (it references {refused[1]})" if refused else ""
-    return CheckpointError(f"checkpoint {path} holds Python objects other than tensors and plain values{what}, "
-                           f"which are not loaded because unpickling them can run code")
-
-
-def _is_damaged(path):
-    """Whether a record of the file fails its CRC-32 or the zip itself cannot be read."""
-    try:
-        return _first_damaged_record(path) is not None
-    except (OSError, EOFError, ValueError, zipfile.BadZipFile, RuntimeError):
-        return True
-
-
-def _first_damaged_record(path):
-    """The name of the first record of a torch.save zip whose bytes do not match their stored
-    CRC-32, or None. Files that carry no CRCs (saved with torch's compute_crc32 off: every CRC is
-    0, or torch's legacy non-zip format) cannot be checked and pass."""
-    if not zipfile.is_zipfile(path):
-        return None
-    with zipfile.ZipFile(path) as archive:
-        if all(info.CRC == 0 for info in archive.infolist()):
-            return None
-        bad = archive.testzip()  # reads every record: about as long as torch.load's own read
-        return None if bad is None else f"record {bad}"
-
-
 def _first_damaged_tensor(path, tensors):
     """The name of the first of `tensors` (loaded from path with mmap) whose bytes match no data record
     of the file by size and CRC-32, or None. Reads those tensors' bytes, and only those. A file that
-    carries no CRCs (see _first_damaged_record) cannot be checked and passes."""
+    carries no CRCs (see first_damaged_record) cannot be checked and passes."""
     with zipfile.ZipFile(path) as archive:
         records = {(info.file_size, info.CRC) for info in archive.infolist() if '/data/' in info.filename}
     if all(crc == 0 for _, crc in records):
@@ -348,7 +309,7 @@ def optimizer_param_names(model, optimizer):
     """The parameter name of every slot of every param group of `optimizer`, e.g.
     [['transformer.wte.weight', ...], ['transformer.h.0.ln_1.weight', ...]]. train.py stores it in
     the checkpoint under 'optimizer_param_names' so that load_optimizer_state can map by name."""
-    names = {id(p): _clean_name(n) for n, p in model.named_parameters()}  # a tied weight: its first name
+    names = {id(p): clean_name(n) for n, p in model.named_parameters()}  # a tied weight: its first name
     missing = [tuple(p.shape) for g in optimizer.param_groups for p in g['params'] if id(p) not in names]
     if missing:
         raise ValueError(f"the optimizer holds {len(missing)} tensor(s) that are not parameters of the "
@@ -369,8 +330,8 @@ def load_optimizer_state(optimizer, model, checkpoint):
     if 'optimizer_param_names' in checkpoint:
         saved_names, source = checkpoint['optimizer_param_names'], "its optimizer_param_names name"
     else:
-        saved_names, source = _nanogpt_param_names(checkpoint, model), "nanoGPT's grouping of its model gives"
-    saved_names = [[_clean_name(n) for n in group] for group in saved_names]
+        saved_names, source = nanogpt_param_names(checkpoint, model), "nanoGPT's grouping of its model gives"
+    saved_names = [[clean_name(n) for n in group] for group in saved_names]
     sizes, named = [len(g['params']) for g in saved['param_groups']], [len(n) for n in saved_names]
     if sizes != named:
         raise CheckpointError(f"the checkpoint's optimizer has param groups of {sizes} tensors but {source} "
@@ -383,7 +344,7 @@ def load_optimizer_state(optimizer, model, checkpoint):
 
     # torch's own format, numbered in our slot order, so that load_state_dict pairs each saved state
     # with the parameter of its name (and casts it to that parameter's device and dtype as usual)
-    params = {_clean_name(n): p for n, p in model.named_parameters()}
+    params = {clean_name(n): p for n, p in model.named_parameters()}
     slot = 0
     state, groups = {}, []
     for saved_group, own in zip(saved['param_groups'], own_names):
@@ -396,34 +357,6 @@ def load_optimizer_state(optimizer, model, checkpoint):
             slot += 1
         groups.append({**saved_group, 'params': ids})  # the saved lr, betas, weight_decay, ...
     optimizer.load_state_dict({'state': state, 'param_groups': groups})
-
-
-def optimizer_state_by_name(checkpoint):
-    """checkpoint['optimizer'] keyed by parameter name: ({name: state}, the param groups with names in
-    place of slot numbers), or ({}, None) for a checkpoint without optimizer state. Names as
-    load_optimizer_state reads them (ours: optimizer_param_names; nanoGPT's: its grouping)."""
-    saved = checkpoint['optimizer']
-    if saved is None:
-        return {}, None
-    names = checkpoint.get('optimizer_param_names') or _nanogpt_param_names(checkpoint, None)
-    groups = [{**group, 'params': [_clean_name(n) for n in group_names]}
-              for group, group_names in zip(saved['param_groups'], names)]
-    state = {name: saved['state'][i] for group, group_names in zip(saved['param_groups'], names)
-             for i, name in zip(group['params'], group_names) if i in saved['state']}
-    return state, groups
-
-
-def _nanogpt_param_names(checkpoint, model):
-    """Slot names in the order nanoGPT's configure_optimizers builds them: named_parameters order
-    (= checkpoint['model'] order without the tied lm_head.weight and buffers such as its causal
-    mask attn.bias), split into dim >= 2 (decayed) and dim < 2 (not decayed). Older checkpoints of
-    ours (attn.c_proj registered before attn.c_attn) follow their own key order the same way."""
-    if model is None:  # the checkpoint alone: every tensor but the tied lm_head (load_checkpoint dropped the masks)
-        own = {_clean_name(k) for k in checkpoint['model']} - {'lm_head.weight'}
-    else:
-        own = {_clean_name(n) for n, _ in model.named_parameters()}  # excludes the tied lm_head, buffers
-    weights = [(k, v) for k, v in ((_clean_name(k), v) for k, v in checkpoint['model'].items()) if k in own]
-    return [[k for k, v in weights if v.dim() >= 2], [k for k, v in weights if v.dim() < 2]]
 
 
 def _check_same_groups(own_names, saved_names):
@@ -442,10 +375,6 @@ def _check_state_shapes(name, param_state, param):
         if torch.is_tensor(value) and value.dim() > 0 and value.shape != param.shape:
             raise CheckpointError(f"the checkpoint's optimizer state {key} for {name} has shape "
                                   f"{tuple(value.shape)} but the model's parameter has {tuple(param.shape)}")
-
-
-def _clean_name(name):
-    return name.removeprefix('_orig_mod.')  # torch.compile's wrapper prefixes every name
 
 
 # ----------------------------------------------------------------------------------------------

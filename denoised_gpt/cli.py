@@ -252,8 +252,7 @@ def load_gpt2(name, override_args):
     except ValueError as e:  # weights that do not fit the attn_type asked for
         fail(f"cannot load the {name!r} weights: {e}")
     except pickle.UnpicklingError as e:  # weights_only refused what its pytorch_model.bin holds, or it is damaged
-        from denoised_gpt.checkpoint import untrusted_file_error
-        from denoised_gpt.sharded_checkpoint import short_reason
+        from denoised_gpt.checkpoint_base import short_reason, untrusted_file_error
         fail(untrusted_file_error(name, e) or f"cannot load the {name!r} weights: {short_reason(e)}")
 
 

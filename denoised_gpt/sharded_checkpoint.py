@@ -29,11 +29,12 @@ import glob
 import math
 import os
 import pickle
-import re
 import shutil
 import warnings
 
 import torch
+
+from denoised_gpt.checkpoint_base import CheckpointError, optimizer_state_by_name, short_reason, untrusted_file_error
 
 POINTER_NAME = 'ckpt.sharded'
 STATE_NAME = 'train_state.pt'
@@ -96,7 +97,6 @@ def save_sharded(weights, optimizer_state, param_groups, train_state, out_dir, w
                 f.flush()
                 os.fsync(f.fileno())
     except (OSError, dcp.CheckpointException) as e:  # disk full, quota, I/O error on some rank
-        from denoised_gpt.checkpoint import CheckpointError
         intact = f"{current} is intact" if current else "no sharded checkpoint was written"
         then = "resume with init_from='resume'" if current else "start the run again"  # nothing to resume from
         cause = failure_cause(e)
@@ -124,13 +124,6 @@ def failure_cause(e):
     return next(iter(failures.values()))[0] if failures else e
 
 
-def short_reason(e):
-    """e's message up to its first full stop: torch's errors go on for lines (advice included) after the
-    sentence that names the problem."""
-    line = (str(e).strip().splitlines() or [''])[0]
-    return re.split(r'\.\s+(?=[A-Z])', line, maxsplit=1)[0][:200]
-
-
 def _unused_name(path):
     n = 1
     while os.path.exists(f"{path}.{n}"):
@@ -156,7 +149,6 @@ def _write_pointer(out_dir, folder_name):
 def checkpoint_as_sharded(ckpt):
     """A checkpoint dict in ckpt.pt's layout (load_checkpoint's) -> save_sharded's arguments (whole
     tensors: one shard), for convert_checkpoint.py."""
-    from denoised_gpt.checkpoint import optimizer_state_by_name
     weights = {k: v for k, v in ckpt['model'].items() if k != TIED[0]}
     optimizer_state, param_groups = optimizer_state_by_name(ckpt)
     train_state = {k: v for k, v in ckpt.items() if k not in ('model', 'optimizer', 'optimizer_param_names')}
@@ -191,7 +183,6 @@ class _MetadataUnpickler(pickle.Unpickler):
 
     def find_class(self, module, name):
         if name not in METADATA_GLOBALS.get(module, ()):
-            from denoised_gpt.checkpoint import CheckpointError
             raise CheckpointError(f"sharded checkpoint file {self.path} holds Python objects other than DCP's "
                                   f"checkpoint metadata (it references {module}.{name}), which are not loaded "
                                   f"because unpickling them can run code")
@@ -243,7 +234,6 @@ def raise_if_refused(path, e):
     """Raise the one-line CheckpointError that refuses a file holding pickled code, when e is one or wraps
     one (DCP gathers each rank's errors), or is torch.load(weights_only=True)'s refusal of a file at path
     (train_state.pt; a shard's tensor record: path is then the folder). Any other error: return."""
-    from denoised_gpt.checkpoint import CheckpointError, untrusted_file_error
     cause = failure_cause(e)
     refused = cause if isinstance(cause, CheckpointError) else untrusted_file_error(path, cause)
     if refused is not None:
@@ -319,7 +309,6 @@ def load_sharded_state(folder, model, optimizer):
         reader.read_metadata()  # a refusal here, in one line, rather than inside DCP's collective
         dcp.load(template, storage_reader=reader)
     except (Exception, dcp.CheckpointException) as e:  # a missing or truncated shard, no optimizer state in it
-        from denoised_gpt.checkpoint import CheckpointError
         raise_if_refused(folder, e)
         cause = failure_cause(e)
         raise CheckpointError(f"cannot resume from the sharded checkpoint {folder} ({type(cause).__name__}: "
