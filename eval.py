@@ -49,8 +49,8 @@ import time
 
 from denoised_gpt.batches import ExampleLayout, TokenBatches, TokenIdError, check_token_ids, load_meta
 from denoised_gpt.checkpoint import CheckpointError, checkpoint_path, load_checkpoint
-from denoised_gpt.cli import (check_inference_source, check_ranges, fail, gpt2_encoding, load_model, log, noise_on,
-                              prepare_device, read_config, trained_dtype)
+from denoised_gpt.cli import check_inference_source, check_ranges, fail, gpt2_encoding, log, prepare_device, read_config
+from denoised_gpt.models import load_model, noise_on, trained_dtype
 from denoised_gpt.device import autocast_context, manual_seed
 from model import ATTENTION_TYPES
 
@@ -162,7 +162,10 @@ def load(source, from_dir, noise=noise_at_eval):
     Hugging Face folder."""
     from denoised_gpt.evaluation.entropy import run_name
     from denoised_gpt.hf_format import WEIGHTS_FILE
-    model, ckpt = load_model(source, from_dir, noise)
+    try:
+        model, ckpt = load_model(source, from_dir, noise)
+    except ValueError as e:
+        fail(e)
     if ckpt is None:
         info = dict(name=source, attn_type='base', checkpoint=source, dataset=dataset or None, identity=source)
     else:

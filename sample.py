@@ -63,8 +63,8 @@ import torch
 
 from denoised_gpt.batches import load_meta, read_meta_pkl
 from denoised_gpt.checkpoint import checkpoint_path
-from denoised_gpt.cli import (check_inference_source, check_ranges, fail, gpt2_encoding, load_model, log, noise_on,
-                              prepare_device, read_config, trained_dtype)
+from denoised_gpt.cli import check_inference_source, check_ranges, fail, gpt2_encoding, log, prepare_device, read_config
+from denoised_gpt.models import load_model, noise_on, trained_dtype
 from denoised_gpt.device import autocast_context, manual_seed, torch_dtype
 from model import ATTENTION_TYPES
 
@@ -137,7 +137,10 @@ device, dtype = prepare_device(device, dtype, trained_dtype(init_from, out_dir))
 
 # the completions of a prompt are one batch: give each its own noise draw, as if it had been generated
 # alone (a shared draw would correlate them; see the top of this file)
-model, checkpoint = load_model(init_from, out_dir, noise_at_eval, model_overrides=dict(noise_per_sample=True))
+try:
+    model, checkpoint = load_model(init_from, out_dir, noise_at_eval, model_overrides=dict(noise_per_sample=True))
+except ValueError as e:
+    fail(e)
 source = checkpoint_path(out_dir) if init_from == 'resume' else init_from  # or an exported folder (or sharded)
 attn_type = model.config.attn_type
 model.to(device)

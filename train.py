@@ -43,21 +43,23 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from denoised_gpt.batches import TokenBatches, TokenIdError, check_token_files, load_meta
 from denoised_gpt.checkpoint import (CheckpointError, capture_rng_state, checkpoint_path, load_checkpoint,
                                      optimizer_param_names, restore_training_state, save_checkpoint)
-from denoised_gpt.cli import empty_model, fail, load_gpt2, model_with_weights, read_config
+from denoised_gpt.cli import fail, read_config
 from denoised_gpt.device import (autocast_context, compile_model, ddp_backend, ddp_device_ids, device_type,
                                  fused_optimizer, grad_scaler, manual_seed, mark_step, peak_flops, resolve_compile,
                                  resolve_device, resolve_dtype, setup)
-from denoised_gpt.finetune import (apply_trainable, is_checkpoint, load_start, model_from_checkpoint,
-                                   start_model_args, trainable_summary, write_merged_checkpoint)
+from denoised_gpt.finetune import (apply_trainable, model_from_checkpoint, start_model_args, trainable_summary,
+                                   write_merged_checkpoint)
 from denoised_gpt.lr_schedule import get_lr
+from denoised_gpt.models import is_checkpoint, load_gpt2, load_start
 from denoised_gpt.parallel import (broadcast_from_rank0, check_parallel, learned_values, shard_model,
                                    shard_optimizer_state, sharded_kl)
 from denoised_gpt.sharded_checkpoint import (is_sharded_checkpoint, load_sharded_state, model_and_optimizer_state,
                                              save_sharded)
 from denoised_gpt.run_dir import (StopRequest, checkpoint_note, clear_for_new_run, lock_out_dir, log_metrics,
                                   peak_memory_mib, restart_advice, start_wandb, trim_metrics, wandb_learned_values)
-from denoised_gpt.training import (MODEL_KEYS, StepSpeed, all_finite, batch_seed, check_training_settings,
-                                   compile_training_step, nonfinite_weights, resumed_config, resumed_model_args)
+from denoised_gpt.training import (MODEL_KEYS, StepSpeed, batch_seed, check_training_settings, compile_training_step,
+                                   resumed_config, resumed_model_args)
+from denoised_gpt.weights import all_finite, empty_model, model_with_weights, nonfinite_weights
 from model import GPT, GPTConfig
 
 # -----------------------------------------------------------------------------

@@ -22,15 +22,13 @@ import os
 import torch
 
 from denoised_gpt.checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
-from denoised_gpt.cli import model_with_weights
-from denoised_gpt.hf_format import MODEL_TYPE, exported_model_type, read_exported
+from denoised_gpt.weights import PEFT_WRAPPER, model_with_weights
 from model import ATTENTION_TYPES, GPT, GPTConfig
 
 TRAINABLE = ('all', 'new', 'lora')
 LORA_KEYS = ('lora_rank', 'lora_alpha', 'lora_dropout', 'lora_targets')
 # the model's shape, which a converted model takes from its checkpoint (dropout is the run's own)
 SHAPE_KEYS = ('n_layer', 'n_head', 'n_embd', 'block_size', 'bias', 'vocab_size')
-PEFT_WRAPPER = '.base_layer'  # peft keeps the wrapped Linear under this name: c_attn.base_layer.weight
 MERGED_DIR = 'merged'  # --merge_lora writes out_dir/merged/ckpt.pt
 
 
@@ -98,20 +96,6 @@ def model_from_checkpoint(ckpt, model_args):
 def extends_base():
     """The attn_types whose parameters extend base's (what a base checkpoint converts to)."""
     return [name for name, cls in ATTENTION_TYPES.items() if name != 'base' and cls.c_attn_projections == 3]
-
-
-def is_checkpoint(init_from):
-    """A checkpoint file, a directory holding ckpt.pt or a sharded checkpoint, or a folder export_hf.py wrote
-    with the model's own code (config.json's model_type 'denoised_gpt'). A GPT-2 folder (saved by transformers,
-    or export_hf.py's of a base model) is a GPT-2 model, read by GPT.from_pretrained as before."""
-    return os.path.exists(checkpoint_path(init_from)) or exported_model_type(init_from) == MODEL_TYPE
-
-
-def load_start(init_from):
-    """The checkpoint dict (load_checkpoint's) a new run starts from: any of is_checkpoint's kinds."""
-    if exported_model_type(init_from) == MODEL_TYPE:
-        return read_exported(init_from)
-    return load_checkpoint(init_from, map_location='cpu')
 
 
 # ----------------------------------------------------------------------------------------------

@@ -96,8 +96,7 @@ def export(checkpoint, hf_dir, data_dir=None, overwrite=False):
     into a temporary folder beside hf_dir and moved into place when all are written (_move_into_place),
     so a failed export leaves hf_dir as it was. Returns notes for the user: the format chosen and why,
     what the tokenizer is. ValueError when the checkpoint or hf_dir cannot be used."""
-    from denoised_gpt.cli import model_with_weights
-    from denoised_gpt.finetune import PEFT_WRAPPER
+    from denoised_gpt.weights import PEFT_WRAPPER, model_with_weights
     from model import GPTConfig
     check_hf_dir(hf_dir, overwrite)
     if any(PEFT_WRAPPER + '.' in k for k in checkpoint['model']):

@@ -1,6 +1,6 @@
 """What train.py decides and prepares around its loop: which settings cannot work, what a resumed run
-takes from its checkpoint, the seeds its batches and noise are drawn from, the compile warm-up, and
-whether weights are finite (train.py never saves a state that is not; sample.py refuses one)."""
+takes from its checkpoint, the seeds its batches and noise are drawn from, the compile warm-up and the
+speed it logs. train.py's own helpers, the top of the package beside cli.py, whose checks they use."""
 import dataclasses
 import os
 import statistics
@@ -8,13 +8,13 @@ import time
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from denoised_gpt.checkpoint import checkpoint_path
 from denoised_gpt.cli import check_ranges
 from denoised_gpt.device import mark_step
-from denoised_gpt.finetune import LORA_KEYS, check_finetune_settings, is_checkpoint
+from denoised_gpt.finetune import LORA_KEYS, check_finetune_settings
 from denoised_gpt.lr_schedule import check_schedule
+from denoised_gpt.models import is_checkpoint
 from model import GPTConfig
 
 # Resuming continues the checkpoint's run: every setting it was trained with (batch size, data,
@@ -90,32 +90,6 @@ def resumed_model_args(saved_model_args, model_args, given, meta_vocab_size, dat
                          "checkpoint's 'config'), leave these settings out to take the checkpoint's, or start "
                          "a new out_dir.")
     return {**saved, **{k: model_args[k] for k in RUNTIME_MODEL_ARGS}}
-
-
-def all_finite(tensors):
-    """Whether every value of the (floating point) tensors is finite, by one fused max-abs over them all
-    (torch's foreach norm with ord=inf): a NaN propagates through the max, and unlike a sum or a 2-norm,
-    large finite values do not overflow to inf. FSDP shards (DTensors): each rank checks its own and the
-    ranks agree through an all-reduce (a collective: every rank must call it)."""
-    tensors, sharded = list(tensors), []
-    if dist.is_available() and dist.is_initialized():  # (only then can there be shards: no import otherwise)
-        from torch.distributed.tensor import DTensor
-        sharded = [t for t in tensors if isinstance(t, DTensor)]
-        tensors = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
-    tensors = [t.detach() for t in tensors if t.is_floating_point() and t.numel() > 0]  # (a shard may be empty)
-    norm = torch.nn.utils.get_total_norm(tensors, float('inf')) if tensors else torch.zeros(())
-    bad = (~torch.isfinite(norm)).float()
-    if sharded:
-        bad = bad.to(sharded[0].device)
-        dist.all_reduce(bad)  # a count: how NaN goes through a MAX reduction is the backend's
-    return not bad.item()
-
-
-def nonfinite_weights(source):
-    """The message for a model whose weights are not all finite (all_finite), from `source` (a path)."""
-    return (f"{source} holds non-finite weights (NaN or inf), the state of a run that diverged: every loss and "
-            f"sample from it would be NaN. Use an earlier checkpoint (ckpt.prev.pt next to it, if finite), or "
-            f"train again with a lower learning_rate")
 
 
 def batch_seed(seed, *key):

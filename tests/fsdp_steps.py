@@ -24,9 +24,9 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      get_optimizer_state_dict)
 
 from denoised_gpt.checkpoint import optimizer_param_names, save_checkpoint  # noqa: E402
-from denoised_gpt.cli import empty_model  # noqa: E402
 from denoised_gpt.parallel import shard_model, sharded_kl  # noqa: E402
 from denoised_gpt.sharded_checkpoint import load_sharded_state, model_and_optimizer_state, save_sharded  # noqa: E402
+from denoised_gpt.weights import empty_model  # noqa: E402
 from helpers import VOCAB, tiny_gpt  # noqa: E402
 from model import ATTENTION_TYPES  # noqa: E402
 

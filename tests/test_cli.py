@@ -54,7 +54,7 @@ def test_check_ranges_names_the_setting(config, kind, message):
 @pytest.mark.parametrize('attn_type', ['base', 'noiseformer_v2', 'dint_lowrank', 'linear'])
 def test_model_built_on_meta_with_weights_equals_the_loaded_model(attn_type):
     import torch
-    from denoised_gpt.cli import model_with_weights
+    from denoised_gpt.weights import model_with_weights
     from helpers import tiny_gpt
     trained = tiny_gpt(attn_type, seed=3)
     state = {k: v.clone() for k, v in trained.state_dict().items()}

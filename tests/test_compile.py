@@ -73,7 +73,7 @@ def test_loading_and_sampling_a_model_does_not_import_the_compiler():
     attn_type, and generating from the model imports nothing of the compiler either."""
     code = """if True:
         import sys, torch
-        from denoised_gpt.cli import model_with_weights
+        from denoised_gpt.weights import model_with_weights
         from model import ATTENTION_TYPES, GPT, GPTConfig
         for attn_type in ATTENTION_TYPES:
             config = GPTConfig(n_layer=2, n_head=4, n_embd=32, block_size=16, vocab_size=64, attn_type=attn_type,

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from denoised_gpt.checkpoint import load_checkpoint
-from denoised_gpt.training import all_finite
+from denoised_gpt.weights import all_finite
 from helpers import (NO_AUTOCAST, ROOT, TINY, eval_losses, iter_losses, make_dataset, run_script_in_process,
                      save_model_checkpoint, subprocess_env, tiny_gpt)
 from model import GPT, GPTConfig
@@ -61,7 +61,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 sys.path.insert(0, {root!r})
-from denoised_gpt.training import all_finite
+from denoised_gpt.weights import all_finite
 
 dist.init_process_group('gloo', init_method={store!r}, rank=int(sys.argv[1]), world_size=2)
 w = distribute_tensor(torch.ones(4, 3), init_device_mesh('cpu', (2,)), [Shard(0)])

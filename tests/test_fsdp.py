@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from denoised_gpt.checkpoint import load_checkpoint
-from denoised_gpt.cli import model_with_weights
+from denoised_gpt.weights import model_with_weights
 from helpers import (ITER_LINE, ROOT, TINY, VOCAB, eval_losses, iter_losses, logged_losses, make_dataset,
                      run_script_in_process, run_train, run_train_in_process, subprocess_env, tiny_checkpoint,
                      train_command)
