@@ -41,25 +41,22 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from denoised_gpt.batches import TokenBatches, TokenIdError, check_token_files, load_meta
-from denoised_gpt.checkpoint import (CheckpointError, capture_rng_state, checkpoint_path, load_checkpoint,
-                                     optimizer_param_names, restore_training_state, save_checkpoint)
+from denoised_gpt.checkpoint import CheckpointError, capture_rng_state, checkpoint_path
 from denoised_gpt.cli import fail, read_config
 from denoised_gpt.device import (autocast_context, compile_model, ddp_backend, ddp_device_ids, device_type,
                                  fused_optimizer, grad_scaler, manual_seed, mark_step, peak_flops, resolve_compile,
                                  resolve_device, resolve_dtype, setup)
-from denoised_gpt.finetune import (apply_trainable, model_from_checkpoint, start_model_args, trainable_summary,
-                                   write_merged_checkpoint)
+from denoised_gpt.finetune import apply_trainable, trainable_summary, write_merged_checkpoint
 from denoised_gpt.lr_schedule import get_lr
-from denoised_gpt.models import is_checkpoint, load_gpt2, load_start
+from denoised_gpt.models import is_checkpoint, load_gpt2, start_model
 from denoised_gpt.parallel import (broadcast_from_rank0, check_parallel, learned_values, shard_model,
                                    shard_optimizer_state, sharded_kl)
-from denoised_gpt.sharded_checkpoint import (is_sharded_checkpoint, load_sharded_state, model_and_optimizer_state,
-                                             save_sharded)
-from denoised_gpt.run_dir import (StopRequest, checkpoint_note, clear_for_new_run, lock_out_dir, log_metrics,
-                                  peak_memory_mib, restart_advice, start_wandb, trim_metrics, wandb_learned_values)
-from denoised_gpt.training import (MODEL_KEYS, StepSpeed, batch_seed, check_training_settings, compile_training_step,
-                                   resumed_config, resumed_model_args)
-from denoised_gpt.weights import all_finite, empty_model, model_with_weights, nonfinite_weights
+from denoised_gpt.run_dir import (StopRequest, checkpoint_note, log_metrics, next_step, peak_memory_mib,
+                                  prepare_out_dir, restart_advice, start_wandb, wandb_learned_values)
+from denoised_gpt.training import (MODEL_KEYS, StepSpeed, batch_seed, check_training_settings, checkpoint_reason,
+                                   compile_training_step, load_resumed, resume_training_state, resumed_model_args,
+                                   save_training_state)
+from denoised_gpt.weights import all_finite, empty_model, model_with_weights
 from model import GPT, GPTConfig
 
 # -----------------------------------------------------------------------------
@@ -139,25 +136,12 @@ checkpoint = None
 resume_changes = []  # given settings that differ from the resumed checkpoint's
 sharded_resume = False  # an fsdp run resuming from a sharded checkpoint: each rank reads its shards, later
 if init_from == 'resume':  # every setting the run was trained with comes from its checkpoint unless given
-    if not out_dir:
-        fail("out_dir='' is empty: name the directory that holds ckpt.pt")
-    resume_from = checkpoint_path(out_dir)  # ckpt.pt, or a sharded checkpoint's folder (the newer)
-    try:
-        checkpoint = load_checkpoint(resume_from, map_location='cpu', metadata_only=is_sharded_checkpoint(resume_from))
-        config, resume_changes = resumed_config(checkpoint['config'], config, given, out_dir)
-        globals().update(config)
-        if max_iters < checkpoint['iter_num'] and not eval_only:
-            setting = f"max_iters={max_iters}" + ('' if 'max_iters' in given else " (the checkpoint's)")
-            raise ValueError(f"{setting} is below the iteration of the checkpoint in {out_dir} "
-                             f"({checkpoint['iter_num']}): nothing to train. Give --max_iters above "
-                             f"{checkpoint['iter_num']} to continue its run (--eval_only=True evaluates it)")
-        sharded_resume = checkpoint['model'] is None and parallel == 'fsdp' and 'RANK' in os.environ
-        if checkpoint['model'] is None and not sharded_resume:  # one process or DDP: the whole tensors
-            checkpoint = load_checkpoint(resume_from, map_location='cpu')
-        if checkpoint['model'] is not None and not all_finite(checkpoint['model'].values()):
-            raise ValueError(nonfinite_weights(resume_from))  # every step from it would be skipped or stop
+    try:  # resume_from: ckpt.pt, or a sharded checkpoint's folder (the newer)
+        checkpoint, config, resume_changes, resume_from, sharded_resume = load_resumed(out_dir, config, given,
+                                                                                        'RANK' in os.environ)
     except (FileNotFoundError, CheckpointError, ValueError) as e:
         fail(e)
+    globals().update(config)
 try:
     check_training_settings(config, given)
     device = resolve_device(device)
@@ -272,12 +256,9 @@ try:
         if master_process:
             print(f"Initializing from the checkpoint {init_from} as attn_type={attn_type!r} (a new run: fresh "
                   f"optimizer and LR schedule, iter 0)")
-        start = load_start(init_from)  # a ckpt.pt, or a folder export_hf.py wrote with model.py's code
-        model_args = start_model_args(start['model_args'], model_args, given)
+        model, model_args = start_model(init_from, model_args, given)  # the checkpoint's shape
         if 'block_size' not in given:
             block_size = model_args['block_size']
-        model, _ = model_from_checkpoint(start, model_args)  # prints the parameters that are new
-        del start
     else:  # a GPT-2 name or a local transformers directory
         if master_process:
             print(f"Initializing from OpenAI GPT-2 weights: {init_from}")
@@ -314,15 +295,12 @@ if master_process:
 # is the OS's and dies with this process), and a new run never destroys another run's checkpoint
 if master_process:
     try:
-        out_dir_lock = lock_out_dir(out_dir)
-        if init_from == 'resume' and not eval_only:
-            trim_metrics(out_dir, iter_num)
-        elif not eval_only:
-            message = clear_for_new_run(out_dir, overwrite)
-            if message:
-                print(message)
+        out_dir_lock, message = prepare_out_dir(out_dir, iter_num if init_from == 'resume' else None, overwrite,
+                                                eval_only)
     except ValueError as e:  # in use, unwritable, a full disk
         fail(e)
+    if message:
+        print(message)
     if resume_changes:
         print("resuming with these settings changed from the checkpoint's (the others are the checkpoint's):\n"
               + "\n".join(resume_changes))
@@ -339,18 +317,14 @@ if fsdp:
 # optimizer
 optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type(device))
 optimizer = fused_optimizer(optimizer, device)
-if init_from == 'resume':
+if init_from == 'resume':  # the optimizer, GradScaler, RNG and sampler states (under FSDP: this rank's shards)
     try:
-        if sharded_resume:  # weights and AdamW state: this rank's part of the files, however many ranks wrote them
-            load_sharded_state(resume_from, model, optimizer)
-        note = restore_training_state(checkpoint, model, optimizer, scaler, batches['train'], device_type(device),
-                                      optimizer_loaded=sharded_resume)
-    except CheckpointError as e:
+        note = resume_training_state(checkpoint, resume_from, model, optimizer, scaler, batches['train'], device,
+                                     sharded_resume)
+    except (CheckpointError, ValueError) as e:
         fail(e)
     if fsdp and not sharded_resume:  # every rank read the whole file: each keeps its shard
         shard_optimizer_state(optimizer)
-    if sharded_resume and not all_finite(model.parameters()):  # (the whole files were checked when read)
-        fail(nonfinite_weights(resume_from))
     if note and master_process:
         print(note)
 checkpoint = None  # free up memory
@@ -430,36 +404,14 @@ def save(reason, val_loss):
         'train_batches': batches['train'].state_dict(),
     }
     stop_request.saving = True  # (a second Ctrl-C now says so)
-    try:
-        if fsdp:
-            path = save_sharded(*model_and_optimizer_state(raw_model, optimizer), state, out_dir, writer=master_process)
-        else:
-            path = save_checkpoint({'model': raw_model.state_dict(), 'optimizer': optimizer.state_dict(),
-                                    'optimizer_param_names': optimizer_param_names(raw_model, optimizer), **state},
-                                   out_dir)
+    try:  # under FSDP a sharded checkpoint, every rank writing its shards
+        path = save_training_state(raw_model, optimizer, state, out_dir, fsdp, writer=master_process)
     except CheckpointError as e:  # disk full, ...: the files already there are intact
         fail(e)
     finally:
         stop_request.saving = False
     if master_process:
         print(f"saved checkpoint to {path} (iter {iter_num}, {reason})")
-    return None
-
-
-def checkpoint_reason(val_loss, improved, done):
-    """The one rule for writing ckpt.pt, asked once per iteration on rank 0 after the evaluation (val_loss:
-    None when there was none): the reason to save now, or None. A SIGTERM / Ctrl-C always saves, to
-    resume from; an evaluation after iter 0 saves if the val loss improved or always_save_checkpoint;
-    the end of training saves the last state if always_save_checkpoint (else ckpt.pt stays the best),
-    and always when the run would otherwise leave no checkpoint at all."""
-    if eval_only or iter_num == saved_iter:
-        return None
-    if stopping:
-        return stop_request.signal or "stop signal"
-    if val_loss is not None and iter_num > 0 and (improved or always_save_checkpoint):
-        return f"val loss {val_loss:.4f}"
-    if done and (always_save_checkpoint or not os.path.exists(checkpoint_path(out_dir))):
-        return "end of training"
     return None
 
 
@@ -541,7 +493,9 @@ while True:
             if wandb_log:
                 wandb.log({**row, **wandb_learned_values(learned)})
         t0 = time.time()  # evaluation time is not training time
-    reason = checkpoint_reason(val_loss, improved, done) if master_process else None
+    stop = (stop_request.signal or "stop signal") if stopping else None  # (SIGTERM / Ctrl-C: always saved)
+    reason = checkpoint_reason(iter_num, val_loss, improved, done, stop, saved_iter, always_save_checkpoint,
+                               out_dir) if master_process and not eval_only else None
     if ddp and (val_loss is not None or done or stopping):  # every rank learns what is on disk (and under
         reason = broadcast_from_rank0(reason)               # FSDP takes part in gathering the state)
     if reason:
@@ -653,10 +607,7 @@ if master_process and not eval_only:
     keeps_best = always_save_checkpoint and bool(best_iter) and not stop_request.signal
     print(checkpoint_note(checkpoint_path(out_dir), saved_iter, saved_val_loss, best_iter, best_val_loss, iter_num,
                           keeps_best))
-    if trainable == 'lora':  # sample.py / eval.py read plain checkpoints: merge the adapters first
-        print(f"merge its LoRA adapters (for sample.py, eval.py) with: python3 train.py --out_dir={out_dir} --merge_lora=True")
-    else:
-        print(f"sample from it with: python3 sample.py --out_dir={out_dir}")
+    print(next_step(out_dir, lora=trainable == 'lora'))
 if wandb_log and master_process:
     wandb.finish()
 if master_process:

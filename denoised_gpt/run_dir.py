@@ -118,6 +118,20 @@ def clear_for_new_run(out_dir, overwrite):
             f"it (to continue that run instead, use --init_from=resume; --overwrite=True deletes it)")
 
 
+def prepare_out_dir(out_dir, resumed_iter, overwrite, eval_only):
+    """out_dir made ready for a run, once every check that can refuse the run has passed: locked for this
+    process (lock_out_dir), then, unless eval_only, the metrics a resumed run logged after its checkpoint
+    dropped (resumed_iter: the checkpoint's iteration; None for a new run) or another run's checkpoint kept
+    aside (clear_for_new_run). Returns (the lock, a message for the user or None). ValueError, in one line."""
+    lock = lock_out_dir(out_dir)
+    if eval_only:
+        return lock, None
+    if resumed_iter is not None:
+        trim_metrics(out_dir, resumed_iter)
+        return lock, None
+    return lock, clear_for_new_run(out_dir, overwrite)
+
+
 def log_metrics(out_dir, row):
     """Append one JSON line to out_dir/metrics.jsonl. A failed write (disk full, ...) is undone, so the
     file keeps only whole rows, and raises OSError with a message that says what to do."""
@@ -190,6 +204,15 @@ def checkpoint_note(path, saved_iter, saved_val_loss, best_iter, best_val_loss, 
             else f"the best val loss seen was {best_val_loss:.4f}")
     hint = " (always_save_checkpoint=False keeps the best instead)" if keeps_best_hint else ""
     return f"checkpoint: {path} holds {held}; {best}{hint}"
+
+
+def next_step(out_dir, lora):
+    """The run's last line: what to do with its checkpoint. lora: a LoRA run's, whose adapters sample.py and
+    eval.py read only once merged into a plain checkpoint."""
+    if lora:
+        return (f"merge its LoRA adapters (for sample.py, eval.py) with: python3 train.py --out_dir={out_dir} "
+                f"--merge_lora=True")
+    return f"sample from it with: python3 sample.py --out_dir={out_dir}"
 
 
 def checkpoint_on_disk(out_dir):

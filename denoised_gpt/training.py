@@ -1,6 +1,7 @@
 """What train.py decides and prepares around its loop: which settings cannot work, what a resumed run
-takes from its checkpoint, the seeds its batches and noise are drawn from, the compile warm-up and the
-speed it logs. train.py's own helpers, the top of the package beside cli.py, whose checks they use."""
+takes from its checkpoint, when and how its state is saved, the seeds its batches and noise are drawn
+from, the compile warm-up and the speed it logs. train.py's own helpers: the top of the package with
+cli.py, whose checks they use."""
 import dataclasses
 import os
 import statistics
@@ -9,12 +10,16 @@ import time
 import numpy as np
 import torch
 
-from denoised_gpt.checkpoint import checkpoint_path
+from denoised_gpt.checkpoint import (checkpoint_path, load_checkpoint, optimizer_param_names, restore_training_state,
+                                     save_checkpoint)
 from denoised_gpt.cli import check_ranges
-from denoised_gpt.device import mark_step
+from denoised_gpt.device import device_type, mark_step
 from denoised_gpt.finetune import LORA_KEYS, check_finetune_settings
 from denoised_gpt.lr_schedule import check_schedule
 from denoised_gpt.models import is_checkpoint
+from denoised_gpt.sharded_checkpoint import (is_sharded_checkpoint, load_sharded_state, model_and_optimizer_state,
+                                             save_sharded)
+from denoised_gpt.weights import all_finite, nonfinite_weights
 from model import GPTConfig
 
 # Resuming continues the checkpoint's run: every setting it was trained with (batch size, data,
@@ -90,6 +95,74 @@ def resumed_model_args(saved_model_args, model_args, given, meta_vocab_size, dat
                          "checkpoint's 'config'), leave these settings out to take the checkpoint's, or start "
                          "a new out_dir.")
     return {**saved, **{k: model_args[k] for k in RUNTIME_MODEL_ARGS}}
+
+
+def load_resumed(out_dir, config, given, distributed):
+    """What init_from='resume' continues: out_dir's newest checkpoint (ckpt.pt or a sharded checkpoint's
+    folder, the newer) and the run's settings (resumed_config's). Returns (checkpoint, config, lines naming
+    the given settings that differ, the checkpoint's path, sharded). sharded: an fsdp run under torchrun
+    (distributed) reads its shards of a sharded checkpoint itself once its model is sharded
+    (resume_training_state): its checkpoint holds no tensors, only the metadata. ValueError,
+    FileNotFoundError or CheckpointError when there is nothing to resume from."""
+    if not out_dir:
+        raise ValueError("out_dir='' is empty: name the directory that holds ckpt.pt")
+    path = checkpoint_path(out_dir)
+    checkpoint = load_checkpoint(path, map_location='cpu', metadata_only=is_sharded_checkpoint(path))
+    config, changes = resumed_config(checkpoint['config'], config, given, out_dir)
+    if config['max_iters'] < checkpoint['iter_num'] and not config['eval_only']:
+        setting = f"max_iters={config['max_iters']}" + ('' if 'max_iters' in given else " (the checkpoint's)")
+        raise ValueError(f"{setting} is below the iteration of the checkpoint in {out_dir} "
+                         f"({checkpoint['iter_num']}): nothing to train. Give --max_iters above "
+                         f"{checkpoint['iter_num']} to continue its run (--eval_only=True evaluates it)")
+    sharded = checkpoint['model'] is None and config['parallel'] == 'fsdp' and distributed
+    if checkpoint['model'] is None and not sharded:  # one process or DDP: the whole tensors
+        checkpoint = load_checkpoint(path, map_location='cpu')
+    if checkpoint['model'] is not None and not all_finite(checkpoint['model'].values()):
+        raise ValueError(nonfinite_weights(path))  # every step from it would be skipped or stop
+    return checkpoint, config, changes, path, sharded
+
+
+def resume_training_state(checkpoint, path, model, optimizer, scaler, train_batches, device, sharded):
+    """A resumed run's state besides the weights in `model`: the optimizer's, the GradScaler's, the RNGs' and
+    the training batches' (restore_training_state). sharded (load_resumed's): every rank reads its part of the
+    sharded checkpoint at path, weights and AdamW state, however many ranks wrote it. Returns a note for the
+    user, or None. CheckpointError when the state does not fit, ValueError for non-finite weights."""
+    if sharded:
+        load_sharded_state(path, model, optimizer)
+    note = restore_training_state(checkpoint, model, optimizer, scaler, train_batches, device_type(device),
+                                  optimizer_loaded=sharded)
+    if sharded and not all_finite(model.parameters()):  # (the whole files were checked when read)
+        raise ValueError(nonfinite_weights(path))
+    return note
+
+
+def save_training_state(model, optimizer, state, out_dir, sharded, writer):
+    """state (the counters, settings, RNG and sampler states train.py keeps) with `model`'s weights and
+    `optimizer`'s state, saved in out_dir: as a sharded checkpoint when sharded (a collective: every rank
+    writes its shards, writer is rank 0), else as ckpt.pt with the optimizer's parameter names. Returns the
+    path written. CheckpointError when the write fails (the files already there are intact)."""
+    if sharded:
+        return save_sharded(*model_and_optimizer_state(model, optimizer), state, out_dir, writer=writer)
+    return save_checkpoint({'model': model.state_dict(), 'optimizer': optimizer.state_dict(),
+                            'optimizer_param_names': optimizer_param_names(model, optimizer), **state}, out_dir)
+
+
+def checkpoint_reason(iter_num, val_loss, improved, done, stop, saved_iter, always_save_checkpoint, out_dir):
+    """The one rule for writing a checkpoint, asked once per iteration on rank 0 after the evaluation
+    (val_loss: None when there was none): the reason to save now, or None. stop: why the run is stopping
+    (a signal's name), None while it is not. saved_iter: the iteration of the checkpoint on disk. A stop
+    always saves, to resume from; an evaluation after iter 0 saves if the val loss improved or
+    always_save_checkpoint; the end of training saves the last state if always_save_checkpoint (else the
+    checkpoint stays the best), and always when the run would otherwise leave no checkpoint at all."""
+    if iter_num == saved_iter:
+        return None
+    if stop:
+        return stop
+    if val_loss is not None and iter_num > 0 and (improved or always_save_checkpoint):
+        return f"val loss {val_loss:.4f}"
+    if done and (always_save_checkpoint or not os.path.exists(checkpoint_path(out_dir))):
+        return "end of training"
+    return None
 
 
 def batch_seed(seed, *key):
