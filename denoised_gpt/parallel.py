@@ -56,6 +56,9 @@ def check_parallel(parallel, trainable, compile, device, dtype):
     if compile is True or (isinstance(compile, str) and compile.lower() == 'true'):
         raise ValueError("parallel='fsdp' with compile=True is not supported yet (FSDP2 wants each block "
                          "compiled on its own): use compile=False or compile=auto (off under fsdp)")
+    if kind == 'cpu' and not hasattr(torch.cpu.Stream, 'record_event'):
+        raise ValueError(f"parallel='fsdp' on the CPU needs a torch whose CPU streams record events (FSDP2 waits "
+                         f"on them; torch {torch.__version__} has none, 2.13 has): use parallel='ddp', or a newer torch")
 
 
 def shard_model(model, device, dtype):

@@ -26,6 +26,7 @@ refusal is a one-line CheckpointError saying the file holds code, never that it 
 import contextlib
 import functools
 import glob
+import inspect
 import math
 import os
 import pickle
@@ -90,7 +91,8 @@ def save_sharded(weights, optimizer_state, param_groups, train_state, out_dir, w
     current = newest_sharded(out_dir)
     try:
         with _quiet_single_process():
-            dcp.save({'model': weights, 'optimizer': optimizer_state}, checkpoint_id=tmp, no_dist=not distributed)
+            dcp.save({'model': weights, 'optimizer': optimizer_state}, checkpoint_id=tmp,
+                     **({'no_dist': not distributed} if _takes_no_dist(dcp.save) else {}))
         if writer:
             with open(os.path.join(tmp, STATE_NAME), 'wb') as f:
                 torch.save({**train_state, 'optimizer_param_groups': param_groups}, f)
@@ -222,7 +224,9 @@ def _reader_class():
 
     class CheckedReader(FileSystemReader):
         def read_metadata(self, *args, **kwargs):
-            metadata = read_metadata(self._get_metadata_path(kwargs.get('rank')))
+            path = (self._get_metadata_path(kwargs.get('rank')) if hasattr(self, '_get_metadata_path')
+                    else os.path.join(self.path, '.metadata'))  # torch 2.6: one .metadata, at the top
+            metadata = read_metadata(path)
             # what FileSystemReader.read_metadata does after its own unpickling
             metadata.storage_meta = getattr(metadata, 'storage_meta', None) or StorageMeta()
             metadata.storage_meta.load_id = self.load_id
@@ -261,7 +265,11 @@ def read_sharded(folder, model_only=False):
     tensors = {key: torch.empty(meta.size, dtype=meta.properties.dtype)
                for key, meta in reader.read_metadata().state_dict_metadata.items() if key.startswith(wanted)}
     with _quiet_single_process():
-        dcp.load(tensors, storage_reader=reader, no_dist=True)
+        if _takes_no_dist(dcp.load):
+            dcp.load(tensors, storage_reader=reader, no_dist=True)
+        else:  # this process alone, even under a process group: the switch older releases keep in DCP's worker
+            from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+            _load_state_dict(tensors, reader, no_dist=True)
     weights = {k.removeprefix('model.'): v for k, v in tensors.items() if k.startswith('model.')}
     weights[TIED[0]] = weights[TIED[1]]  # one tensor under both names, as in a ckpt.pt
     groups = state.pop('optimizer_param_groups')
@@ -322,9 +330,17 @@ def _non_strict():
     return StateDictOptions(strict=False)  # lm_head.weight: the tied embedding, loaded under its first name
 
 
+def _takes_no_dist(dcp_call):
+    """Whether DCP's save / load takes no_dist (one process, whatever the process group). Releases whose calls
+    do not (torch 2.6) run in one process exactly when there is no process group."""
+    return 'no_dist' in inspect.signature(dcp_call).parameters
+
+
 @contextlib.contextmanager
 def _quiet_single_process():
-    """DCP warns on every use without a process group, even when asked for exactly that (no_dist=True)."""
+    """DCP warns on every use without a process group, even when asked for exactly that (no_dist=True), and
+    torch 2.6's DCP about the TypedStorage it calls itself."""
     with warnings.catch_warnings():
-        warnings.filterwarnings('ignore', message='torch.distributed is disabled, unavailable or uninitialized')
+        warnings.filterwarnings('ignore', message='torch.distributed is (disabled, )?unavailable or uninitialized')
+        warnings.filterwarnings('ignore', message='TypedStorage is deprecated')
         yield

@@ -148,7 +148,7 @@ def test_the_newest_is_chosen_and_refused_even_with_a_good_ckpt_pt_beside_it(evi
 
 # load_sharded_state is collective: train.py calls it under a process group; here one process calls it
 # on purpose, and DCP warns that it assumes a single process
-SINGLE_PROCESS_DCP = pytest.mark.filterwarnings('ignore:torch.distributed is disabled:UserWarning')
+SINGLE_PROCESS_DCP = pytest.mark.filterwarnings('ignore:torch.distributed is (disabled, )?unavailable:UserWarning')
 
 
 @pytest.mark.parametrize('evil', ['.metadata', 'shard', 'bytes entry'], indirect=True)
@@ -305,7 +305,8 @@ def test_a_truncated_checkpoint_is_one_short_line_naming_the_fallback(source, tm
     with pytest.raises(Exception) as torch_error:
         torch.load(out / 'ckpt.pt', weights_only=True)
     first_sentence = re.split(r'\.\s', str(torch_error.value))[0]
-    assert len(first_sentence) < len(str(torch_error.value).splitlines()[0])  # torch's line says more
+    # torch 2.13's line says more than its first sentence (torch 2.6's is that sentence alone)
+    assert len(first_sentence) <= len(str(torch_error.value).splitlines()[0])
     with pytest.raises(CheckpointError) as e:
         load_checkpoint(out / 'ckpt.pt')
     message = str(e.value)
