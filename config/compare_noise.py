@@ -9,7 +9,10 @@
 # $ python3 compare.py config/compare_noise.py
 # One length at a time (each finished, tuning and comparison, before the next starts; the runs are the
 # same): --grid='--dataset=mqar-noise16 --block_size=16', then 32, then without --grid for the report of all.
-# Run it again after an interruption: it resumes.
+# Run it again after an interruption: it resumes. Time: steps measured at each length before launching and
+# the plan are in docs/recall.md (length 16 about 5-8 core-hours for the seven variants; length 64 several
+# times that per length, so it runs on a lent GPU or with the variants cut to base and the four that claim
+# to denoise); the time each length took is recorded there.
 # Literal assignments only; every key is one of compare.py's settings.
 
 # base the baseline; the four that claim to denoise; symmetric (NoiseFormer without its noise); linear
