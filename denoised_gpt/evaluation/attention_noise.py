@@ -63,6 +63,8 @@ def attention_noise(model, data_dir, batch_size, device, ctx, split="val"):
         for row in range(len(x)):
             asked = answers(x[row].numpy(), y[row].numpy())
             found += [(row, p, key_at, len(asked)) for p, key_at in asked]
+        if not found:  # examples without a labelled answer have nothing to measure
+            continue
         b, at, key_at, pairs = (torch.tensor(c, dtype=torch.long) for c in zip(*found))
         per_layer = []
         with ctx:
@@ -72,9 +74,10 @@ def attention_noise(model, data_dir, batch_size, device, ctx, split="val"):
         shares.append(torch.stack(per_layer, dim=1))  # (Q, layers, heads, parts)
         T = x.size(1)
         groups += [(int(n), T - 3 * int(n), distance_bucket(int(p - k))) for n, p, k in zip(pairs, at, key_at)]
+    if not shares:
+        raise ValueError(f"{data_dir}'s {split} examples hold no labelled answer: nothing to measure")
     shares = torch.cat(shares)
-    result = dict(normalisation='abs', parts=list(PARTS), examples=examples,
-                  **summary(shares))
+    result = dict(normalisation='abs', parts=list(PARTS), examples=examples, **summary(shares))
     lookup = (result['lookup']['layer'], result['lookup']['head'])
     for name, column, order in (('by_pairs', 0, int), ('by_filler', 1, int),
                                 ('by_distance', 2, lambda k: int(k.split('-')[0]))):
