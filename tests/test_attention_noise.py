@@ -187,3 +187,9 @@ def test_eval_script_refuses_attention_noise_on_data_without_answers(tmp_path):
     assert r.returncode == 2 and 'Traceback' not in r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith('eval.py: error:') and 'not a recall dataset' in r.stderr
     assert not (tmp_path / 'out' / 'attention_noise.json').exists()
+
+
+def test_a_split_without_labelled_answers_is_a_one_line_error(tmp_path):
+    data = write_examples(tmp_path / 'data', [(tokens, {}) for tokens, _ in EXAMPLES])
+    with pytest.raises(ValueError, match="hold no labelled answer"):
+        attention_noise(peaked_model('base'), str(data), 8, 'cpu', NO_AUTOCAST)
