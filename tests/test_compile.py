@@ -68,7 +68,7 @@ def test_importing_the_model_does_not_import_the_compiler():
 
 
 def test_loading_and_sampling_a_model_does_not_import_the_compiler():
-    """sample.py / eval.py build the model on the meta device (cli.model_with_weights), where torch runs
+    """sample.py / eval.py build the model on the meta device (weights.model_with_weights), where torch runs
     random draws and arithmetic through code that imports torch._dynamo: the build skips them, for every
     attn_type, and generating from the model imports nothing of the compiler either."""
     code = """if True:
