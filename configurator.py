@@ -63,10 +63,37 @@ def apply_config(argv, defaults, script=None, given=None):
 
 def answer_help(script):
     """`SCRIPT --help` (or -h) printed from the script's source and exit 0: the scripts call this before
-    importing torch, so that the question costs a fraction of a second, not torch's import."""
+    importing torch, so that the question costs a fraction of a second, not torch's import. Otherwise a
+    torch older than the code runs on is refused here, in one line, before anything is done."""
     if '-h' in sys.argv[1:] or '--help' in sys.argv[1:]:
         print(help_text(script, script_defaults(script)))
         sys.exit(0)
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        too_old = torch_too_old(version('torch'))  # from its metadata: importing torch takes seconds
+    except PackageNotFoundError:
+        return  # the import says so
+    if too_old:
+        print(f"{os.path.basename(sys.argv[0])}: error: {too_old}", file=sys.stderr)
+        sys.exit(2)
+
+
+MIN_TORCH = (2, 6)  # requirements.txt's bound: the oldest release with everything used here
+
+
+def torch_too_old(release):
+    """Why torch `release` (a version string, e.g. '2.5.1a0+gitc8f2e2a' from a Gaudi container) cannot run
+    this code, or None."""
+    parts = release.split('.')
+    try:
+        major, minor = int(parts[0]), int(''.join(c for c in parts[1] if c.isdigit()) or 0)
+    except (IndexError, ValueError):
+        return None  # a version we cannot read: the import decides
+    if (major, minor) >= MIN_TORCH:
+        return None
+    return (f"torch {release} is older than {'.'.join(map(str, MIN_TORCH))}, the oldest release this code runs on "
+            f"(FSDP2's fully_shard, distributed checkpoints): install a newer torch (pip install -r requirements.txt "
+            f"keeps one that is recent enough), or on Intel Gaudi use its software 1.21 or newer")
 
 
 def optional_bool(key, value):

@@ -7,7 +7,7 @@ import runpy
 import pytest
 import torch
 
-from configurator import ConfigError, apply_config
+from configurator import MIN_TORCH, ConfigError, apply_config, torch_too_old
 from helpers import ROOT, TINY, run_script_in_process
 from model import ATTENTION_TYPES, GPT, GPTConfig
 DEFAULTS = {'batch_size': 12, 'learning_rate': 6e-4, 'compile': False, 'out_dir': 'out',
@@ -289,3 +289,16 @@ for script in ('train.py', 'sample.py', 'bench.py', 'eval.py', 'compare.py', 'gr
 '''
     r = subprocess.run([sys.executable, '-c', code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
+
+
+def test_a_torch_older_than_the_bound_is_named_in_one_line():
+    """answer_help refuses a torch below requirements.txt's bound from its version string (the installed
+    torch here is not one, so the string is given)."""
+    bound = next(line for line in (ROOT / 'requirements.txt').read_text().splitlines() if line.startswith('torch>='))
+    assert MIN_TORCH == tuple(int(n) for n in bound.removeprefix('torch>=').split('.'))  # the same bound
+    for old in ('2.5.1a0+gitc8f2e2a', '2.4.0', '1.13.1+cu117'):
+        message = torch_too_old(old)
+        assert message.startswith(f"torch {old} is older than 2.6") and '\n' not in message
+    for fine in ('2.6.0+cu124', '2.9.0a0+git', '2.10.0', '2.13.0+cpu', '3.0.0'):
+        assert torch_too_old(fine) is None, fine  # 2.10 is newer than 2.6: numbers, not strings
+    assert torch_too_old(torch.__version__) is None  # the torch these tests run on
