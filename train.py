@@ -250,6 +250,8 @@ try:
         iter_num = checkpoint['iter_num']
         best_val_loss = checkpoint['best_val_loss']
         best_iter = checkpoint.get('best_iter')  # (these two are not in the checkpoints of older versions)
+        if not math.isfinite(best_val_loss):  # a NaN best beats nothing (x < nan is False): no best yet
+            best_val_loss, best_iter = 1e9, None
         checkpoint_val_loss = checkpoint.get('val_loss')
         train_time = checkpoint.get('train_time', 0.0)
     elif is_checkpoint(init_from):  # a new run from a trained model, converted to attn_type (finetune.py)

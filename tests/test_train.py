@@ -291,6 +291,20 @@ def test_resume_does_not_replace_the_fallback_before_training(tmp_path):
     assert load_checkpoint(out)['iter_num'] == 12 and load_checkpoint(out / 'ckpt.prev.pt')['iter_num'] == 10
 
 
+def test_a_checkpoint_whose_best_val_loss_is_nan_still_saves_a_better_one(tmp_path):
+    """A NaN best (a damaged or hand-edited checkpoint) would beat nothing (x < nan is False): every later
+    save would be skipped without a word. Resumed, it counts as no best yet."""
+    data = make_dataset(tmp_path)
+    out = tmp_path / 'out'
+    args = [*tiny_args(tmp_path, data), '--eval_interval=5', '--always_save_checkpoint=False']
+    train_in_process(*args, '--max_iters=10')
+    ckpt = torch.load(out / 'ckpt.pt', weights_only=True)
+    torch.save({**ckpt, 'best_val_loss': float('nan')}, out / 'ckpt.pt')
+    train_in_process(*args, '--init_from=resume', '--max_iters=15')
+    resumed = load_checkpoint(out)
+    assert resumed['iter_num'] == 15 and resumed['best_val_loss'] < 1e9
+
+
 BAD_SETTINGS = [
     (['--grad_clip=-1'], "grad_clip=-1.0 must not be negative"),
     (['--block_size=0'], "block_size=0 must be at least 1"),
