@@ -49,10 +49,13 @@ import time
 
 from denoised_gpt.batches import ExampleLayout, TokenBatches, TokenIdError, check_token_ids, load_meta
 from denoised_gpt.checkpoint import CheckpointError, checkpoint_path, load_checkpoint
-from denoised_gpt.cli import check_inference_source, check_ranges, fail, gpt2_encoding, log, prepare_device, read_config
+from denoised_gpt.cli import (check_inference_source, check_ranges, fail, gpt2_encoding, log, prepare_device,
+                              quiet_ctrl_c, read_config)
 from denoised_gpt.models import load_model, noise_on, trained_dtype
 from denoised_gpt.device import autocast_context, manual_seed
 from model import ATTENTION_TYPES
+
+quiet_ctrl_c()  # Ctrl-C: one line and exit 130, no traceback
 
 # -----------------------------------------------------------------------------
 init_from = 'resume'  # 'resume' (the checkpoint in out_dir), a GPT-2 model name (gpt2, gpt2-medium, ...) or a Hugging Face folder (export_hf.py)

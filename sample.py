@@ -63,10 +63,13 @@ import torch
 
 from denoised_gpt.batches import load_meta, read_meta_pkl
 from denoised_gpt.checkpoint import checkpoint_path
-from denoised_gpt.cli import check_inference_source, check_ranges, fail, gpt2_encoding, log, prepare_device, read_config
+from denoised_gpt.cli import (check_inference_source, check_ranges, fail, gpt2_encoding, log, prepare_device,
+                              quiet_ctrl_c, read_config)
 from denoised_gpt.models import load_model, noise_on, trained_dtype
 from denoised_gpt.device import autocast_context, manual_seed, torch_dtype
 from model import ATTENTION_TYPES
+
+quiet_ctrl_c()  # Ctrl-C: one line and exit 130, no traceback
 
 # -----------------------------------------------------------------------------
 init_from = 'resume'  # 'resume' (from an out_dir), a gpt2 variant (e.g. 'gpt2-xl') or a Hugging Face folder (export_hf.py)

@@ -5,6 +5,7 @@ import contextlib
 import difflib
 import math
 import os
+import signal
 import sys
 
 from configurator import ConfigError, apply_config, optional_bool
@@ -16,6 +17,16 @@ def fail(message):
     """A setting or input that cannot work: say what and how to fix it on stderr, exit 2 (no traceback)."""
     print(f"{os.path.basename(sys.argv[0])}: error: {message}", file=sys.stderr)
     sys.exit(2)
+
+
+def quiet_ctrl_c():
+    """From now on Ctrl-C ends the script with one line on stderr and exit status 130 (128 + SIGINT, what a
+    shell reports), not a KeyboardInterrupt traceback. It raises SystemExit where the script is, so its
+    finally blocks still run (a result being written is left whole or not at all)."""
+    def interrupted(signum, frame):
+        print(f"\n{os.path.basename(sys.argv[0])}: interrupted", file=sys.stderr, flush=True)
+        raise SystemExit(130)
+    signal.signal(signal.SIGINT, interrupted)
 
 
 def log(message):

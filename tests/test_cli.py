@@ -1,14 +1,17 @@
 """denoised_gpt/cli.py: what every script does the same way (settings checks, loading GPT-2's weights)."""
 import hashlib
 import os
+import pickle
 import shutil
+import signal
+import string
 import subprocess
 import sys
 
 import pytest
 
 from denoised_gpt.cli import R50K_BASE_URL, check_attn_types, check_ranges, gpt2_encoding
-from helpers import ROOT, subprocess_env
+from helpers import ROOT, VOCAB, make_dataset, subprocess_env, tiny_checkpoint
 
 
 def test_unreachable_hub_fails_at_once_without_retries(tmp_path):
@@ -95,3 +98,28 @@ def test_gpt2_encoding_takes_the_compact_file_when_cached_and_gpt2s_files_otherw
         encodings[name] = enc.encode(text, allowed_special={"<|endoftext|>"})
     assert encodings["r50k_base"] == encodings["gpt2"] and 50256 in encodings["gpt2"]
     assert sorted(os.listdir(only_gpt2)) == sorted(f for f in os.listdir(shared) if f != r50k_file)  # no download
+
+
+@pytest.mark.parametrize('script,args', [
+    ('sample.py', ['--max_new_tokens=1000000', '--num_samples=1000']),
+    ('eval.py', ['--entropy=True', '--entropy_batches=1000000']),
+], ids=['sample.py', 'eval.py'])
+def test_ctrl_c_ends_sample_and_eval_in_one_line(tmp_path, script, args):
+    """Ctrl-C (SIGINT) in the middle of the work: exit status 130 and one line, no KeyboardInterrupt
+    traceback (train.py checkpoints and says one line too: test_train.py)."""
+    data = make_dataset(tmp_path)
+    chars = '\n' + string.ascii_letters[:VOCAB - 1]  # nanoGPT's char-level meta.pkl: sample.py's vocabulary
+    with open(data / 'meta.pkl', 'wb') as f:
+        pickle.dump({'vocab_size': VOCAB, 'itos': dict(enumerate(chars)), 'stoi': {c: i for i, c in enumerate(chars)}}, f)
+    tiny_checkpoint(tmp_path / 'out', 'base', data)
+    proc = subprocess.Popen([sys.executable, str(ROOT / script), f"--out_dir={tmp_path / 'out'}", '--device=cpu',
+                             *args], cwd=ROOT, env=subprocess_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    line = ''
+    while 'device cpu' not in line:  # its log line once the model is loaded: the long part begins
+        line = proc.stderr.readline()
+        assert line, "the script ended before its work began"
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and 'Traceback' not in err, err
+    assert err.strip().splitlines() == [f"{script}: interrupted"]
