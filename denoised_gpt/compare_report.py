@@ -172,12 +172,12 @@ def plot_accuracy(results, report_dir):
 def plot_against_filler(results, report_dir):
     """attention.png: answer accuracy and the lookup head's answer share against the examples' filler length
     (the grid points' datasets), one line per attn_type: mean over seeds, bars = min..max."""
-    attn_types = list(dict.fromkeys(r['attn_type'] for r in results))
+    lines = filler_lines(results)
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for ax, key, what in ((axes[0], 'accuracy', 'answer accuracy'),
                           (axes[1], 'answer_share', "lookup head's attention share on the answer")):
-        for i, attn_type in enumerate(attn_types):
-            runs = [r for r in results if r['attn_type'] == attn_type and key in r]
+        for i, (label, line) in enumerate(lines.items()):
+            runs = [r for r in line if key in r]
             fillers = sorted({r['filler_length'] for r in runs})
             table = [[r[key] for r in runs if r['filler_length'] == f] for f in fillers]
             if not table:
@@ -185,7 +185,7 @@ def plot_against_filler(results, report_dir):
             mean = [sum(v) / len(v) for v in table]
             ax.errorbar(fillers, mean, yerr=[[m - min(v) for m, v in zip(mean, table)],
                                              [max(v) - m for m, v in zip(mean, table)]],
-                        color=f'C{i % 10}', marker='o', markersize=4, capsize=3, label=attn_type)
+                        color=f'C{i % 10}', marker='o', markersize=4, capsize=3, label=label)
         ax.set_xlabel('filler tokens per example (neither pairs nor queries)')
         ax.set_ylabel(f'{what}\n(mean over seeds, bars = min..max)')
         ax.set_ylim(0, 1.02)
@@ -274,6 +274,25 @@ def stop_lines(results, target, max_iters):
                       f"worse than base. Give every run more iterations, or choose an easier setting, until base "
                       f"reaches it on every seed.", ""]
     return lines
+
+
+def filler_lines(results):
+    """{line label: runs} for attention.png: one line per attn_type across the grid points, whose datasets
+    differ in filler length; where one attn_type has several points at the same filler length (a grid over
+    widths, say), one line per variant (attn_type and point) instead, so that no point is averaged into
+    another."""
+    runs = [r for r in results if 'filler_length' in r]
+    by_type = {}
+    for r in runs:
+        by_type.setdefault(r['attn_type'], []).append(r)
+    mixed = any(len({r['point'] for r in rs if r['filler_length'] == f}) > 1
+                for rs in by_type.values() for f in {r['filler_length'] for r in rs})
+    if not mixed:
+        return by_type
+    by_variant = {}
+    for r in runs:
+        by_variant.setdefault(r['variant'], []).append(r)
+    return by_variant
 
 
 def attention_lines(summary, results, plots):

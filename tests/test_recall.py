@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from denoised_gpt.batches import ExampleLayout, TokenBatches
+from denoised_gpt.compare_report import filler_lines
 from denoised_gpt.evaluation import exact_val_loss
 from denoised_gpt.evaluation.recall import answer_accuracy, distance_bucket
 from helpers import (NO_AUTOCAST, ROOT, SCRIPT_VARIABLES, TINY, eval_losses, iter_losses, run_script_in_process,
@@ -340,6 +341,10 @@ def test_compare_sweeps_a_grid_and_reports_accuracy(mqar, tmp_path):
         assert f"| {mine[1]:.3f} | {mine[1]:.3f} | " in line
     assert "## Answer accuracy (recall)" in report and (out / "report" / "accuracy.png").stat().st_size > 0
     assert "## Where attention goes" in report and (out / "report" / "attention.png").stat().st_size > 0
+    # two widths on the same data (one filler length): a line per width, never their average
+    assert sorted(filler_lines(results["runs"])) == sorted(summary)
+    one_width = [r for r in results["runs"] if r["variant"].endswith("n_embd=16")]
+    assert sorted(filler_lines(one_width)) == ["base", "linear"]
     line = next(line for line in report.splitlines() if line.startswith("| `linear n_embd=16` | 14"))
     assert f"| {summary['linear n_embd=16']['answer_share']['mean']:.3f} |" in line
 
