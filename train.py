@@ -351,16 +351,22 @@ if ddp and not fsdp:
 def estimate_loss():
     """Mean cross-entropy over the same eval_iters batches of each split at every call: batch j is
     seeded by (seed, split, j) for its data and noise, rank r evaluates batches r, r + W, ...,
-    and sums of losses and counts are all-reduced."""
+    and sums of losses and counts are all-reduced. None when a stop signal arrives on any rank before
+    it ends."""
     out = {}
     net = model.module if ddp and not fsdp else model  # no DDP: no gradients here, and ranks do unequal counts
-    # FSDP: each forward gathers weights with every rank, so all ranks do as many; one without a batch
-    # left evaluates one again and does not count it
-    stop = -(-eval_iters // ddp_world_size) * ddp_world_size if fsdp else eval_iters
     net.eval()
     for split in ('train', 'val'):
         totals = torch.zeros(2, device=device)
-        for j in range(ddp_rank, stop, ddp_world_size):
+        for first in range(0, eval_iters, ddp_world_size):  # a round: batch first + r on rank r
+            if stop_requested():  # (every rank asks once a round) a preemption's grace period is short
+                net.train()
+                return None
+            j = first + ddp_rank
+            # FSDP: each forward gathers weights with every rank, so a rank with no batch left evaluates
+            # one again and does not count it
+            if j >= eval_iters and not fsdp:
+                continue
             s = batch_seed(seed, 2, SPLIT_KEYS[split], j % eval_iters)  # 2: evaluation (training uses (0, it, m))
             X, Y = get_batch(split, s)
             manual_seed(s)  # the same noise every evaluation
@@ -375,6 +381,15 @@ def estimate_loss():
         out[split] = (totals[0] / totals[1]).item()
     net.train()
     return out
+
+
+def stop_requested():
+    """Whether a stop signal has reached any rank (every rank gets the same answer)."""
+    if not ddp:
+        return stop_request.signal is not None
+    flag = torch.tensor(float(stop_request.signal is not None), device=device)
+    dist.all_reduce(flag)
+    return flag.item() > 0
 
 
 def save(reason, val_loss):
@@ -453,6 +468,9 @@ local_iter_num = 0  # number of iterations in the lifetime of this process
 # training further
 saved_iter = iter_num if init_from == 'resume' else None
 saved_val_loss = checkpoint_val_loss  # the val loss of that state (None: not evaluated, or not known)
+# a stop at (or during) an evaluation saved the state unevaluated: the resumed run evaluates it first, as
+# the uninterrupted run did
+evaluation_owed = init_from == 'resume' and checkpoint_val_loss is None and iter_num % eval_interval == 0
 unsaveable = None  # why the current state must not be saved: its evaluation or last step was non-finite
 refusal = None  # why the last state the loop meant to save was not
 stopping = False
@@ -469,8 +487,16 @@ while True:
     # evaluate the loss on train/val sets and write checkpoints
     done = eval_only or stopping or iter_num >= max_iters or target_reached
     val_loss, improved = None, False
-    if not stopping and (iter_num % eval_interval == 0 or done) and (iter_num != saved_iter or eval_only):
-        losses = estimate_loss()
+    evaluate = not stopping and (iter_num % eval_interval == 0 or done) and (
+        iter_num != saved_iter or eval_only or evaluation_owed)
+    losses = estimate_loss() if evaluate else None
+    evaluation_owed = False
+    if evaluate and losses is None:  # stopped part-way: save this state unevaluated (it is a finished step)
+        stopping = done = True
+        if master_process:
+            print(f"{stop_request.signal or 'stop signal'} received during the evaluation at iter {iter_num}: "
+                  f"stopping without it")
+    if losses is not None:
         val_loss = losses['val']
         finite = math.isfinite(losses['train']) and math.isfinite(val_loss)
         if not finite:

@@ -276,7 +276,8 @@ def wandb_learned_values(learned):
 
 
 class StopRequest:
-    """SIGTERM (a scheduler's preemption, `kill`) or Ctrl-C, remembered: the training loop finishes the
+    """SIGTERM (a scheduler's preemption, `kill`), SIGHUP (the terminal or ssh session closed) or Ctrl-C,
+    remembered: the training loop finishes the
     step in progress, saves a checkpoint and exits 0. A Ctrl-C after either quits at once, with exit
     status 130 (128 + SIGINT, what a shell reports for a process Ctrl-C ended) and one line naming the
     checkpoint on disk, as read from it (a save cut short before its rename left the previous one in
@@ -288,10 +289,15 @@ class StopRequest:
         self.out_dir = out_dir
         self.signal = None  # the name of the signal received
         self.saving = False  # train.py sets it while it writes a checkpoint
-        signal.signal(signal.SIGTERM, self.request)
-        signal.signal(signal.SIGINT, self.request)
+        # known now: a hung-up terminal no longer answers isatty
+        self.terminal_fds = [fd for fd in (1, 2) if os.isatty(fd)]
+        for name in ('SIGTERM', 'SIGINT', 'SIGHUP'):  # (Windows has no SIGHUP)
+            if hasattr(signal, name):
+                signal.signal(getattr(signal, name), self.request)
 
     def request(self, signum, frame):
+        if signum == getattr(signal, 'SIGHUP', None):
+            self.drop_terminal_output()
         if self.signal is not None:
             if signum == signal.SIGINT:
                 self.quit()
@@ -300,6 +306,14 @@ class StopRequest:
         if signum == signal.SIGINT:
             print("\nCtrl-C: finishing this step, then saving a checkpoint (Ctrl-C again to quit at once)",
                   file=sys.stderr)
+
+    def drop_terminal_output(self):
+        """A write to a closed terminal fails (EIO), which would end the run before its save: what would
+        have gone there is dropped instead (a log file that stdout or stderr goes to gets everything)."""
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        for fd in self.terminal_fds:
+            os.dup2(devnull, fd)
+        os.close(devnull)
 
     def quit(self):
         if self.out_dir is not None:

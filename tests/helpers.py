@@ -106,12 +106,13 @@ def run_script_in_process(script, args, env=None):
     it torch's start-up: a CompletedProcess with its exit status, stdout and stderr. An uncaught
     exception other than SystemExit fails the calling test with its traceback. env: variables set
     while it runs (SCRIPT_VARIABLES, say, for the train.py processes compare.py starts). The working
-    directory, sys.argv, the environment, the SIGTERM / SIGINT handlers (train.py sets its own) and
+    directory, sys.argv, the environment, the stop signals' handlers (train.py sets its own) and
     torch's thread count (one while it runs) are restored afterwards, and what the script left open is
     closed (its out_dir lock, say), as the end of its process would."""
     args = [str(a) for a in args]
     out, err = io.StringIO(), io.StringIO()
-    saved = (sys.argv, os.getcwd(), signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT),
+    stop_signals = [signal.SIGTERM, signal.SIGINT, signal.SIGHUP]
+    saved = (sys.argv, os.getcwd(), [signal.getsignal(s) for s in stop_signals],
              torch.get_num_threads(), {k: os.environ.get(k) for k in env or {}})
     sys.argv = [script, *args]
     os.chdir(ROOT)  # the scripts read data/<dataset> relative to where they run
@@ -129,10 +130,10 @@ def run_script_in_process(script, args, env=None):
     finally:
         sys.argv = saved[0]
         os.chdir(saved[1])
-        signal.signal(signal.SIGTERM, saved[2])
-        signal.signal(signal.SIGINT, saved[3])
-        torch.set_num_threads(saved[4])
-        for name, value in saved[5].items():
+        for sig, handler in zip(stop_signals, saved[2]):
+            signal.signal(sig, handler)
+        torch.set_num_threads(saved[3])
+        for name, value in saved[4].items():
             if value is None:
                 os.environ.pop(name, None)
             else:

@@ -5,6 +5,8 @@ every attention variant learning. (The LR schedule itself: test_lr_schedule.py.)
 import dataclasses
 import fcntl
 import json
+import os
+import pty
 import re
 import runpy
 import signal
@@ -357,6 +359,47 @@ def test_ctrl_c_finishes_the_step_and_checkpoints(tmp_path):
     k = load_checkpoint(out)['iter_num']
     assert k >= 4 and f"SIGINT received: stopping after iter {k - 1}" in stdout
     assert "Ctrl-C again to quit at once" in err
+
+
+def test_a_stop_during_an_evaluation_saves_at_once_and_the_resumed_run_evaluates_that_state(tmp_path):
+    """A preemption's grace period (SLURM's 30 s) is shorter than a long evaluation: a stop arriving
+    during one saves the last finished step without waiting for it, and the resumed run evaluates that
+    state first, so its evaluations equal an uninterrupted run's."""
+    data = make_dataset(tmp_path)
+    common = ['--eval_interval=5', '--eval_iters=2']
+    full = train_in_process(*tiny_args(tmp_path, data, 'full'), *common, '--max_iters=10').stdout
+    out = tmp_path / 'out'
+    train_in_process(*tiny_args(tmp_path, data), *common, '--max_iters=5')
+    # iterations 5 to 9, then an evaluation at 10 of 10^6 batches (minutes): SIGTERM once iter 9 is logged
+    rc, stdout, err = run_until_signal(out, data, signal.SIGTERM, 9, '--init_from=resume', '--max_iters=100',
+                                       '--eval_interval=5', '--eval_iters=1000000')
+    assert rc == 0, err
+    assert "SIGTERM received during the evaluation at iter 10: stopping without it" in stdout
+    assert not eval_losses(stdout) and f"saved checkpoint to {out / 'ckpt.pt'} (iter 10, SIGTERM)" in stdout
+    state = load_checkpoint(out)
+    assert state['iter_num'] == 10 and state['val_loss'] is None
+    resumed = train_in_process(*tiny_args(tmp_path, data), '--init_from=resume', *common, '--max_iters=10').stdout
+    assert eval_losses(resumed) == {10: eval_losses(full)[10]}
+    rows = [json.loads(line) for line in (out / 'metrics.jsonl').read_text().splitlines()]
+    assert [r['iter'] for r in rows if 'val_loss' in r] == [0, 5, 10]
+
+
+def test_sighup_from_a_closed_terminal_checkpoints_like_sigterm(tmp_path):
+    """A closed terminal or ssh session sends SIGHUP, and writing to that terminal fails from then on:
+    the run still finishes its step, saves and exits 0."""
+    data = make_dataset(tmp_path)
+    out = tmp_path / 'out'
+    terminal, its_end = pty.openpty()
+    proc = subprocess.Popen(train_command(out, data, '--max_iters=1000000', '--eval_interval=1000'), cwd=ROOT,
+                            env=subprocess_env(), stdin=subprocess.DEVNULL, stdout=its_end, stderr=its_end)
+    os.close(its_end)
+    shown = b''
+    while not re.search(rb"^iter 3: loss", shown, re.M):
+        shown += os.read(terminal, 4096)
+    os.close(terminal)  # the terminal is gone: a write to it fails (EIO)
+    proc.send_signal(signal.SIGHUP)
+    assert proc.wait(timeout=60) == 0
+    assert load_checkpoint(out)['iter_num'] >= 4 and not list(out.glob('ckpt*.tmp*'))
 
 
 def queued_bytes(pipe):
