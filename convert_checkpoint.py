@@ -20,6 +20,7 @@ import os
 from denoised_gpt.checkpoint import CKPT_NAME, CheckpointError, checkpoint_path, load_checkpoint, save_checkpoint
 from denoised_gpt.cli import fail, read_config
 from denoised_gpt.sharded_checkpoint import checkpoint_as_sharded, is_sharded_checkpoint, newest_sharded, save_sharded
+from denoised_gpt.weights import refuse_nonfinite_state
 
 # -----------------------------------------------------------------------------
 out_dir = 'out'  # the run directory
@@ -37,11 +38,12 @@ if source is None or not (is_sharded_checkpoint(source) if to == 'file' else os.
 newest = checkpoint_path(out_dir)
 try:
     checkpoint = load_checkpoint(source, map_location='cpu')
+    refuse_nonfinite_state(checkpoint, source)
     if to == 'file':
         written = save_checkpoint(checkpoint, out_dir)  # the ckpt.pt there before becomes ckpt.prev.pt
     else:
         written = save_sharded(*checkpoint_as_sharded(checkpoint), out_dir)
-except (FileNotFoundError, CheckpointError) as e:
+except (FileNotFoundError, CheckpointError, ValueError) as e:
     fail(e)
 except OSError as e:  # disk full, no permission: the checkpoints already there are intact
     fail(f"could not write the converted checkpoint in {out_dir} ({e.strerror or e}); the checkpoints there are intact")

@@ -29,6 +29,7 @@ import os
 from denoised_gpt.checkpoint import CheckpointError, checkpoint_path, load_checkpoint
 from denoised_gpt.cli import fail, log, read_config
 from denoised_gpt.hf_format import check_hf_dir, export
+from denoised_gpt.weights import refuse_nonfinite_state
 
 # -----------------------------------------------------------------------------
 out_dir = 'out'  # the run directory holding ckpt.pt, or a checkpoint file
@@ -48,6 +49,7 @@ if dataset and not os.path.isdir(os.path.join('data', dataset)):
 try:
     check_hf_dir(hf_dir, overwrite)  # before the checkpoint is read
     checkpoint = load_checkpoint(out_dir, map_location='cpu', model_only=True)
+    refuse_nonfinite_state(checkpoint, checkpoint_path(out_dir), weights_only=True)
 except (ValueError, FileNotFoundError, CheckpointError) as e:
     fail(e)
 

@@ -56,7 +56,7 @@ from denoised_gpt.run_dir import (StopRequest, checkpoint_note, log_metrics, nex
 from denoised_gpt.training import (MODEL_KEYS, StepSpeed, batch_seed, check_training_settings, checkpoint_reason,
                                    compile_training_step, load_resumed, resume_training_state, resumed_model_args,
                                    save_training_state)
-from denoised_gpt.weights import all_finite, empty_model, model_with_weights
+from denoised_gpt.weights import all_finite, empty_model, model_with_weights, optimizer_tensors
 from model import GPT, GPTConfig
 
 # -----------------------------------------------------------------------------
@@ -395,9 +395,12 @@ def stop_requested():
 def save(reason, val_loss):
     """Every rank calls this: rank 0 writes ckpt.pt, or under FSDP every rank writes its shards
     (sharded_checkpoint.py). A state is never saved when its evaluation (val_loss: this iteration's, or None)
-    or last step was non-finite, or its weights are: it would be resumed from, sampled, and become the
-    fallback. Returns why it was not saved, or None (saved)."""
-    refusal = unsaveable or (None if all_finite(raw_model.parameters()) else "its weights are not all finite")
+    or last step was non-finite, or its weights or optimizer moments are: it would be resumed from, sampled,
+    and become the fallback. Returns why it was not saved, or None (saved)."""
+    refusal = unsaveable or (
+        "its weights are not all finite" if not all_finite(raw_model.parameters()) else
+        "its optimizer state (AdamW's moments) is not all finite" if not all_finite(optimizer_tensors(optimizer.state))
+        else None)
     if refusal:
         if master_process:
             kept = (f"{checkpoint_path(out_dir)} still holds iter {saved_iter}" if saved_iter is not None

@@ -17,7 +17,7 @@ from denoised_gpt.checkpoint import CheckpointError, checkpoint_path, load_check
 from denoised_gpt.checkpoint_base import short_reason, untrusted_file_error
 from denoised_gpt.finetune import model_from_checkpoint, start_model_args
 from denoised_gpt.hf_format import MODEL_TYPE, exported_model_type, exported_run, read_exported
-from denoised_gpt.weights import all_finite, model_with_weights, nonfinite_weights
+from denoised_gpt.weights import all_finite, model_with_weights, nonfinite_weights, refuse_nonfinite_state
 from model import ATTENTION_TYPES, GPT, GPTConfig
 
 
@@ -152,6 +152,7 @@ def start_model(init_from, model_args, given):
     model_args, this run's (finetune.py): the shape is the checkpoint's, given shape settings must agree with
     it. Returns (the model, its model_args). ValueError, FileNotFoundError or CheckpointError."""
     start = load_start(init_from)  # a ckpt.pt, or a folder export_hf.py wrote with model.py's code
+    refuse_nonfinite_state(start, init_from, weights_only=True)  # (a new run: a fresh optimizer)
     model_args = start_model_args(start['model_args'], model_args, given)
     model, _ = model_from_checkpoint(start, model_args)  # prints the parameters that are new
     return model, model_args

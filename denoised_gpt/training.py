@@ -19,7 +19,8 @@ from denoised_gpt.lr_schedule import check_schedule
 from denoised_gpt.models import is_checkpoint
 from denoised_gpt.sharded_checkpoint import (is_sharded_checkpoint, load_sharded_state, model_and_optimizer_state,
                                              save_sharded)
-from denoised_gpt.weights import all_finite, nonfinite_weights
+from denoised_gpt.weights import (all_finite, nonfinite_optimizer_state, nonfinite_weights, optimizer_tensors,
+                                   refuse_nonfinite_state)
 from model import GPTConfig
 
 # Resuming continues the checkpoint's run: every setting it was trained with (batch size, data,
@@ -117,8 +118,7 @@ def load_resumed(out_dir, config, given, distributed):
     sharded = checkpoint['model'] is None and config['parallel'] == 'fsdp' and distributed
     if checkpoint['model'] is None and not sharded:  # one process or DDP: the whole tensors
         checkpoint = load_checkpoint(path, map_location='cpu')
-    if checkpoint['model'] is not None and not all_finite(checkpoint['model'].values()):
-        raise ValueError(nonfinite_weights(path))  # every step from it would be skipped or stop
+    refuse_nonfinite_state(checkpoint, path)  # every step from it would be skipped, stop, or not move
     return checkpoint, config, changes, path, sharded
 
 
@@ -131,8 +131,11 @@ def resume_training_state(checkpoint, path, model, optimizer, scaler, train_batc
         load_sharded_state(path, model, optimizer)
     note = restore_training_state(checkpoint, model, optimizer, scaler, train_batches, device_type(device),
                                   optimizer_loaded=sharded)
-    if sharded and not all_finite(model.parameters()):  # (the whole files were checked when read)
-        raise ValueError(nonfinite_weights(path))
+    if sharded:  # (the whole files were checked when read)
+        if not all_finite(model.parameters()):
+            raise ValueError(nonfinite_weights(path))
+        if not all_finite(optimizer_tensors(optimizer.state)):
+            raise ValueError(nonfinite_optimizer_state(path))
     return note
 
 

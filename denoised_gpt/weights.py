@@ -1,6 +1,7 @@
 """
 A GPT's weights: a GPT built around given tensors on the meta device (model_with_weights, empty_model),
-whether tensors are all finite (a diverged run's are not), and the names peft gives the layers it wraps.
+whether tensors are all finite (a diverged run's are not) and the one-line refusal of a state that is not,
+and the names peft gives the layers it wraps.
 The foundation, beside checkpoint_base.py: it imports nothing from the package (model.py only).
 """
 import torch
@@ -72,3 +73,28 @@ def nonfinite_weights(source):
     return (f"{source} holds non-finite weights (NaN or inf), the state of a run that diverged: every loss and "
             f"sample from it would be NaN. Use an earlier checkpoint (ckpt.prev.pt next to it, if finite), or "
             f"train again with a lower learning_rate")
+
+
+def optimizer_tensors(state):
+    """The tensors of an optimizer's per-parameter state (optimizer.state, or a state_dict's 'state'):
+    AdamW's moments and step counts."""
+    return [t for per_param in state.values() for t in per_param.values() if torch.is_tensor(t)]
+
+
+def nonfinite_optimizer_state(source):
+    """The message for an optimizer state (AdamW's moments) that is not all finite, from `source` (a path)."""
+    return (f"{source} holds a non-finite optimizer state (NaN or inf in AdamW's moments): a parameter whose "
+            f"second moment is inf never moves again, and a NaN one turns its weights NaN. Resume from an earlier "
+            f"checkpoint (ckpt.prev.pt next to it, if finite), or start a new run from these weights with "
+            f"--init_from={source} (a fresh optimizer)")
+
+
+def refuse_nonfinite_state(checkpoint, source, weights_only=False):
+    """ValueError in one line naming source when the checkpoint (load_checkpoint's dict) holds a weight or
+    (unless weights_only: a tool that drops the optimizer) an optimizer moment that is NaN or inf: every tool
+    that reads a state refuses one, so none is written again."""
+    if checkpoint.get('model') is not None and not all_finite(checkpoint['model'].values()):
+        raise ValueError(nonfinite_weights(source))
+    if not weights_only and checkpoint.get('optimizer') and not all_finite(
+            optimizer_tensors(checkpoint['optimizer']['state'])):
+        raise ValueError(nonfinite_optimizer_state(source))

@@ -1,4 +1,4 @@
-"""A run that diverges never saves its non-finite state: ckpt.pt and ckpt.prev.pt always hold the last
+"""A run that diverges never saves its non-finite state (weights or optimizer moments): ckpt.pt and ckpt.prev.pt always hold the last
 finite ones, the advice it stops with names one of them (or says none was written), following that
 advice trains on, and a non-finite checkpoint made elsewhere is refused in one line. (The non-finite
 steps themselves, stop and skip: test_train.py.)"""
@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from denoised_gpt.checkpoint import load_checkpoint
-from denoised_gpt.weights import all_finite
+from denoised_gpt.weights import all_finite, nonfinite_optimizer_state, nonfinite_weights
 from helpers import (NO_AUTOCAST, ROOT, TINY, eval_losses, iter_losses, make_dataset, run_script_in_process,
-                     save_model_checkpoint, subprocess_env, tiny_gpt)
+                     save_model_checkpoint, subprocess_env, tiny_checkpoint, tiny_gpt)
 from model import GPT, GPTConfig
 
 
@@ -61,7 +61,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 sys.path.insert(0, {root!r})
-from denoised_gpt.weights import all_finite
+from denoised_gpt.weights import all_finite, nonfinite_optimizer_state, nonfinite_weights
 
 dist.init_process_group('gloo', init_method={store!r}, rank=int(sys.argv[1]), world_size=2)
 w = distribute_tensor(torch.ones(4, 3), init_device_mesh('cpu', (2,)), [Shard(0)])
@@ -149,3 +149,52 @@ def test_resuming_a_nonfinite_checkpoint_is_refused_in_one_line(tmp_path, data):
         assert proc.stderr.startswith(f"train.py: error: {out / 'ckpt.pt'} holds non-finite weights (NaN or inf)")
         assert len(proc.stderr.strip().splitlines()) == 1
         assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # refused before out_dir is touched
+
+
+def nan_weight(model):
+    model.transformer.h[0].mlp.c_fc.weight[0, 0] = float('nan')
+
+
+@pytest.mark.parametrize('script,args', [
+    ('grow.py', ['--out={tmp}/grown', '--grow_to=24']),
+    ('export_hf.py', ['--hf_dir={tmp}/hf']),
+    ('convert_checkpoint.py', ['--to=sharded']),
+], ids=['grow', 'export', 'convert'])
+def test_no_tool_writes_a_new_state_from_a_nonfinite_checkpoint(tmp_path, data, script, args):
+    """grow.py, export_hf.py and convert_checkpoint.py read a checkpoint and write another: from NaN weights
+    they would write NaN weights again (and grow.py advise resuming them)."""
+    out = tmp_path / 'out'
+    tiny_checkpoint(out, 'base', data, tweak=nan_weight)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    proc = run_script_in_process(script, [f'--out_dir={out}', *(a.format(tmp=tmp_path) for a in args)])
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr == f"{script}: error: {nonfinite_weights(out / 'ckpt.pt')}\n"
+    assert [p.name for p in tmp_path.iterdir()] == ['out']  # nothing written beside it
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_a_new_run_from_nonfinite_weights_names_the_weights_not_the_learning_rate(tmp_path, data):
+    start = tmp_path / 'start'
+    tiny_checkpoint(start, 'base', data, tweak=nan_weight)
+    proc = train(data, tmp_path / 'out', f'--init_from={start}', '--max_iters=4', expect_rc=2)
+    assert proc.stderr == f"train.py: error: {nonfinite_weights(start)}\n"
+    assert not (tmp_path / 'out').exists()
+
+
+def test_a_nonfinite_optimizer_moment_is_neither_resumed_nor_converted(tmp_path, data):
+    """An inf second moment freezes its parameter for good (its update is m / inf = 0): a state holding
+    one is refused like NaN weights, by resuming and by convert_checkpoint.py."""
+    out = tmp_path / 'out'
+    train(data, out, '--max_iters=3')
+    state = torch.load(out / 'ckpt.pt', weights_only=True)
+    state['optimizer']['state'][0]['exp_avg_sq'][0] = float('inf')
+    torch.save(state, out / 'ckpt.pt')
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    proc = train(data, out, '--init_from=resume', '--max_iters=6', expect_rc=2)
+    assert proc.stderr == f"train.py: error: {nonfinite_optimizer_state(out / 'ckpt.pt')}\n"
+    proc = run_script_in_process('convert_checkpoint.py', [f'--out_dir={out}', '--to=sharded'])
+    assert proc.returncode == 2 and proc.stderr == (
+        f"convert_checkpoint.py: error: {nonfinite_optimizer_state(out / 'ckpt.pt')}\n")
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    # its weights are finite: the advice, a new run from them, trains
+    train(data, tmp_path / 'new', f'--init_from={out}', '--max_iters=2')
