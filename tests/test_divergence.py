@@ -1,7 +1,7 @@
-"""A run that diverges never saves its non-finite state (weights or optimizer moments): ckpt.pt and ckpt.prev.pt always hold the last
-finite ones, the advice it stops with names one of them (or says none was written), following that
-advice trains on, and a non-finite checkpoint made elsewhere is refused in one line. (The non-finite
-steps themselves, stop and skip: test_train.py.)"""
+"""A run that diverges never saves its non-finite state (weights or optimizer moments): ckpt.pt and
+ckpt.prev.pt always hold the last finite ones, the advice it stops with names one of them (or says none
+was written), following that advice trains on, and a non-finite checkpoint made elsewhere is refused in
+one line by every tool that reads one. (The non-finite steps themselves, stop and skip: test_train.py.)"""
 import math
 import subprocess
 import sys
