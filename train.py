@@ -588,14 +588,19 @@ while True:
             print(f"rank {ddp_rank}: non-finite loss or gradient at iter {iter_num} "
                   f"(loss {loss_sum.item() / gradient_accumulation_steps}, grad norm {grad_norm.item()})",
                   file=sys.stderr)
+        # a KL term that swamps the cross-entropy (or overflows) is kl_weight's doing, not the step size's
+        kl_term = kl_weight * kl_mean
+        swamped = math.isfinite(ce_mean) and math.isfinite(kl_mean) and not kl_term < 1e3 * ce_mean
+        cause = f" (the KL term, kl_weight x kl = {kl_term:.3g}, swamps the cross-entropy, {ce_mean:.4g})" if swamped else ""
+        advice = restart_advice(out_dir, saved_iter, 'kl_weight' if swamped else 'learning_rate')
         if nonfinite == 'stop':
-            stop_diverged(f"stopping at iter {iter_num}: non-finite loss or gradient (nonfinite='stop'). "
-                          f"{restart_advice(out_dir, saved_iter)}, or set --nonfinite=skip to skip such steps.")
+            stop_diverged(f"stopping at iter {iter_num}: non-finite loss or gradient{cause} (nonfinite='stop'). "
+                          f"{advice}, or set --nonfinite=skip to skip such steps.")
         skipped_in_a_row += 1
         if skipped_in_a_row >= max_skipped_steps:
             stop_diverged(f"stopping at iter {iter_num}: {skipped_in_a_row} steps in a row had a non-finite loss "
-                          f"or gradient (max_skipped_steps={max_skipped_steps}): the run has diverged. "
-                          f"{restart_advice(out_dir, saved_iter)}.")
+                          f"or gradient (max_skipped_steps={max_skipped_steps}): the run has diverged{cause}. "
+                          f"{advice}.")
         if master_process:
             print(f"iter {iter_num}: skipping the update (non-finite loss or gradient, nonfinite='skip')")
         scaler.update()

@@ -179,13 +179,13 @@ def trim_metrics(out_dir, resumed_iter):
         raise ValueError(out_dir_error(out_dir, e, f"trimming {path} to the checkpoint's iteration")) from e
 
 
-def restart_advice(out_dir, saved_iter):
-    """What to do after a divergence, given the iteration of the checkpoint on disk (None: none yet).
-    train.py only ever saves finite states, so that checkpoint is one to resume from."""
+def restart_advice(out_dir, saved_iter, setting='learning_rate'):
+    """What to do after a divergence, given the iteration of the checkpoint on disk (None: none yet) and the
+    setting to lower. train.py only ever saves finite states, so that checkpoint is one to resume from."""
     if saved_iter is None:
-        return "No checkpoint was written yet: start the run again with a lower learning_rate"
+        return f"No checkpoint was written yet: start the run again with a lower {setting}"
     return (f"Resume from the last checkpoint ({checkpoint_path(out_dir)}, iter {saved_iter}) with a "
-            f"lower learning_rate: --init_from=resume --learning_rate=...")
+            f"lower {setting}: --init_from=resume --{setting}=...")
 
 
 def checkpoint_note(path, saved_iter, saved_val_loss, best_iter, best_val_loss, last_iter, keeps_best_hint):

@@ -198,3 +198,12 @@ def test_a_nonfinite_optimizer_moment_is_neither_resumed_nor_converted(tmp_path,
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     # its weights are finite: the advice, a new run from them, trains
     train(data, tmp_path / 'new', f'--init_from={out}', '--max_iters=2')
+
+
+@pytest.mark.parametrize('kl_weight', ['1e308', '1e30'])  # the KL term overflows / its gradient does
+def test_a_kl_term_that_swamps_the_loss_is_named_as_the_cause_not_the_learning_rate(tmp_path, data, kl_weight):
+    proc = train(data, tmp_path / 'out', '--attn_type=noiseformer_v2', f'--kl_weight={kl_weight}', '--max_iters=4',
+                 expect_rc=3)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "(the KL term, kl_weight x kl = " in last and "swamps the cross-entropy" in last
+    assert "start the run again with a lower kl_weight" in last and "learning_rate" not in last
