@@ -177,8 +177,8 @@ def checkpoint_path(out_dir_or_file):
     sharded checkpoint's folder is returned unchanged."""
     if os.path.isfile(out_dir_or_file) or is_sharded_checkpoint(out_dir_or_file):
         return out_dir_or_file
-    if os.path.basename(out_dir_or_file) == CKPT_NAME and not os.path.isdir(out_dir_or_file):
-        return out_dir_or_file  # a checkpoint file that is not there (yet): not a folder to look into
+    if os.path.basename(out_dir_or_file) == CKPT_NAME:
+        return out_dir_or_file  # a checkpoint file that is not there (yet), or a folder in its place
     path = os.path.join(out_dir_or_file, CKPT_NAME)
     folder = newest_sharded(out_dir_or_file)
     if folder is None:
@@ -211,6 +211,9 @@ def load_checkpoint(out_dir_or_file, map_location='cpu', metadata_only=False, mo
     use_prev = (f"The previous checkpoint {prev} was kept for this: resume from it with "
                 f"`mv {prev} {path}`, or load it directly with load_checkpoint({prev!r})."
                 if has_fallback else "No previous checkpoint (ckpt.prev.pt) exists next to it.")
+    if os.path.isdir(path):  # (a sharded checkpoint's folder returned above)
+        raise CheckpointError(f"{path} is a folder, not a checkpoint file: move it away" + (
+            f", then resume from the previous checkpoint with `mv {prev} {path}`" if has_fallback else ""))
     if not os.path.isfile(path):
         if has_fallback:
             raise CheckpointError(f"no checkpoint at {path}. {use_prev}")

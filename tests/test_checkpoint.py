@@ -101,6 +101,22 @@ def test_missing_files_and_foreign_files(tmp_path):
         load_checkpoint(tmp_path / 'other.pt')
 
 
+def test_a_folder_in_the_checkpoints_place_is_named_once_with_advice_that_works(tmp_path):
+    save_checkpoint(state(1), tmp_path)
+    save_checkpoint(state(2), tmp_path)
+    os.remove(tmp_path / 'ckpt.pt')
+    (tmp_path / 'ckpt.pt').mkdir()  # e.g. a mistaken `mkdir` or a copy gone wrong
+    path, prev = tmp_path / 'ckpt.pt', tmp_path / 'ckpt.prev.pt'
+    for given in (tmp_path, path):
+        with pytest.raises(CheckpointError) as e:
+            load_checkpoint(given)
+        assert str(e.value) == (f"{path} is a folder, not a checkpoint file: move it away, then resume from the "
+                                f"previous checkpoint with `mv {prev} {path}`")
+    os.rmdir(path)  # the advice, followed
+    os.rename(prev, path)
+    assert load_checkpoint(tmp_path)['iter_num'] == 1
+
+
 def test_nanogpt_compiled_checkpoint_keys_are_cleaned(tmp_path):
     s = state(1)
     s['model'] = {'_orig_mod.transformer.wte.weight': torch.zeros(3)}
