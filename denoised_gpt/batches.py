@@ -22,8 +22,9 @@ SCAN_CHUNK = 1 << 26  # tokens per step of the vocab check (128 MB of uint16): b
 # have changed since). A larger file (OpenWebText's train.bin: 9 G tokens, up to a minute per rank when
 # not in the page cache) is checked by its meta.json's max id, when that describes it, and batch by batch.
 FULL_SCAN_TOKENS = 1 << 27
-_OTHER_TOKENIZER = ("the file was made with another tokenizer; prepare it again or set vocab_size to the "
-                    "dataset's (see its meta.json)")
+# (true for every script: the vocabulary is the model's, from meta.json or a checkpoint, never a setting)
+_OTHER_TOKENIZER = ("the file was made with another tokenizer than the model's: prepare it again with its "
+                    "prepare.py, or give the data the model was trained on (--dataset)")
 
 
 class TokenIdError(ValueError):

@@ -281,6 +281,21 @@ def test_eval_script_a_bad_id_met_while_drawing_entropy_batches_is_one_line(char
     assert f"holds token id {meta['vocab_size']} at position" in errors[0] and "so the file changed" in errors[0]
 
 
+def test_eval_script_data_of_another_tokenizer_gets_a_fix_eval_can_take(char_run, tmp_path):
+    """The model's vocabulary is its checkpoint's: the fix is other data (eval.py has no vocab_size)."""
+    data = tmp_path / 'data-other'
+    data.mkdir()
+    meta = json.loads((char_run['data'] / 'meta.json').read_text())
+    (data / 'meta.json').write_text(json.dumps({**meta, 'vocab_size': meta['vocab_size'] + 10}))
+    write_tokens(data / 'val.bin', [1] * 50 + [meta['vocab_size'] + 5] * 250)
+    r = run_script_in_process('eval.py', [f"--out_dir={char_run['base_dir']}", f"--eval_dir={tmp_path / 'eval'}",
+                                          '--val_loss=True', f'--dataset={data}', '--device=cpu'])
+    assert r.returncode == 2 and r.stderr.splitlines()[-1] == (
+        f"eval.py: error: {data / 'val.bin'} holds token id {meta['vocab_size'] + 5} at position 50, but vocab_size "
+        f"is {meta['vocab_size']}: the file was made with another tokenizer than the model's: prepare it again with "
+        f"its prepare.py, or give the data the model was trained on (--dataset)")
+
+
 @pytest.mark.parametrize('wrong', ['missing', 'no_checkpoint_inside', 'not_a_checkpoint'])
 def test_eval_script_a_wrong_compare_to_fails_before_any_entropy_is_computed(char_run, tmp_path, wrong):
     compare_to = {'missing': tmp_path / 'out-bsae', 'no_checkpoint_inside': char_run['root'],
