@@ -306,6 +306,9 @@ if master_process:
     if resume_changes:
         print("resuming with these settings changed from the checkpoint's (the others are the checkpoint's):\n"
               + "\n".join(resume_changes))
+    if init_from == 'resume' and iter_num == max_iters and not eval_only:
+        print(f"note: max_iters={max_iters} is the checkpoint's iteration: nothing to train (give --max_iters above "
+              f"{max_iters} to continue the run)")
 
 # initialize a GradScaler. If enabled=False scaler is a no-op
 scaler = grad_scaler(device, dtype)

@@ -287,7 +287,9 @@ def test_resume_does_not_replace_the_fallback_before_training(tmp_path):
     assert load_checkpoint(out / 'ckpt.prev.pt')['iter_num'] == 5
     before = {name: (out / name).read_bytes() for name in ('ckpt.pt', 'ckpt.prev.pt')}
     stdout = train_in_process(*tiny_args(tmp_path, data), '--init_from=resume', '--max_iters=10').stdout
-    assert 'saved checkpoint' not in stdout and 'step 10:' not in stdout  # nothing left to train
+    assert 'saved checkpoint' not in stdout and 'step 10:' not in stdout  # nothing left to train, said
+    assert ("note: max_iters=10 is the checkpoint's iteration: nothing to train (give --max_iters above 10 to "
+            "continue the run)\n") in stdout
     assert {name: (out / name).read_bytes() for name in before} == before
     train_in_process(*tiny_args(tmp_path, data), '--init_from=resume', '--max_iters=12')
     assert load_checkpoint(out)['iter_num'] == 12 and load_checkpoint(out / 'ckpt.prev.pt')['iter_num'] == 10
