@@ -60,6 +60,11 @@ EXPORT_FILES = ('README.md', RUN_FILE, 'config.json', 'generation_config.json', 
 # ----------------------------------------------------------------------------------------------
 # Export
 
+# files a user edits or adds in an exported folder: an export into it again keeps them when they are not
+# what the earlier export wrote
+USERS_FILES = ('README.md', 'chat_template.jinja')
+
+
 def check_hf_dir(hf_dir, overwrite):
     """ValueError unless hf_dir can take an export: a new or empty folder (hidden files such as .git do not
     count: a clone of a new Hub repository), or with overwrite one holding an earlier export (and perhaps
@@ -125,14 +130,36 @@ def export(checkpoint, hf_dir, data_dir=None, overwrite=False):
         notes.append(f"tokenizer: {tokenizer_note}")
         run = dict(attn_type=model.config.attn_type, iter_num=int(checkpoint['iter_num']),
                    best_val_loss=_plain_float(checkpoint['best_val_loss']), config=checkpoint.get('config', {}))
-        with open(os.path.join(tmp, RUN_FILE), 'w') as f:
-            json.dump(run, f, indent=2, default=repr)
         with open(os.path.join(tmp, 'README.md'), 'w') as f:
             f.write(model_card(model, run, incompatibility, vocabulary, tokenizer_note, hf_dir))
-        _move_into_place(tmp, hf_dir)
+        # what the files a user may edit held, so that a later export into this folder tells edits from its own
+        run['digests'] = {name: _sha256(os.path.join(tmp, name)) for name in USERS_FILES
+                          if os.path.isfile(os.path.join(tmp, name))}
+        with open(os.path.join(tmp, RUN_FILE), 'w') as f:
+            json.dump(run, f, indent=2, default=repr)
+        notes += _move_into_place(tmp, hf_dir)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return notes
+
+
+def _sha256(path):
+    digest = hashlib.sha256()
+    with open(path, 'rb') as f:
+        for chunk in iter(lambda: f.read(1 << 20), b''):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _written_by_earlier_export(hf_dir):
+    """{name: sha256} of the USERS_FILES the earlier export in hf_dir wrote, as its training_run.json records
+    them; None when nothing records them (no earlier export, one from a version that did not, a damaged
+    record)."""
+    try:
+        digests = _read_json(os.path.join(hf_dir, RUN_FILE)).get('digests')
+    except ValueError:
+        return None
+    return digests if isinstance(digests, dict) else None
 
 
 def _move_into_place(tmp, hf_dir):
@@ -140,7 +167,8 @@ def _move_into_place(tmp, hf_dir):
     one (empty, a new Hub repository's clone, or an earlier export with overwrite) each file is renamed
     into place, replacing the earlier file of its name, and the earlier export's files that this one does
     not write (EXPORT_FILES) are removed; nothing else there is touched: .git, .gitattributes, the user's
-    own files and folders.
+    own files and folders. A model card or chat template that the earlier export did not write as it is
+    (edited, or added, by the user) is kept. Returns notes saying what was replaced, removed and kept.
 
     What is atomic: each file's rename, not the folder's. While the files go in (milliseconds) a reader
     can see some earlier files beside new ones; if a rename fails, the earlier files are put back and the
@@ -148,10 +176,13 @@ def _move_into_place(tmp, hf_dir):
     _make_shareable(tmp)
     if not os.path.isdir(hf_dir):
         os.rename(tmp, hf_dir)
-        return
-    new = sorted(os.listdir(tmp))  # a fixed order: a failure part-way is the same every time
+        return []
     earlier = {name for name in os.listdir(hf_dir) if not _is_folder(os.path.join(hf_dir, name))}
-    stale = sorted(name for name in earlier - set(new) if is_export_file(name))
+    written = _written_by_earlier_export(hf_dir)
+    kept = [name for name in USERS_FILES if name in earlier and written is not None
+            and written.get(name) != _sha256(os.path.join(hf_dir, name))]
+    new = sorted(set(os.listdir(tmp)) - set(kept))  # a fixed order: a failure part-way is the same every time
+    stale = sorted(name for name in earlier - set(new) - set(kept) if is_export_file(name))
     old = f"{tmp}.old"
     os.mkdir(old)
     moved = []  # the names handled so far, in order, for putting the earlier files back
@@ -171,6 +202,14 @@ def _move_into_place(tmp, hf_dir):
         os.rmdir(old)
         raise
     shutil.rmtree(old)
+    replaced = [name for name in new if name in earlier]
+    notes = [f"{hf_dir}: replaced {', '.join(replaced)}"] if replaced else []
+    if stale:
+        notes.append(f"{hf_dir}: removed {', '.join(stale)} (the earlier export's; this one does not write them)")
+    notes += [f"{hf_dir}: kept your {name} (not as the earlier export wrote it)" + (
+        "; this export's model card is not written: update yours, or delete it and export again for a new one"
+        if name == 'README.md' else "") for name in kept]
+    return notes
 
 
 def is_export_file(name):

@@ -364,6 +364,15 @@ def token_id_data(tmp_path):
     return data
 
 
+def same_export(files, exports):
+    """Whether the {name: bytes} files hold the export `exports`: byte for byte but for the model card, which
+    names its folder, and its digest in training_run.json."""
+    def run(data):
+        return {k: v for k, v in json.loads(data).items() if k != 'digests'}
+    return all(files[name] == data if name != 'training_run.json' else run(files[name]) == run(data)
+               for name, data in exports.items() if name != 'README.md')
+
+
 def test_overwrite_replaces_only_the_exports_files_in_a_clone_and_removes_the_stale_ones(exported, tmp_path,
                                                                                        token_id_data):
     """A model with its own code and a tokenizer, exported again into its git clone as a plain GPT-2 folder
@@ -385,7 +394,7 @@ def test_overwrite_replaces_only_the_exports_files_in_a_clone_and_removes_the_st
     assert {k: after.get(k, 'gone') for k in users} == users  # .git, .gitattributes, notes, eval/ as they were
     exports = {p.name: p.read_bytes() for p in (tmp_path / 'fresh').iterdir()}
     assert set(after) - set(users) == set(exports)  # no model.py, no tokenizer: nothing stale is left
-    assert all(after[name] == exports[name] for name in exports if name != 'README.md')  # the card names its folder
+    assert same_export(after, exports)
     assert sorted(p.name for p in tmp_path.iterdir()) == ['clone', 'data-ids', 'fresh']  # nothing left beside
 
     hf = load_hf(clone)
@@ -393,6 +402,27 @@ def test_overwrite_replaces_only_the_exports_files_in_a_clone_and_removes_the_st
     idx = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         assert (hf(idx).logits - model.lm_head(final_hidden_states(model, idx))).abs().max() <= 1e-5
+
+
+def test_overwrite_keeps_a_model_card_and_chat_template_the_user_wrote_and_says_what_it_replaced(exported,
+                                                                                                 tmp_path):
+    _, out_dir, _, _ = exported['base']
+    folder = tmp_path / 'hf'
+    assert run_script_in_process('export_hf.py', [f'--out_dir={out_dir}', f'--hf_dir={folder}']).returncode == 0
+    card = (folder / 'README.md').read_text()
+    again = run_script_in_process('export_hf.py', [f'--out_dir={out_dir}', f'--hf_dir={folder}', '--overwrite=True'])
+    assert again.returncode == 0 and f"{folder}: replaced README.md, config.json," in again.stderr + again.stdout
+    assert (folder / 'README.md').read_text() == card  # not edited: a new card (the same here)
+    (folder / 'README.md').write_text(card + "\n## Results\nOur own notes.\n")
+    (folder / 'chat_template.jinja').write_text("{{ messages }}")
+    edited = {name: (folder / name).read_bytes() for name in ('README.md', 'chat_template.jinja')}
+    proc = run_script_in_process('export_hf.py', [f'--out_dir={out_dir}', f'--hf_dir={folder}', '--overwrite=True'])
+    assert proc.returncode == 0, proc.stderr
+    said = proc.stderr + proc.stdout
+    assert f"{folder}: kept your README.md (not as the earlier export wrote it); this export's model card" in said
+    assert f"{folder}: kept your chat_template.jinja (not as the earlier export wrote it)" in said
+    assert {name: (folder / name).read_bytes() for name in edited} == edited
+    assert load_hf(folder) is not None  # the rest is a whole export
 
 
 def test_a_clone_of_a_new_hub_repository_takes_an_export(exported, tmp_path):
@@ -418,7 +448,7 @@ def test_a_clone_of_a_new_hub_repository_takes_an_export(exported, tmp_path):
         after = folder_contents(clone)
         assert {k: after[k] for k in git} == git
         assert set(after) - set(git) == set(exports)
-        assert all(after[n] == exports[n] for n in exports if n != 'README.md')  # the card names its folder
+        assert same_export(after, exports)
         assert "license: mit" not in after['README.md'].decode()
 
 
