@@ -24,6 +24,7 @@ and nothing else (read_metadata); the shards' tensors and train_state.pt are rea
 refusal is a one-line CheckpointError saying the file holds code, never that it is corrupt.
 """
 import contextlib
+import dataclasses
 import functools
 import glob
 import inspect
@@ -160,9 +161,10 @@ def checkpoint_as_sharded(ckpt):
 # ----------------------------------------------------------------------------------------------
 # Reading
 
-# what DCP pickles into .metadata (torch 2.13): its metadata dataclasses, the shapes, dtypes, layout and
-# memory format of the tensors, and the path the checkpoint was saved to. Not BytesStorageMetadata: DCP
-# reads such an entry with torch.load(weights_only=False), and save_sharded writes tensors only.
+# what DCP pickles into .metadata (torch 2.13; 2.6 the same less _StorageInfo's transform_descriptors): its
+# metadata dataclasses, the shapes, dtypes, layout and memory format of the tensors, and the path the
+# checkpoint was saved to. Not BytesStorageMetadata: DCP reads such an entry with torch.load(weights_only=False),
+# and save_sharded writes tensors only.
 METADATA_GLOBALS = {
     'torch.distributed.checkpoint.metadata': {'Metadata', 'TensorStorageMetadata', 'ChunkStorageMetadata',
                                               'TensorProperties', 'MetadataIndex', 'StorageMeta',
@@ -176,27 +178,124 @@ METADATA_GLOBALS = {
 
 
 class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles a .metadata file, refusing any global outside METADATA_GLOBALS before it is looked up:
-    a crafted file never gets hold of a callable that could run code."""
+    """Unpickles a .metadata file into plain values. A global outside METADATA_GLOBALS is refused before it is
+    looked up (a crafted file never gets hold of a callable that could run code), and one inside comes back
+    as a stand-in made for this one read (_Pickled), never as the real class: a pickle sets attributes of
+    whatever it holds (BUILD), and on a real class or a shared object that would last for the whole process.
+    _rebuild then makes DCP's objects from the plain values."""
 
     def __init__(self, file, path):
         super().__init__(file)
-        self.path = path
+        self.path, self.stand_ins = path, {}
 
     def find_class(self, module, name):
         if name not in METADATA_GLOBALS.get(module, ()):
             raise CheckpointError(f"sharded checkpoint file {self.path} holds Python objects other than DCP's "
                                   f"checkpoint metadata (it references {module}.{name}), which are not loaded "
                                   f"because unpickling them can run code")
-        return super().find_class(module, name)
+        if (module, name) not in self.stand_ins:
+            real = super().find_class(module, name)
+            self.stand_ins[module, name] = type(name, (_Pickled,), {
+                'real': staticmethod(real), 'global_name': f"{module}.{name}", 'path': self.path})
+        return self.stand_ins[module, name]
+
+
+class _OfInstances:
+    """A method of a stand-in's instances; looked up on the stand-in itself (what BUILD on the class does), a
+    refusal."""
+
+    def __init__(self, method):
+        self.method = method
+
+    def __get__(self, obj, cls):
+        if obj is None:
+            raise CheckpointError(_sets_attributes(cls.path, cls.global_name))
+        return self.method.__get__(obj, cls)
+
+
+class _Pickled:
+    """A global of .metadata (`real`) as the file uses it: called (REDUCE, NEWOBJ), an instance that keeps the
+    arguments, and the state the file gives it (BUILD): only DCP's dataclasses take state, each instance
+    being made afresh from it; what anything else returns can be one object for every later use."""
+
+    def __new__(cls, *args):
+        self = object.__new__(cls)
+        self.args = args
+        return self
+
+    @_OfInstances
+    def __setstate__(self, state):
+        if not dataclasses.is_dataclass(self.real):
+            raise CheckpointError(_sets_attributes(self.path, f"what {self.global_name} returns"))
+        self.state = state
+
+
+def _sets_attributes(path, what):
+    return (f"sharded checkpoint file {path} sets attributes of {what}, which would change it for the whole "
+            f"process: DCP's metadata never does, and the file is not loaded")
+
+
+def _rebuild(x, memo):
+    """The value that x, from _MetadataUnpickler, stands for: plain values as they are; a global the file names
+    as a value, the real one if a dtype (the only such global DCP writes); a stand-in's instance, a real object
+    made here from plain values: for a dataclass a fresh instance given the file's fields, for anything else
+    the real call (torch.Size, a layout or a memory format by name, a path) on the file's arguments.
+    ValueError for anything else. memo: one real object per object of the file, so that shared references
+    cannot make the work grow faster than the file."""
+    if x is None or type(x) in (bool, int, float, str):
+        return x
+    if id(x) not in memo:
+        memo[id(x)] = _rebuilt(x, memo)
+    return memo[id(x)]
+
+
+def _rebuilt(x, memo):  # _rebuild's work on one object of the file
+    if type(x) in (list, tuple):
+        return type(x)(_rebuild(v, memo) for v in x)
+    if type(x) is dict:
+        return {_rebuild(k, memo): _rebuild(v, memo) for k, v in x.items()}
+    stand_in = x if isinstance(x, type) else type(x)
+    if not issubclass(stand_in, _Pickled):
+        raise ValueError(f"it holds a {type(x).__name__}")
+    real = stand_in.real
+    if x is stand_in:
+        if not isinstance(real, torch.dtype):
+            raise ValueError(f"it holds {stand_in.global_name} itself")
+        return real
+    if not dataclasses.is_dataclass(real):
+        return real(*_rebuild(x.args, memo))
+    fields, required = _fields(real)
+    state, obj = _rebuild(getattr(x, 'state', None), memo), real.__new__(real)
+    if x.args == () and '__setstate__' in vars(real):  # TensorProperties: a tuple
+        obj.__setstate__(state)
+    elif x.args == () and type(state) is dict and required <= set(state) <= fields:
+        vars(obj).update(state)
+    else:
+        raise ValueError(f"its {stand_in.global_name} is not made as DCP makes one")
+    return obj
+
+
+@functools.cache
+def _fields(dataclass):
+    """A dataclass's field names, and those of them without a default."""
+    fields = dataclasses.fields(dataclass)
+    return ({f.name for f in fields},
+            {f.name for f in fields if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING})
 
 
 def read_metadata(path):
-    """DCP's Metadata from the .metadata file at path, unpickled by _MetadataUnpickler: CheckpointError
-    for a file that references anything else, ValueError for one that holds no Metadata of tensors."""
+    """DCP's Metadata from the .metadata file at path, read as plain data (_MetadataUnpickler, _rebuild):
+    CheckpointError for a file that references anything else or sets attributes of a class or shared object,
+    ValueError for one that holds no Metadata of tensors."""
     from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
     with open(path, 'rb') as f:
-        metadata = _MetadataUnpickler(f, path).load()
+        try:
+            metadata = _rebuild(_MetadataUnpickler(f, path).load(), {})
+        except CheckpointError:
+            raise
+        except Exception as e:  # bytes that are not DCP's metadata: damaged, or some other file
+            raise ValueError(f"{path} is not DCP's metadata of a checkpoint of tensors ({type(e).__name__}: "
+                             f"{short_reason(e)})") from e
     entries = getattr(metadata, 'state_dict_metadata', None)
     if not isinstance(metadata, Metadata) or not isinstance(entries, dict) or not all(
             isinstance(m, TensorStorageMetadata) for m in entries.values()):

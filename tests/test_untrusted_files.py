@@ -7,6 +7,7 @@ the restricted reader, and a truncated checkpoint is one short line naming the f
 import dataclasses
 import io
 import os
+import pathlib
 import pickle
 import re
 import shutil
@@ -15,6 +16,7 @@ import sys
 
 import pytest
 import torch
+from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
 
 from denoised_gpt.checkpoint import CheckpointError, checkpoint_path, load_checkpoint
 from denoised_gpt.sharded_checkpoint import checkpoint_as_sharded, load_sharded_state, read_metadata, save_sharded
@@ -269,6 +271,71 @@ def test_a_gpt2_folder_holding_code_is_refused_in_one_line(script, tmp_path):
     assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert_refused(errors[0], marker)
     assert "weights_only" not in proc.stdout + proc.stderr
+
+
+# ----------------------------------------------------------------------------------------------
+# what else a sharded folder's files could make the reader do: change a class for the whole process
+
+def crafted(source, tmp_path, change):
+    """A copy of source's sharded checkpoint whose .metadata change(metadata, folder) rewrote: its folder."""
+    out = tmp_path / 'out'
+    shutil.copytree(source, out)
+    folder = folder_of(out)
+    with open(folder / '.metadata', 'rb') as f:
+        metadata = pickle.load(f)  # written by save_sharded just now: trusted
+    change(metadata, folder)
+    with open(folder / '.metadata', 'wb') as f:
+        pickle.dump(metadata, f)
+    return folder
+
+
+def assert_one_line(e, *parts):
+    message = str(e.value)
+    assert len(message.splitlines()) == 1, message
+    assert all(part in message for part in parts), message
+
+
+def pickle_string(text):
+    return b'X' + len(text).to_bytes(4, 'little') + text.encode()  # BINUNICODE
+
+
+# objects every later use in the process shares: (the object; a pickle that gets it, as a .metadata can, and
+# sets one of its attributes by BUILD; what the refusal names)
+MEM_FORMAT = 'torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING'
+SHARED_OBJECTS = {
+    'a class': (lambda: pathlib.PosixPath,
+                b'cpathlib\nPosixPath\n'  # GLOBAL; state (None, {...}): setattr
+                + b'N}' + pickle_string('_str') + pickle_string('set by a checkpoint') + b's\x86b',
+                'pathlib.PosixPath'),
+    'an enum member': (lambda: _MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT,
+                       b'c' + MEM_FORMAT.replace('._', '\n_').encode() + b'\nK\x00\x85R'  # _MEM_FORMAT_ENCODING(0)
+                       + b'}' + pickle_string('_name_') + pickle_string('set by a checkpoint') + b'sb',  # its __dict__
+                       f"what {MEM_FORMAT} returns"),
+}
+
+
+@pytest.mark.parametrize('target', SHARED_OBJECTS)
+def test_metadata_that_sets_attributes_of_a_shared_object_is_refused_and_changes_nothing(source, tmp_path, target):
+    """Ahead of DCP's own metadata, a pickle that gets an object every later use in the process shares and
+    BUILDs on it: refused in one line, and the object is as it was (pathlib paths still print as themselves)."""
+    obj, build, what = SHARED_OBJECTS[target]
+    obj = obj()
+    folder = crafted(source, tmp_path, lambda metadata, folder: None)
+    data = (folder / '.metadata').read_bytes()
+    (folder / '.metadata').write_bytes(data[:2] + build + b'0' + data[2:])  # PROTO, the BUILD, POP, the rest
+    before = dict(vars(obj))
+    try:
+        with pytest.raises(CheckpointError) as e:
+            load_checkpoint(folder)
+        assert dict(vars(obj)) == before
+        assert str(pathlib.Path('/a') / 'b') == '/a/b'
+    finally:  # what a regression would leave for the tests after this one
+        for name in set(vars(obj)) - set(before):
+            delattr(obj, name)
+        if target == 'an enum member':
+            vars(obj).update(before)
+    assert_one_line(e, f"sharded checkpoint file {folder / '.metadata'} sets attributes of {what}, which would change "
+                       f"it for the whole process")
 
 
 def test_metadata_declaring_more_than_the_shards_hold_is_refused_before_allocating(source, tmp_path):
