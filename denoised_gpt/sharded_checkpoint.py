@@ -32,6 +32,7 @@ import math
 import os
 import pickle
 import shutil
+import stat
 import warnings
 
 import torch
@@ -57,7 +58,8 @@ def newest_sharded(out_dir):
 
 
 def is_sharded_checkpoint(path):
-    return os.path.isfile(os.path.join(path, STATE_NAME))
+    # whatever train_state.pt is (a FIFO, say): read_train_state says what is wrong with it
+    return os.path.lexists(os.path.join(path, STATE_NAME))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -285,10 +287,11 @@ def _fields(dataclass):
 
 def read_metadata(path):
     """DCP's Metadata from the .metadata file at path, read as plain data (_MetadataUnpickler, _rebuild):
-    CheckpointError for a file that references anything else or sets attributes of a class or shared object,
-    ValueError for one that holds no Metadata of tensors."""
+    CheckpointError for a file that references anything else, sets attributes of a class or shared object,
+    or names files other than its folder's regular files; ValueError for one that holds no Metadata of
+    tensors."""
     from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-    with open(path, 'rb') as f:
+    with open(_file_in(*os.path.split(path))[0], 'rb') as f:
         try:
             metadata = _rebuild(_MetadataUnpickler(f, path).load(), {})
         except CheckpointError:
@@ -296,18 +299,43 @@ def read_metadata(path):
         except Exception as e:  # bytes that are not DCP's metadata: damaged, or some other file
             raise ValueError(f"{path} is not DCP's metadata of a checkpoint of tensors ({type(e).__name__}: "
                              f"{short_reason(e)})") from e
-    entries = getattr(metadata, 'state_dict_metadata', None)
+    entries, records = getattr(metadata, 'state_dict_metadata', None), getattr(metadata, 'storage_data', None)
     if not isinstance(metadata, Metadata) or not isinstance(entries, dict) or not all(
-            isinstance(m, TensorStorageMetadata) for m in entries.values()):
+            isinstance(m, TensorStorageMetadata) for m in entries.values()) or not isinstance(records, dict) \
+            or not all(isinstance(getattr(r, 'relative_path', None), str) for r in records.values()):
         raise ValueError(f"{path} is not DCP's metadata of a checkpoint of tensors")
+    folder = os.path.dirname(path)
+    for name in {r.relative_path for r in records.values()}:  # (DCP reads each joined to the folder)
+        _file_in(folder, name, path)
     # the reader allocates every declared tensor before it reads a byte: a size beyond what the shards
     # hold is refused here, not met as an out-of-memory kill
     declared = sum(math.prod(m.size) * m.properties.dtype.itemsize for m in entries.values())
-    folder = os.path.dirname(path)
     held = sum(os.path.getsize(os.path.join(folder, name)) for name in os.listdir(folder) if name.endswith('.distcp'))
     if any(n < 0 for m in entries.values() for n in m.size) or declared > held:
         raise ValueError(f"{path} declares tensors of {declared:,} bytes, but the folder's shards hold {held:,}")
     return metadata
+
+
+def _file_in(folder, name, named_by=None):
+    """The path and size of the file `name` in folder (named by the file named_by, if any), refused in one line
+    unless it is a regular file inside the folder: a shard named by an absolute path, by '..' or by a link out
+    of the folder would be read from anywhere the user can read, and a FIFO or a device would hang the reader
+    (or never end). CheckpointError; FileNotFoundError when there is no such file."""
+    path = os.path.join(folder, name)
+    if named_by and (name in ('', '.', '..') or os.path.basename(name) != name):
+        raise CheckpointError(f"sharded checkpoint file {named_by} names {name!r} as a shard, which is not a file "
+                              f"in its folder and is not read: a sharded checkpoint reads only its own files")
+    real = os.path.realpath(path)
+    if os.path.dirname(real) != os.path.realpath(folder):
+        raise CheckpointError(f"sharded checkpoint file {path} is a link to {real}, outside its folder, and is not "
+                              f"read: copy that file into the folder in place of the link (cp -L)")
+    st = os.stat(path)
+    if not stat.S_ISREG(st.st_mode):
+        kind = {stat.S_IFIFO: 'a FIFO', stat.S_IFDIR: 'a folder', stat.S_IFSOCK: 'a socket'}.get(
+            stat.S_IFMT(st.st_mode), 'a device')
+        raise CheckpointError(f"sharded checkpoint file {path} is {kind}, not a regular file, and is not read "
+                              f"(reading it could wait forever): put the checkpoint's own file there")
+    return path, st.st_size
 
 
 def checkpoint_reader(folder):
@@ -344,7 +372,7 @@ def raise_if_refused(path, e):
 
 
 def read_train_state(folder):
-    path = os.path.join(folder, STATE_NAME)
+    path = _file_in(folder, STATE_NAME)[0]
     try:
         return torch.load(path, map_location='cpu', weights_only=True)
     except pickle.UnpicklingError as e:

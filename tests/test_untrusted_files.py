@@ -274,7 +274,8 @@ def test_a_gpt2_folder_holding_code_is_refused_in_one_line(script, tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------
-# what else a sharded folder's files could make the reader do: change a class for the whole process
+# what else a sharded folder's files could make the reader do: read files outside the folder, change a
+# class for the whole process, or wait forever
 
 def crafted(source, tmp_path, change):
     """A copy of source's sharded checkpoint whose .metadata change(metadata, folder) rewrote: its folder."""
@@ -289,10 +290,49 @@ def crafted(source, tmp_path, change):
     return folder
 
 
+def set_record(metadata, fqn, **fields):
+    """The record (file, offset, length...) of fqn's only chunk, with fields replaced."""
+    index = next(i for i in metadata.storage_data if i.fqn == fqn)
+    metadata.storage_data[index] = dataclasses.replace(metadata.storage_data[index], **fields)
+
+
 def assert_one_line(e, *parts):
     message = str(e.value)
     assert len(message.splitlines()) == 1, message
     assert all(part in message for part in parts), message
+
+
+OUTSIDE = {'absolute path': None, 'dot-dot': '../outside.distcp', 'link': 'link.distcp'}  # (None: its path)
+
+
+@pytest.mark.parametrize('how', OUTSIDE)
+def test_a_shard_outside_the_folder_is_refused_before_it_is_read(source, tmp_path, how):
+    """Records that name a copy of the real shard outside the folder (reading it would load fine): a sharded
+    checkpoint reads only the regular files in its own folder, whatever its .metadata names. A link to a
+    file inside the folder is read as that file."""
+    outside = tmp_path / 'out' / 'outside.distcp'  # beside the checkpoint's folder
+    name = OUTSIDE[how] or str(outside)
+
+    def point_outside(metadata, folder):
+        shutil.copy(folder / '__0_0.distcp', outside)
+        if how == 'link':
+            (folder / name).symlink_to(outside)
+        for index in metadata.storage_data:
+            set_record(metadata, index.fqn, relative_path=name)
+
+    folder = crafted(source, tmp_path, point_outside)
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(folder)
+    if how != 'link':
+        assert_one_line(e, f"sharded checkpoint file {folder / '.metadata'} names {name!r} as a shard, which is not "
+                           f"a file in its folder and is not read")
+        return
+    assert_one_line(e, f"sharded checkpoint file {folder / name} is a link to {outside}, outside its folder, and is "
+                       f"not read: copy that file into the folder in place of the link")
+    os.remove(folder / name)
+    os.replace(outside, folder / 'real.distcp')
+    (folder / name).symlink_to('real.distcp')
+    assert_same_checkpoint(load_checkpoint(folder), load_checkpoint(source / 'ckpt.pt'))
 
 
 def pickle_string(text):
@@ -336,6 +376,24 @@ def test_metadata_that_sets_attributes_of_a_shared_object_is_refused_and_changes
             vars(obj).update(before)
     assert_one_line(e, f"sharded checkpoint file {folder / '.metadata'} sets attributes of {what}, which would change "
                        f"it for the whole process")
+
+
+@pytest.mark.parametrize('name', ['.metadata', '__0_0.distcp', 'train_state.pt'])
+def test_a_fifo_in_the_folder_is_one_line_not_a_hang(source, tmp_path, name):
+    """Opening a FIFO waits for a writer that never comes (a shard, .metadata), and a train_state.pt that is
+    one made the folder look like no checkpoint at all: each is refused by stat, before it is opened. Run as
+    a process, with a time limit: a regression hangs."""
+    out = tmp_path / 'out'
+    shutil.copytree(source, out)
+    os.remove(out / 'ckpt.pt')
+    path = folder_of(out) / name
+    os.replace(path, path.parent / 'aside.distcp')  # its bytes still in the folder, under a name nothing reads
+    os.mkfifo(path)
+    proc = subprocess.run([sys.executable, 'sample.py', f'--out_dir={out}', '--device=cpu'], cwd=ROOT,
+                          env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and len(proc.stderr.splitlines()) == 1, proc.stderr
+    assert proc.stderr.startswith(f"sample.py: error: sharded checkpoint file {path} is a FIFO, not a regular file, "
+                                  f"and is not read"), proc.stderr
 
 
 def test_metadata_declaring_more_than_the_shards_hold_is_refused_before_allocating(source, tmp_path):
