@@ -21,19 +21,25 @@ ckpt.pt and the sharded checkpoint. DCP needs every rank to see out_dir (a share
 No file of a sharded checkpoint may run code when read. DCP itself unpickles .metadata with plain pickle,
 so every DCP read goes through checkpoint_reader, whose .metadata unpickler admits DCP's metadata classes
 and nothing else (read_metadata); the shards' tensors and train_state.pt are read with weights_only. A
-refusal is a one-line CheckpointError saying the file holds code, never that it is corrupt.
+refusal is a one-line CheckpointError saying the file holds code, never that it is corrupt. Nor may a
+folder from someone else do anything else: .metadata is read as plain data (it changes no class or object
+of the process), only the folder's own regular files are read (no path out of it, no FIFO), and every
+size it declares is checked against the bytes on disk before anything is allocated (_check_records).
 """
 import contextlib
 import dataclasses
+import errno
 import functools
 import glob
 import inspect
+import io
 import math
 import os
 import pickle
 import shutil
 import stat
 import warnings
+import zipfile
 
 import torch
 
@@ -286,34 +292,89 @@ def _fields(dataclass):
 
 
 def read_metadata(path):
-    """DCP's Metadata from the .metadata file at path, read as plain data (_MetadataUnpickler, _rebuild):
-    CheckpointError for a file that references anything else, sets attributes of a class or shared object,
-    or names files other than its folder's regular files; ValueError for one that holds no Metadata of
-    tensors."""
-    from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+    """DCP's Metadata from the .metadata file at path, read as plain data (_MetadataUnpickler, _rebuild) and
+    checked against the shards (_check_records). CheckpointError for a file that references anything else,
+    sets attributes of a class or shared object, or names files other than its folder's regular files;
+    ValueError for one that is not DCP's metadata of tensors or declares more than the shards hold."""
     with open(_file_in(*os.path.split(path))[0], 'rb') as f:
         try:
             metadata = _rebuild(_MetadataUnpickler(f, path).load(), {})
         except CheckpointError:
             raise
         except Exception as e:  # bytes that are not DCP's metadata: damaged, or some other file
-            raise ValueError(f"{path} is not DCP's metadata of a checkpoint of tensors ({type(e).__name__}: "
-                             f"{short_reason(e)})") from e
-    entries, records = getattr(metadata, 'state_dict_metadata', None), getattr(metadata, 'storage_data', None)
-    if not isinstance(metadata, Metadata) or not isinstance(entries, dict) or not all(
-            isinstance(m, TensorStorageMetadata) for m in entries.values()) or not isinstance(records, dict) \
-            or not all(isinstance(getattr(r, 'relative_path', None), str) for r in records.values()):
-        raise ValueError(f"{path} is not DCP's metadata of a checkpoint of tensors")
-    folder = os.path.dirname(path)
-    for name in {r.relative_path for r in records.values()}:  # (DCP reads each joined to the folder)
-        _file_in(folder, name, path)
-    # the reader allocates every declared tensor before it reads a byte: a size beyond what the shards
-    # hold is refused here, not met as an out-of-memory kill
-    declared = sum(math.prod(m.size) * m.properties.dtype.itemsize for m in entries.values())
-    held = sum(os.path.getsize(os.path.join(folder, name)) for name in os.listdir(folder) if name.endswith('.distcp'))
-    if any(n < 0 for m in entries.values() for n in m.size) or declared > held:
-        raise ValueError(f"{path} declares tensors of {declared:,} bytes, but the folder's shards hold {held:,}")
+            raise ValueError(_not_metadata(path, f" ({type(e).__name__}: {short_reason(e)})")) from e
+    _check_records(metadata, path)
     return metadata
+
+
+def _not_metadata(path, why=''):
+    return f"{os.path.basename(path)} is not DCP's metadata of a checkpoint of tensors{why}"
+
+
+def _check_records(metadata, path):
+    """Refuse metadata (from read_metadata) whose reading would allocate more than the shards hold, or read
+    outside them, before anything is: the reader allocates every declared tensor before it reads a byte, then
+    torch.loads each record (a torch.save zip) from its shard. So each tensor is covered by its chunks, and
+    each chunk's record has at least the chunk's bytes (a record of a stride-0 tensor declares any size from
+    a few bytes); a shard is a regular file of the folder (_file_in), its records lie in it, apart and on data
+    (a sparse file's holes cost nothing to make), each a zip whose parts are stored within it (torch allocates
+    a part's declared size, and a deflated part inflates to any); no record is transformed (DCP's compression:
+    unbounded, and never written here)."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex, StorageMeta,
+                                                       TensorProperties, TensorStorageMetadata)
+
+    def tensor(m):  # the types DCP gives each field (the file chooses every value)
+        return (isinstance(m, TensorStorageMetadata) and isinstance(m.properties, TensorProperties)
+                and isinstance(m.properties.dtype, torch.dtype) and isinstance(m.size, torch.Size)
+                and type(m.chunks) is list and all(
+                    isinstance(c, ChunkStorageMetadata) and isinstance(c.offsets, torch.Size)
+                    and isinstance(c.sizes, torch.Size) and len(c.offsets) == len(c.sizes) == len(m.size)
+                    for c in m.chunks))
+
+    def record(index, r):
+        return (isinstance(index, MetadataIndex) and isinstance(r, _StorageInfo) and isinstance(r.relative_path, str)
+                and all(type(n) is int and n >= 0 for n in (r.offset, r.length)))
+
+    if not (isinstance(metadata, Metadata) and isinstance(metadata.storage_meta, (StorageMeta, type(None)))
+            and isinstance(metadata.state_dict_metadata, dict) and isinstance(metadata.storage_data, dict)
+            and all(map(tensor, metadata.state_dict_metadata.values()))
+            and all(record(*item) for item in metadata.storage_data.items())):
+        raise ValueError(_not_metadata(path))
+    entries, records, name = metadata.state_dict_metadata, metadata.storage_data, os.path.basename(path)
+    for fqn, m in entries.items():
+        chunks = [c for c in m.chunks if math.prod(c.sizes)]  # (an empty shard of a rank: nothing to read)
+        for chunk in chunks:
+            record = records.get(MetadataIndex(fqn, chunk.offsets))
+            needs = math.prod(chunk.sizes) * m.properties.dtype.itemsize
+            if record is None or needs > record.length or any(
+                    o < 0 or n < 0 or o + n > d for o, n, d in zip(chunk.offsets, chunk.sizes, m.size)):
+                held = f"its record holds {record.length:,}" if record else "it has no record"
+                raise ValueError(f"{name} declares {fqn}{list(chunk.offsets)} of shape {tuple(chunk.sizes)} "
+                                 f"({needs:,} bytes) in {tuple(m.size)}, but {held}")
+        covered = sum(math.prod(c.sizes) for c in chunks)
+        if covered != math.prod(m.size) or len({c.offsets for c in chunks}) < len(chunks):
+            raise ValueError(f"{name} declares {fqn} of shape {tuple(m.size)}, but its chunks do not cover it "
+                             f"exactly once")
+    folder, shards = os.path.dirname(path), {}
+    for index, record in records.items():
+        if getattr(record, 'transform_descriptors', None):
+            raise CheckpointError(f"sharded checkpoint file {path} declares the record of {index.fqn} transformed "
+                                  f"({', '.join(map(str, record.transform_descriptors))}), which is not read: "
+                                  f"undoing it has no size bound, and sharded checkpoints here are written without")
+        shards.setdefault(record.relative_path, []).append((record.offset, record.offset + record.length))
+    for shard_name, ranges in shards.items():
+        shard, size = _file_in(folder, shard_name, path)
+        ranges = sorted(ranges)
+        declared, held = sum(end - start for start, end in ranges), _data_bytes(shard, size)
+        if ranges[-1][1] > size or any(start < end for (_, end), (start, _) in zip(ranges, ranges[1:])):
+            raise ValueError(f"{name} declares records in {shard_name} that overlap or end beyond its {size:,} bytes")
+        if declared > held:
+            raise ValueError(f"{name} declares {declared:,} bytes of records in {shard_name}, which holds "
+                             f"{held:,} bytes of data")
+        with open(shard, 'rb') as f:
+            for start, end in ranges:
+                _check_zip(_Window(f, start, end - start), f"the record at byte {start:,} of {shard_name}")
 
 
 def _file_in(folder, name, named_by=None):
@@ -338,6 +399,76 @@ def _file_in(folder, name, named_by=None):
     return path, st.st_size
 
 
+def _data_bytes(path, size):
+    """How many of the file's `size` bytes hold data: a sparse file's holes read as zeros but take no disk
+    (os.truncate makes a terabyte of them at once), so its size says nothing of what was written. Where the
+    system cannot tell (no SEEK_DATA), every byte counts."""
+    if not hasattr(os, 'SEEK_DATA'):
+        return size
+    held = pos = 0
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        while pos < size:
+            start = os.lseek(fd, pos, os.SEEK_DATA)
+            pos = os.lseek(fd, start, os.SEEK_HOLE)
+            held += pos - start
+    except OSError as e:
+        if e.errno != errno.ENXIO:  # ENXIO: only holes after pos; anything else: holes cannot be told
+            return size
+    finally:
+        os.close(fd)
+    return held
+
+
+def _check_zip(file, what):
+    """Refuse (ValueError) what would make torch.load allocate more than the bytes of `file` (open, seekable)
+    hold, before it does: torch.save's legacy format (allocates each storage's declared size, then reads it),
+    and a zip part declared beyond the file (allocated, then not there) or compressed (inflates to any size).
+    torch.save writes zips of parts stored as they are."""
+    try:
+        with zipfile.ZipFile(file) as archive:
+            parts = archive.infolist()
+    except zipfile.BadZipFile:
+        file.seek(0)
+        if file.read(1) == b'\x80':  # a pickle: the legacy format
+            raise ValueError(f"{what} is in torch.save's legacy format, which sharded checkpoints never use")
+        return  # damaged: torch.load says how
+    length = file.seek(0, os.SEEK_END)
+    for part in parts:
+        if part.compress_type != zipfile.ZIP_STORED or part.file_size != part.compress_size \
+                or part.header_offset + part.compress_size > length:
+            raise ValueError(f"{what} holds {part.filename} compressed or larger than the file "
+                             f"({part.file_size:,} bytes): torch.save writes neither")
+
+
+class _Window(io.RawIOBase):
+    """`length` bytes of the open file f from `start`, read as a file of their own."""
+
+    def __init__(self, f, start, length):
+        super().__init__()
+        self.f, self.start, self.length, self.pos = f, start, length, 0
+
+    def seekable(self):
+        return True
+
+    def readable(self):
+        return True
+
+    def seek(self, offset, whence=os.SEEK_SET):
+        self.pos = min(max(0, offset + {os.SEEK_SET: 0, os.SEEK_CUR: self.pos, os.SEEK_END: self.length}[whence]),
+                       self.length)
+        return self.pos
+
+    def tell(self):
+        return self.pos
+
+    def readinto(self, buffer):
+        self.f.seek(self.start + self.pos)
+        n = self.f.readinto(memoryview(buffer)[:self.length - self.pos])
+        self.pos += n
+        return n
+
+
 def checkpoint_reader(folder):
     """DCP's FileSystemReader for folder, its .metadata read by read_metadata: the storage_reader of every
     dcp.load here (without one, DCP builds its own reader, which unpickles .metadata with plain pickle)."""
@@ -353,9 +484,9 @@ def _reader_class():
         def read_metadata(self, *args, **kwargs):
             path = (self._get_metadata_path(kwargs.get('rank')) if hasattr(self, '_get_metadata_path')
                     else os.path.join(self.path, '.metadata'))  # torch 2.6: one .metadata, at the top
-            metadata = read_metadata(path)
+            metadata = read_metadata(str(path))
             # what FileSystemReader.read_metadata does after its own unpickling
-            metadata.storage_meta = getattr(metadata, 'storage_meta', None) or StorageMeta()
+            metadata.storage_meta = metadata.storage_meta or StorageMeta()
             metadata.storage_meta.load_id = self.load_id
             return metadata
     return CheckedReader
@@ -374,6 +505,8 @@ def raise_if_refused(path, e):
 def read_train_state(folder):
     path = _file_in(folder, STATE_NAME)[0]
     try:
+        with open(path, 'rb') as f:
+            _check_zip(f, STATE_NAME)
         return torch.load(path, map_location='cpu', weights_only=True)
     except pickle.UnpicklingError as e:
         raise_if_refused(path, e)
