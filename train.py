@@ -246,7 +246,7 @@ try:
         if sharded_resume:  # each rank reads its shards once the model is sharded (below)
             model = empty_model(GPTConfig(**model_args), prepare)
         else:
-            model = model_with_weights(GPTConfig(**model_args), checkpoint['model'], prepare)
+            model = model_with_weights(GPTConfig(**model_args), checkpoint['model'], prepare, resume_from)
         iter_num = checkpoint['iter_num']
         best_val_loss = checkpoint['best_val_loss']
         best_iter = checkpoint.get('best_iter')  # (these two are not in the checkpoints of older versions)

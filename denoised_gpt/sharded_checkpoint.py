@@ -21,17 +21,25 @@ ckpt.pt and the sharded checkpoint. DCP needs every rank to see out_dir (a share
 No file of a sharded checkpoint may run code when read. DCP itself unpickles .metadata with plain pickle,
 so every DCP read goes through checkpoint_reader, whose .metadata unpickler admits DCP's metadata classes
 and nothing else (read_metadata); the shards' tensors and train_state.pt are read with weights_only. A
-refusal is a one-line CheckpointError saying the file holds code, never that it is corrupt.
+refusal is a one-line CheckpointError saying the file holds code, never that it is corrupt. Nor may a
+folder from someone else do anything else: .metadata is read as plain data (it changes no class or object
+of the process), only the folder's own regular files are read (no path out of it, no FIFO), and every
+size it declares is checked against the bytes on disk before anything is allocated (_check_records).
 """
 import contextlib
+import dataclasses
+import errno
 import functools
 import glob
 import inspect
+import io
 import math
 import os
 import pickle
 import shutil
+import stat
 import warnings
+import zipfile
 
 import torch
 
@@ -56,7 +64,8 @@ def newest_sharded(out_dir):
 
 
 def is_sharded_checkpoint(path):
-    return os.path.isfile(os.path.join(path, STATE_NAME))
+    # whatever train_state.pt is (a FIFO, say): read_train_state says what is wrong with it
+    return os.path.lexists(os.path.join(path, STATE_NAME))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -160,9 +169,10 @@ def checkpoint_as_sharded(ckpt):
 # ----------------------------------------------------------------------------------------------
 # Reading
 
-# what DCP pickles into .metadata (torch 2.13): its metadata dataclasses, the shapes, dtypes, layout and
-# memory format of the tensors, and the path the checkpoint was saved to. Not BytesStorageMetadata: DCP
-# reads such an entry with torch.load(weights_only=False), and save_sharded writes tensors only.
+# what DCP pickles into .metadata (torch 2.13; 2.6 the same less _StorageInfo's transform_descriptors): its
+# metadata dataclasses, the shapes, dtypes, layout and memory format of the tensors, and the path the
+# checkpoint was saved to. Not BytesStorageMetadata: DCP reads such an entry with torch.load(weights_only=False),
+# and save_sharded writes tensors only.
 METADATA_GLOBALS = {
     'torch.distributed.checkpoint.metadata': {'Metadata', 'TensorStorageMetadata', 'ChunkStorageMetadata',
                                               'TensorProperties', 'MetadataIndex', 'StorageMeta',
@@ -176,39 +186,287 @@ METADATA_GLOBALS = {
 
 
 class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles a .metadata file, refusing any global outside METADATA_GLOBALS before it is looked up:
-    a crafted file never gets hold of a callable that could run code."""
+    """Unpickles a .metadata file into plain values. A global outside METADATA_GLOBALS is refused before it is
+    looked up (a crafted file never gets hold of a callable that could run code), and one inside comes back
+    as a stand-in made for this one read (_Pickled), never as the real class: a pickle sets attributes of
+    whatever it holds (BUILD), and on a real class or a shared object that would last for the whole process.
+    _rebuild then makes DCP's objects from the plain values."""
 
     def __init__(self, file, path):
         super().__init__(file)
-        self.path = path
+        self.path, self.stand_ins = path, {}
 
     def find_class(self, module, name):
         if name not in METADATA_GLOBALS.get(module, ()):
             raise CheckpointError(f"sharded checkpoint file {self.path} holds Python objects other than DCP's "
                                   f"checkpoint metadata (it references {module}.{name}), which are not loaded "
                                   f"because unpickling them can run code")
-        return super().find_class(module, name)
+        if (module, name) not in self.stand_ins:
+            real = super().find_class(module, name)
+            self.stand_ins[module, name] = type(name, (_Pickled,), {
+                'real': staticmethod(real), 'global_name': f"{module}.{name}", 'path': self.path})
+        return self.stand_ins[module, name]
+
+
+class _OfInstances:
+    """A method of a stand-in's instances; looked up on the stand-in itself (what BUILD on the class does), a
+    refusal."""
+
+    def __init__(self, method):
+        self.method = method
+
+    def __get__(self, obj, cls):
+        if obj is None:
+            raise CheckpointError(_sets_attributes(cls.path, cls.global_name))
+        return self.method.__get__(obj, cls)
+
+
+class _Pickled:
+    """A global of .metadata (`real`) as the file uses it: called (REDUCE, NEWOBJ), an instance that keeps the
+    arguments, and the state the file gives it (BUILD): only DCP's dataclasses take state, each instance
+    being made afresh from it; what anything else returns can be one object for every later use."""
+
+    def __new__(cls, *args):
+        self = object.__new__(cls)
+        self.args = args
+        return self
+
+    @_OfInstances
+    def __setstate__(self, state):
+        if not dataclasses.is_dataclass(self.real):
+            raise CheckpointError(_sets_attributes(self.path, f"what {self.global_name} returns"))
+        self.state = state
+
+
+def _sets_attributes(path, what):
+    return (f"sharded checkpoint file {path} sets attributes of {what}, which would change it for the whole "
+            f"process: DCP's metadata never does, and the file is not loaded")
+
+
+def _rebuild(x, memo):
+    """The value that x, from _MetadataUnpickler, stands for: plain values as they are; a global the file names
+    as a value, the real one if a dtype (the only such global DCP writes); a stand-in's instance, a real object
+    made here from plain values: for a dataclass a fresh instance given the file's fields, for anything else
+    the real call (torch.Size, a layout or a memory format by name, a path) on the file's arguments.
+    ValueError for anything else. memo: one real object per object of the file, so that shared references
+    cannot make the work grow faster than the file."""
+    if x is None or type(x) in (bool, int, float, str):
+        return x
+    if id(x) not in memo:
+        memo[id(x)] = _rebuilt(x, memo)
+    return memo[id(x)]
+
+
+def _rebuilt(x, memo):  # _rebuild's work on one object of the file
+    if type(x) in (list, tuple):
+        return type(x)(_rebuild(v, memo) for v in x)
+    if type(x) is dict:
+        return {_rebuild(k, memo): _rebuild(v, memo) for k, v in x.items()}
+    stand_in = x if isinstance(x, type) else type(x)
+    if not issubclass(stand_in, _Pickled):
+        raise ValueError(f"it holds a {type(x).__name__}")
+    real = stand_in.real
+    if x is stand_in:
+        if not isinstance(real, torch.dtype):
+            raise ValueError(f"it holds {stand_in.global_name} itself")
+        return real
+    if not dataclasses.is_dataclass(real):
+        return real(*_rebuild(x.args, memo))
+    fields, required = _fields(real)
+    state, obj = _rebuild(getattr(x, 'state', None), memo), real.__new__(real)
+    if x.args == () and '__setstate__' in vars(real):  # TensorProperties: a tuple
+        obj.__setstate__(state)
+    elif x.args == () and type(state) is dict and required <= set(state) <= fields:
+        vars(obj).update(state)
+    else:
+        raise ValueError(f"its {stand_in.global_name} is not made as DCP makes one")
+    return obj
+
+
+@functools.cache
+def _fields(dataclass):
+    """A dataclass's field names, and those of them without a default."""
+    fields = dataclasses.fields(dataclass)
+    return ({f.name for f in fields},
+            {f.name for f in fields if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING})
 
 
 def read_metadata(path):
-    """DCP's Metadata from the .metadata file at path, unpickled by _MetadataUnpickler: CheckpointError
-    for a file that references anything else, ValueError for one that holds no Metadata of tensors."""
-    from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-    with open(path, 'rb') as f:
-        metadata = _MetadataUnpickler(f, path).load()
-    entries = getattr(metadata, 'state_dict_metadata', None)
-    if not isinstance(metadata, Metadata) or not isinstance(entries, dict) or not all(
-            isinstance(m, TensorStorageMetadata) for m in entries.values()):
-        raise ValueError(f"{path} is not DCP's metadata of a checkpoint of tensors")
-    # the reader allocates every declared tensor before it reads a byte: a size beyond what the shards
-    # hold is refused here, not met as an out-of-memory kill
-    declared = sum(math.prod(m.size) * m.properties.dtype.itemsize for m in entries.values())
-    folder = os.path.dirname(path)
-    held = sum(os.path.getsize(os.path.join(folder, name)) for name in os.listdir(folder) if name.endswith('.distcp'))
-    if any(n < 0 for m in entries.values() for n in m.size) or declared > held:
-        raise ValueError(f"{path} declares tensors of {declared:,} bytes, but the folder's shards hold {held:,}")
+    """DCP's Metadata from the .metadata file at path, read as plain data (_MetadataUnpickler, _rebuild) and
+    checked against the shards (_check_records). CheckpointError for a file that references anything else,
+    sets attributes of a class or shared object, or names files other than its folder's regular files;
+    ValueError for one that is not DCP's metadata of tensors or declares more than the shards hold."""
+    with open(_file_in(*os.path.split(path))[0], 'rb') as f:
+        try:
+            metadata = _rebuild(_MetadataUnpickler(f, path).load(), {})
+        except CheckpointError:
+            raise
+        except Exception as e:  # bytes that are not DCP's metadata: damaged, or some other file
+            raise ValueError(_not_metadata(path, f" ({type(e).__name__}: {short_reason(e)})")) from e
+    _check_records(metadata, path)
     return metadata
+
+
+def _not_metadata(path, why=''):
+    return f"{os.path.basename(path)} is not DCP's metadata of a checkpoint of tensors{why}"
+
+
+def _check_records(metadata, path):
+    """Refuse metadata (from read_metadata) whose reading would allocate more than the shards hold, or read
+    outside them, before anything is: the reader allocates every declared tensor before it reads a byte, then
+    torch.loads each record (a torch.save zip) from its shard. So each tensor is covered by its chunks, and
+    each chunk's record has at least the chunk's bytes (a record of a stride-0 tensor declares any size from
+    a few bytes); a shard is a regular file of the folder (_file_in), its records lie in it, apart and on data
+    (a sparse file's holes cost nothing to make), each a zip whose parts are stored within it (torch allocates
+    a part's declared size, and a deflated part inflates to any); no record is transformed (DCP's compression:
+    unbounded, and never written here)."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex, StorageMeta,
+                                                       TensorProperties, TensorStorageMetadata)
+
+    def tensor(m):  # the types DCP gives each field (the file chooses every value)
+        return (isinstance(m, TensorStorageMetadata) and isinstance(m.properties, TensorProperties)
+                and isinstance(m.properties.dtype, torch.dtype) and isinstance(m.size, torch.Size)
+                and type(m.chunks) is list and all(
+                    isinstance(c, ChunkStorageMetadata) and isinstance(c.offsets, torch.Size)
+                    and isinstance(c.sizes, torch.Size) and len(c.offsets) == len(c.sizes) == len(m.size)
+                    for c in m.chunks))
+
+    def record(index, r):
+        return (isinstance(index, MetadataIndex) and isinstance(r, _StorageInfo) and isinstance(r.relative_path, str)
+                and all(type(n) is int and n >= 0 for n in (r.offset, r.length)))
+
+    if not (isinstance(metadata, Metadata) and isinstance(metadata.storage_meta, (StorageMeta, type(None)))
+            and isinstance(metadata.state_dict_metadata, dict) and isinstance(metadata.storage_data, dict)
+            and all(map(tensor, metadata.state_dict_metadata.values()))
+            and all(record(*item) for item in metadata.storage_data.items())):
+        raise ValueError(_not_metadata(path))
+    entries, records, name = metadata.state_dict_metadata, metadata.storage_data, os.path.basename(path)
+    for fqn, m in entries.items():
+        chunks = [c for c in m.chunks if math.prod(c.sizes)]  # (an empty shard of a rank: nothing to read)
+        for chunk in chunks:
+            record = records.get(MetadataIndex(fqn, chunk.offsets))
+            needs = math.prod(chunk.sizes) * m.properties.dtype.itemsize
+            if record is None or needs > record.length or any(
+                    o < 0 or n < 0 or o + n > d for o, n, d in zip(chunk.offsets, chunk.sizes, m.size)):
+                held = f"its record holds {record.length:,}" if record else "it has no record"
+                raise ValueError(f"{name} declares {fqn}{list(chunk.offsets)} of shape {tuple(chunk.sizes)} "
+                                 f"({needs:,} bytes) in {tuple(m.size)}, but {held}")
+        covered = sum(math.prod(c.sizes) for c in chunks)
+        if covered != math.prod(m.size) or len({c.offsets for c in chunks}) < len(chunks):
+            raise ValueError(f"{name} declares {fqn} of shape {tuple(m.size)}, but its chunks do not cover it "
+                             f"exactly once")
+    folder, shards = os.path.dirname(path), {}
+    for index, record in records.items():
+        if getattr(record, 'transform_descriptors', None):
+            raise CheckpointError(f"sharded checkpoint file {path} declares the record of {index.fqn} transformed "
+                                  f"({', '.join(map(str, record.transform_descriptors))}), which is not read: "
+                                  f"undoing it has no size bound, and sharded checkpoints here are written without")
+        shards.setdefault(record.relative_path, []).append((record.offset, record.offset + record.length))
+    for shard_name, ranges in shards.items():
+        shard, size = _file_in(folder, shard_name, path)
+        ranges = sorted(ranges)
+        declared, held = sum(end - start for start, end in ranges), _data_bytes(shard, size)
+        if ranges[-1][1] > size or any(start < end for (_, end), (start, _) in zip(ranges, ranges[1:])):
+            raise ValueError(f"{name} declares records in {shard_name} that overlap or end beyond its {size:,} bytes")
+        if declared > held:
+            raise ValueError(f"{name} declares {declared:,} bytes of records in {shard_name}, which holds "
+                             f"{held:,} bytes of data")
+        with open(shard, 'rb') as f:
+            for start, end in ranges:
+                _check_zip(_Window(f, start, end - start), f"the record at byte {start:,} of {shard_name}")
+
+
+def _file_in(folder, name, named_by=None):
+    """The path and size of the file `name` in folder (named by the file named_by, if any), refused in one line
+    unless it is a regular file inside the folder: a shard named by an absolute path, by '..' or by a link out
+    of the folder would be read from anywhere the user can read, and a FIFO or a device would hang the reader
+    (or never end). CheckpointError; FileNotFoundError when there is no such file."""
+    path = os.path.join(folder, name)
+    if named_by and (name in ('', '.', '..') or os.path.basename(name) != name):
+        raise CheckpointError(f"sharded checkpoint file {named_by} names {name!r} as a shard, which is not a file "
+                              f"in its folder and is not read: a sharded checkpoint reads only its own files")
+    real = os.path.realpath(path)
+    if os.path.dirname(real) != os.path.realpath(folder):
+        raise CheckpointError(f"sharded checkpoint file {path} is a link to {real}, outside its folder, and is not "
+                              f"read: copy that file into the folder in place of the link (cp -L)")
+    st = os.stat(path)
+    if not stat.S_ISREG(st.st_mode):
+        kind = {stat.S_IFIFO: 'a FIFO', stat.S_IFDIR: 'a folder', stat.S_IFSOCK: 'a socket'}.get(
+            stat.S_IFMT(st.st_mode), 'a device')
+        raise CheckpointError(f"sharded checkpoint file {path} is {kind}, not a regular file, and is not read "
+                              f"(reading it could wait forever): put the checkpoint's own file there")
+    return path, st.st_size
+
+
+def _data_bytes(path, size):
+    """How many of the file's `size` bytes hold data: a sparse file's holes read as zeros but take no disk
+    (os.truncate makes a terabyte of them at once), so its size says nothing of what was written. Where the
+    system cannot tell (no SEEK_DATA), every byte counts."""
+    if not hasattr(os, 'SEEK_DATA'):
+        return size
+    held = pos = 0
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        while pos < size:
+            start = os.lseek(fd, pos, os.SEEK_DATA)
+            pos = os.lseek(fd, start, os.SEEK_HOLE)
+            held += pos - start
+    except OSError as e:
+        if e.errno != errno.ENXIO:  # ENXIO: only holes after pos; anything else: holes cannot be told
+            return size
+    finally:
+        os.close(fd)
+    return held
+
+
+def _check_zip(file, what):
+    """Refuse (ValueError) what would make torch.load allocate more than the bytes of `file` (open, seekable)
+    hold, before it does: torch.save's legacy format (allocates each storage's declared size, then reads it),
+    and a zip part declared beyond the file (allocated, then not there) or compressed (inflates to any size).
+    torch.save writes zips of parts stored as they are."""
+    try:
+        with zipfile.ZipFile(file) as archive:
+            parts = archive.infolist()
+    except zipfile.BadZipFile:
+        file.seek(0)
+        if file.read(1) == b'\x80':  # a pickle: the legacy format
+            raise ValueError(f"{what} is in torch.save's legacy format, which sharded checkpoints never use")
+        return  # damaged: torch.load says how
+    length = file.seek(0, os.SEEK_END)
+    for part in parts:
+        if part.compress_type != zipfile.ZIP_STORED or part.file_size != part.compress_size \
+                or part.header_offset + part.compress_size > length:
+            raise ValueError(f"{what} holds {part.filename} compressed or larger than the file "
+                             f"({part.file_size:,} bytes): torch.save writes neither")
+
+
+class _Window(io.RawIOBase):
+    """`length` bytes of the open file f from `start`, read as a file of their own."""
+
+    def __init__(self, f, start, length):
+        super().__init__()
+        self.f, self.start, self.length, self.pos = f, start, length, 0
+
+    def seekable(self):
+        return True
+
+    def readable(self):
+        return True
+
+    def seek(self, offset, whence=os.SEEK_SET):
+        self.pos = min(max(0, offset + {os.SEEK_SET: 0, os.SEEK_CUR: self.pos, os.SEEK_END: self.length}[whence]),
+                       self.length)
+        return self.pos
+
+    def tell(self):
+        return self.pos
+
+    def readinto(self, buffer):
+        self.f.seek(self.start + self.pos)
+        n = self.f.readinto(memoryview(buffer)[:self.length - self.pos])
+        self.pos += n
+        return n
 
 
 def checkpoint_reader(folder):
@@ -226,9 +484,9 @@ def _reader_class():
         def read_metadata(self, *args, **kwargs):
             path = (self._get_metadata_path(kwargs.get('rank')) if hasattr(self, '_get_metadata_path')
                     else os.path.join(self.path, '.metadata'))  # torch 2.6: one .metadata, at the top
-            metadata = read_metadata(path)
+            metadata = read_metadata(str(path))
             # what FileSystemReader.read_metadata does after its own unpickling
-            metadata.storage_meta = getattr(metadata, 'storage_meta', None) or StorageMeta()
+            metadata.storage_meta = metadata.storage_meta or StorageMeta()
             metadata.storage_meta.load_id = self.load_id
             return metadata
     return CheckedReader
@@ -245,8 +503,10 @@ def raise_if_refused(path, e):
 
 
 def read_train_state(folder):
-    path = os.path.join(folder, STATE_NAME)
+    path = _file_in(folder, STATE_NAME)[0]
     try:
+        with open(path, 'rb') as f:
+            _check_zip(f, STATE_NAME)
         return torch.load(path, map_location='cpu', weights_only=True)
     except pickle.UnpicklingError as e:
         raise_if_refused(path, e)

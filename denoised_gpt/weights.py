@@ -12,13 +12,20 @@ from model import GPT
 PEFT_WRAPPER = '.base_layer'  # peft keeps the wrapped Linear under this name: c_attn.base_layer.weight
 
 
-def model_with_weights(config, state_dict, prepare=None):
+def model_with_weights(config, state_dict, prepare=None, source=None):
     """GPT(config) holding state_dict, built on the meta device: no random initialisation for the weights
     to overwrite (a second or more at GPT-2 size), and the state_dict's tensors become the parameters
     themselves, not copies. prepare(model), if given, changes the empty model before the weights go in
-    (resume: the LoRA adapters and frozen parameters of the run). Raises RuntimeError (load_state_dict's)
-    when a tensor is missing or does not fit."""
+    (resume: the LoRA adapters and frozen parameters of the run). Raises ValueError, in one line naming
+    source (the checkpoint's path) if given, when a tensor's shape is not the model's; RuntimeError
+    (load_state_dict's) when a tensor is missing or extra."""
     model = empty_model(config, prepare)
+    own = model.state_dict()
+    for name, tensor in state_dict.items():
+        if name in own and tensor.shape != own[name].shape:  # load_state_dict would list each, in lines
+            raise ValueError(f"{f'checkpoint {source}' if source else 'the checkpoint'} does not fit its own "
+                             f"model_args: its {name} has shape {tuple(tensor.shape)}, the model they describe "
+                             f"{tuple(own[name].shape)}")
     model.load_state_dict(state_dict, assign=True)  # requires_grad stays the model's (prepare's freezing)
     # assign gives each key its own Parameter: tie lm_head to the token embedding again, as GPT does
     model.lm_head.weight = model.transformer.wte.weight

@@ -16,7 +16,7 @@ from denoised_gpt.checkpoint import (CheckpointError, checkpoint_path, load_chec
                                      save_checkpoint)
 from denoised_gpt.run_dir import clear_for_new_run
 from denoised_gpt.sharded_checkpoint import checkpoint_as_sharded, load_sharded_state, newest_sharded, save_sharded
-from helpers import ROOT, VOCAB, run_script_in_process, subprocess_env, tiny_gpt
+from helpers import ROOT, TINY, VOCAB, make_dataset, run_script_in_process, subprocess_env, tiny_gpt
 
 
 def trained_checkpoint(out_dir, iter_num, attn_type='noiseformer_v1'):
@@ -156,3 +156,24 @@ def test_a_failed_write_says_so_in_one_line_and_keeps_the_previous(tmp_path, mon
     assert len(message.splitlines()) == 1 and "No space left on device" in message
     assert f"{tmp_path / 'out' / 'ckpt.sharded-0000001'} is intact" in message
     assert_same_checkpoint(load_checkpoint(tmp_path / 'out'), first)
+
+
+@pytest.mark.parametrize('kind', ['ckpt.pt', 'sharded'])
+def test_a_checkpoint_that_does_not_fit_its_own_model_args_is_one_line(tmp_path, kind):
+    """model_args that say vocab_size=64 beside a (48, 32) token embedding: train.py's resume says so in one
+    line naming the checkpoint, for both kinds, not with load_state_dict's traceback."""
+    out = tmp_path / 'out'
+    trained_checkpoint(out, iter_num=7)
+    if kind == 'sharded':
+        save_sharded(*checkpoint_as_sharded(load_checkpoint(out)), out)
+        os.remove(out / 'ckpt.pt')
+    path = newest_sharded(out) if kind == 'sharded' else str(out / 'ckpt.pt')
+    file = os.path.join(path, 'train_state.pt') if kind == 'sharded' else path
+    state = torch.load(file, weights_only=True)
+    state['model_args']['vocab_size'] = 64
+    torch.save(state, file)
+    proc = run_script_in_process('train.py', [TINY, '--init_from=resume', f'--out_dir={out}',
+                                              f'--dataset={make_dataset(tmp_path)}', '--device=cpu'])
+    assert proc.returncode == 2 and proc.stderr.splitlines() == [
+        f"train.py: error: checkpoint {path} does not fit its own model_args: its transformer.wte.weight has shape "
+        f"(48, 32), the model they describe (64, 32)"], proc.stderr

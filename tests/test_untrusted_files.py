@@ -7,14 +7,17 @@ the restricted reader, and a truncated checkpoint is one short line naming the f
 import dataclasses
 import io
 import os
+import pathlib
 import pickle
 import re
 import shutil
 import subprocess
 import sys
+import zipfile
 
 import pytest
 import torch
+from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
 
 from denoised_gpt.checkpoint import CheckpointError, checkpoint_path, load_checkpoint
 from denoised_gpt.sharded_checkpoint import checkpoint_as_sharded, load_sharded_state, read_metadata, save_sharded
@@ -58,8 +61,8 @@ def _point_at_payload(folder, marker, as_bytes):
     with open(folder / '.metadata', 'rb') as f:
         metadata = pickle.load(f)  # written by save_sharded just now: trusted
     shard = folder / '__0_0.distcp'
-    payload = io.BytesIO()
-    torch.save(CreatesFile(marker), payload)
+    payload = io.BytesIO()  # as long as the weight it stands for: a shorter record is refused before it is read
+    torch.save({'payload': CreatesFile(marker), 'padding': torch.zeros(48 * 32)}, payload)
     offset = shard.stat().st_size
     with open(shard, 'ab') as f:
         f.write(payload.getvalue())
@@ -271,28 +274,234 @@ def test_a_gpt2_folder_holding_code_is_refused_in_one_line(script, tmp_path):
     assert "weights_only" not in proc.stdout + proc.stderr
 
 
-def test_metadata_declaring_more_than_the_shards_hold_is_refused_before_allocating(source, tmp_path):
-    """A crafted .metadata that declares one weight as 10^6 x 10^6 float32 (4 TB): the reader would allocate
-    it before reading; it is refused in one line, and the same file with the true size still loads."""
+# ----------------------------------------------------------------------------------------------
+# what else a sharded folder's files could make the reader do: read files outside the folder, change a
+# class for the whole process, allocate far more than the folder holds, or wait forever
+
+WTE = 'model.transformer.wte.weight'
+
+
+def crafted(source, tmp_path, change):
+    """A copy of source's sharded checkpoint whose .metadata change(metadata, folder) rewrote: its folder."""
     out = tmp_path / 'out'
     shutil.copytree(source, out)
     folder = folder_of(out)
     with open(folder / '.metadata', 'rb') as f:
         metadata = pickle.load(f)  # written by save_sharded just now: trusted
-    entry = metadata.state_dict_metadata['model.transformer.wte.weight']
-    true_size = entry.size
-    entry.size = torch.Size([10**6, 10**6])
+    change(metadata, folder)
     with open(folder / '.metadata', 'wb') as f:
         pickle.dump(metadata, f)
+    return folder
+
+
+def set_record(metadata, fqn, **fields):
+    """The record (file, offset, length...) of fqn's only chunk, with fields replaced."""
+    index = next(i for i in metadata.storage_data if i.fqn == fqn)
+    metadata.storage_data[index] = dataclasses.replace(metadata.storage_data[index], **fields)
+
+
+def saved(obj):
+    data = io.BytesIO()
+    torch.save(obj, data)
+    return data.getvalue()
+
+
+def append_record(metadata, folder, data):
+    """data appended to the shard, the token embedding's record."""
+    with open(folder / '__0_0.distcp', 'ab') as f:
+        offset = f.tell()
+        f.write(data)
+    set_record(metadata, WTE, offset=offset, length=len(data))
+
+
+def assert_one_line(e, *parts):
+    message = str(e.value)
+    assert len(message.splitlines()) == 1, message
+    assert all(part in message for part in parts), message
+
+
+OUTSIDE = {'absolute path': None, 'dot-dot': '../outside.distcp', 'link': 'link.distcp'}  # (None: its path)
+
+
+@pytest.mark.parametrize('how', OUTSIDE)
+def test_a_shard_outside_the_folder_is_refused_before_it_is_read(source, tmp_path, how):
+    """Records that name a copy of the real shard outside the folder (reading it would load fine): a sharded
+    checkpoint reads only the regular files in its own folder, whatever its .metadata names. A link to a
+    file inside the folder is read as that file."""
+    outside = tmp_path / 'out' / 'outside.distcp'  # beside the checkpoint's folder
+    name = OUTSIDE[how] or str(outside)
+
+    def point_outside(metadata, folder):
+        shutil.copy(folder / '__0_0.distcp', outside)
+        if how == 'link':
+            (folder / name).symlink_to(outside)
+        for index in metadata.storage_data:
+            set_record(metadata, index.fqn, relative_path=name)
+
+    folder = crafted(source, tmp_path, point_outside)
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(folder)
+    if how != 'link':
+        assert_one_line(e, f"sharded checkpoint file {folder / '.metadata'} names {name!r} as a shard, which is not "
+                           f"a file in its folder and is not read")
+        return
+    assert_one_line(e, f"sharded checkpoint file {folder / name} is a link to {outside}, outside its folder, and is "
+                       f"not read: copy that file into the folder in place of the link")
+    os.remove(folder / name)
+    os.replace(outside, folder / 'real.distcp')
+    (folder / name).symlink_to('real.distcp')
+    assert_same_checkpoint(load_checkpoint(folder), load_checkpoint(source / 'ckpt.pt'))
+
+
+def pickle_string(text):
+    return b'X' + len(text).to_bytes(4, 'little') + text.encode()  # BINUNICODE
+
+
+# objects every later use in the process shares: (the object; a pickle that gets it, as a .metadata can, and
+# sets one of its attributes by BUILD; what the refusal names)
+MEM_FORMAT = 'torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING'
+SHARED_OBJECTS = {
+    'a class': (lambda: pathlib.PosixPath,
+                b'cpathlib\nPosixPath\n'  # GLOBAL; state (None, {...}): setattr
+                + b'N}' + pickle_string('_str') + pickle_string('set by a checkpoint') + b's\x86b',
+                'pathlib.PosixPath'),
+    'an enum member': (lambda: _MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT,
+                       b'c' + MEM_FORMAT.replace('._', '\n_').encode() + b'\nK\x00\x85R'  # _MEM_FORMAT_ENCODING(0)
+                       + b'}' + pickle_string('_name_') + pickle_string('set by a checkpoint') + b'sb',  # its __dict__
+                       f"what {MEM_FORMAT} returns"),
+}
+
+
+@pytest.mark.parametrize('target', SHARED_OBJECTS)
+def test_metadata_that_sets_attributes_of_a_shared_object_is_refused_and_changes_nothing(source, tmp_path, target):
+    """Ahead of DCP's own metadata, a pickle that gets an object every later use in the process shares and
+    BUILDs on it: refused in one line, and the object is as it was (pathlib paths still print as themselves)."""
+    obj, build, what = SHARED_OBJECTS[target]
+    obj = obj()
+    folder = crafted(source, tmp_path, lambda metadata, folder: None)
+    data = (folder / '.metadata').read_bytes()
+    (folder / '.metadata').write_bytes(data[:2] + build + b'0' + data[2:])  # PROTO, the BUILD, POP, the rest
+    before = dict(vars(obj))
+    try:
+        with pytest.raises(CheckpointError) as e:
+            load_checkpoint(folder)
+        assert dict(vars(obj)) == before
+        assert str(pathlib.Path('/a') / 'b') == '/a/b'
+    finally:  # what a regression would leave for the tests after this one
+        for name in set(vars(obj)) - set(before):
+            delattr(obj, name)
+        if target == 'an enum member':
+            vars(obj).update(before)
+    assert_one_line(e, f"sharded checkpoint file {folder / '.metadata'} sets attributes of {what}, which would change "
+                       f"it for the whole process")
+
+
+def declare_4tb(metadata, folder):
+    entry = metadata.state_dict_metadata[WTE]
+    entry.size = entry.chunks[0].sizes = torch.Size([10**6, 10**6])
+
+
+def declare_4tb_in_one_chunk(metadata, folder):
+    metadata.state_dict_metadata[WTE].size = torch.Size([10**6, 10**6])
+
+
+def stride_0_record(metadata, folder):
+    append_record(metadata, folder, saved(torch.zeros(1).expand(48, 32)))  # one float's storage
+
+
+def deflated_record(metadata, folder):
+    """The record of a tensor of 20 MB deflated to a few KB: torch.load inflates it before any check."""
+    deflated = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(saved(torch.zeros(5 * 10**6)))) as stored, zipfile.ZipFile(deflated, 'w') as out:
+        for name in stored.namelist():
+            out.writestr(name, stored.read(name), compress_type=zipfile.ZIP_DEFLATED)
+    append_record(metadata, folder, deflated.getvalue())
+
+
+DECLARED = {  # the crafted .metadata, what its refusal says
+    '4 TB': (declare_4tb, f"declares {WTE}[0, 0] of shape (1000000, 1000000) (4,000,000,000,000 bytes) in "
+                          f"(1000000, 1000000), but its record holds"),
+    '4 TB, chunk as saved': (declare_4tb_in_one_chunk, f"declares {WTE} of shape (1000000, 1000000), but its chunks "
+                                                       f"do not cover it exactly once"),
+    'stride 0': (stride_0_record, "(6,144 bytes) in (48, 32), but its record holds"),
+    'deflated': (deflated_record, "of __0_0.distcp holds archive/data.pkl compressed or larger than the file"),
+}
+
+
+@pytest.mark.parametrize('declared', DECLARED)
+def test_metadata_declaring_more_than_its_records_hold_is_refused_before_allocating(source, tmp_path, declared):
+    """The reader allocates every declared tensor, then torch.loads each record: a weight declared 4 TB, or
+    declared at its true size but read from a record of one float (a stride-0 tensor saved as itself) or from a
+    deflated record that inflates to 20 MB, is refused in one line before anything is allocated."""
+    change, says = DECLARED[declared]
+    folder = crafted(source, tmp_path, change)
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(folder)
+    assert_one_line(e, f"sharded checkpoint {folder} is incomplete or corrupt (ValueError: ", says)
+
+
+def test_a_sparse_shard_does_not_pass_for_data(source, tmp_path):
+    """os.truncate makes a shard 400 MB long at once, all holes: the weight declared 400 MB, its record over
+    the holes, is refused before the reader allocates it, by the bytes the shard holds on disk."""
+    def over_holes(metadata, folder):
+        shard = folder / '__0_0.distcp'
+        end = shard.stat().st_size
+        os.truncate(shard, end + 400 * 10**6)
+        set_record(metadata, WTE, offset=end, length=400 * 10**6)
+        entry = metadata.state_dict_metadata[WTE]
+        entry.size = entry.chunks[0].sizes = torch.Size([10**8 // 32, 32])  # 10^8 float32
+
+    folder = crafted(source, tmp_path, over_holes)
+    if (folder / '__0_0.distcp').stat().st_blocks * 512 > 400 * 10**6:
+        pytest.skip("this file system stores holes as data")
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(folder)
+    assert_one_line(e, "(ValueError: .metadata declares 400,", " bytes of records in __0_0.distcp, which holds ",
+                    " bytes of data)")
+
+
+def test_a_transformed_record_is_refused(source, tmp_path):
+    """DCP can declare a record compressed (zstd): it would be inflated, unbounded, before any check. Sharded
+    checkpoints here are never written so: refused in one line."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    if 'transform_descriptors' not in {f.name for f in dataclasses.fields(_StorageInfo)}:
+        pytest.skip("this torch's DCP has no transforms")
+    folder = crafted(source, tmp_path, lambda metadata, folder: set_record(metadata, WTE,
+                                                                          transform_descriptors=['stream.zstd/1']))
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(folder)
+    assert_one_line(e, f"sharded checkpoint file {folder / '.metadata'} declares the record of {WTE} transformed "
+                       f"(stream.zstd/1), which is not read")
+
+
+def test_a_legacy_train_state_is_refused(source, tmp_path):
+    """torch.load's legacy format allocates each storage at the size the file declares before reading it;
+    save_sharded never writes it."""
+    out = tmp_path / 'out'
+    shutil.copytree(source, out)
+    path = folder_of(out) / 'train_state.pt'
+    torch.save(torch.load(path, weights_only=True), path, _use_new_zipfile_serialization=False)
     with pytest.raises(CheckpointError) as e:
         load_checkpoint(out)
-    message = str(e.value)
-    assert len(message.splitlines()) == 1 and "incomplete or corrupt" in message, message
-    assert "declares tensors of 4,000,000" in message and "the folder's shards hold" in message, message
-    entry.size = true_size
-    with open(folder / '.metadata', 'wb') as f:
-        pickle.dump(metadata, f)
-    assert_same_checkpoint(load_checkpoint(out), load_checkpoint(source / 'ckpt.pt'))
+    assert_one_line(e, "incomplete or corrupt (ValueError: train_state.pt is in torch.save's legacy format")
+
+
+@pytest.mark.parametrize('name', ['.metadata', '__0_0.distcp', 'train_state.pt'])
+def test_a_fifo_in_the_folder_is_one_line_not_a_hang(source, tmp_path, name):
+    """Opening a FIFO waits for a writer that never comes (a shard, .metadata), and a train_state.pt that is
+    one made the folder look like no checkpoint at all: each is refused by stat, before it is opened. Run as
+    a process, with a time limit: a regression hangs."""
+    out = tmp_path / 'out'
+    shutil.copytree(source, out)
+    os.remove(out / 'ckpt.pt')
+    path = folder_of(out) / name
+    os.replace(path, path.parent / 'aside.distcp')  # its bytes still in the folder, under a name nothing reads
+    os.mkfifo(path)
+    proc = subprocess.run([sys.executable, 'sample.py', f'--out_dir={out}', '--device=cpu'], cwd=ROOT,
+                          env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and len(proc.stderr.splitlines()) == 1, proc.stderr
+    assert proc.stderr.startswith(f"sample.py: error: sharded checkpoint file {path} is a FIFO, not a regular file, "
+                                  f"and is not read"), proc.stderr
 
 
 def test_a_truncated_checkpoint_is_one_short_line_naming_the_fallback(source, tmp_path):
