@@ -457,7 +457,7 @@ def test_a_sparse_shard_does_not_pass_for_data(source, tmp_path):
     with pytest.raises(CheckpointError) as e:
         load_checkpoint(folder)
     assert_one_line(e, "(ValueError: .metadata declares 400,", " bytes of records in __0_0.distcp, which holds ",
-                    " bytes of data)")
+                    " bytes of data (the rest are holes in a sparse file))")
 
 
 def test_a_transformed_record_is_refused(source, tmp_path):
