@@ -226,6 +226,7 @@ iter_num = 0
 best_val_loss = 1e9
 best_iter = None  # the iteration best_val_loss was measured at (None: not known, or none yet)
 checkpoint_val_loss = None  # a resumed checkpoint's own val loss (None: not evaluated, or not known)
+checkpoint_evaluated = None  # whether that state was evaluated (None: not known)
 train_time = 0.0  # seconds spent training (not evaluating), over every process that resumed this run
 try:
     if init_from == 'scratch':
@@ -253,6 +254,7 @@ try:
         if not math.isfinite(best_val_loss):  # a NaN best beats nothing (x < nan is False): no best yet
             best_val_loss, best_iter = 1e9, None
         checkpoint_val_loss = checkpoint.get('val_loss')
+        checkpoint_evaluated = checkpoint_val_loss is not None if 'val_loss' in checkpoint else None
         train_time = checkpoint.get('train_time', 0.0)
     elif is_checkpoint(init_from):  # a new run from a trained model, converted to attn_type (finetune.py)
         if master_process:
@@ -475,8 +477,8 @@ local_iter_num = 0  # number of iterations in the lifetime of this process
 saved_iter = iter_num if init_from == 'resume' else None
 saved_val_loss = checkpoint_val_loss  # the val loss of that state (None: not evaluated, or not known)
 # a stop at (or during) an evaluation saved the state unevaluated: the resumed run evaluates it first, as
-# the uninterrupted run did
-evaluation_owed = init_from == 'resume' and checkpoint_val_loss is None and iter_num % eval_interval == 0
+# the uninterrupted run did (checkpoints of earlier versions record no val_loss at all: not owed)
+evaluation_owed = init_from == 'resume' and checkpoint_evaluated is False and iter_num % eval_interval == 0
 unsaveable = None  # why the current state must not be saved: its evaluation or last step was non-finite
 refusal = None  # why the last state the loop meant to save was not
 stopping = False

@@ -51,8 +51,8 @@ import torch
 
 from denoised_gpt.checkpoint_base import (CheckpointError, clean_name, first_damaged_record, nanogpt_param_names,
                                           short_reason)
-from denoised_gpt.sharded_checkpoint import (POINTER_NAME, failure_cause, is_sharded_checkpoint, newest_sharded,
-                                             raise_if_refused, read_sharded, read_train_state, sharded_pointer)
+from denoised_gpt.sharded_checkpoint import (POINTER_NAME, check_zip_parts, failure_cause, is_sharded_checkpoint,
+                                             newest_sharded, raise_if_refused, read_sharded, read_train_state, sharded_pointer)
 
 CKPT_NAME = 'ckpt.pt'
 PREV_NAME = 'ckpt.prev.pt'
@@ -227,6 +227,12 @@ def load_checkpoint(out_dir_or_file, map_location='cpu', metadata_only=False, mo
     if head not in (b'PK', b'\x80\x02'):  # torch.save's zip; its legacy pickle format
         raise CheckpointError(f"checkpoint {path} is truncated or corrupt, or not a checkpoint: it does not "
                               f"begin as a file written by torch.save does. {use_prev}")
+    if head == b'PK':  # a compressed part would be inflated by torch.load, to whatever size it declares
+        try:
+            with open(path, 'rb') as f:
+                check_zip_parts(f, f"checkpoint {path}")
+        except ValueError as e:
+            raise CheckpointError(f"{e}, so it is not read. {use_prev}") from e
     try:
         mmap = (metadata_only or model_only) and zipfile.is_zipfile(path)  # torch maps only its zip format
         ckpt = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)

@@ -379,7 +379,7 @@ def _check_records(metadata, path):
                              f"{held:,} bytes of data (the rest are holes in a sparse file)")
         with open(shard, 'rb') as f:
             for start, end in ranges:
-                _check_zip(_Window(f, start, end - start), f"the record at byte {start:,} of {shard_name}")
+                check_zip_parts(_Window(f, start, end - start), f"the record at byte {start:,} of {shard_name}")
 
 
 def _file_in(folder, name, named_by=None):
@@ -425,7 +425,7 @@ def _data_bytes(path, size):
     return held
 
 
-def _check_zip(file, what):
+def check_zip_parts(file, what):
     """Refuse (ValueError) what would make torch.load allocate more than the bytes of `file` (open, seekable)
     hold, before it does: torch.save's legacy format (allocates each storage's declared size, then reads it),
     and a zip part declared beyond the file (allocated, then not there) or compressed (inflates to any size).
@@ -511,7 +511,7 @@ def read_train_state(folder):
     path = _file_in(folder, STATE_NAME)[0]
     try:
         with open(path, 'rb') as f:
-            _check_zip(f, STATE_NAME)
+            check_zip_parts(f, STATE_NAME)
         return torch.load(path, map_location='cpu', weights_only=True)
     except pickle.UnpicklingError as e:
         raise_if_refused(path, e)

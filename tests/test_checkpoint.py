@@ -392,3 +392,20 @@ def test_running_the_model_reads_only_its_tensors_and_still_refuses_a_damaged_on
         load_checkpoint(tmp_path / 'weights', model_only=True)
     with pytest.raises(CheckpointError, match="truncated or corrupt"):
         load_checkpoint(tmp_path / 'weights')
+
+
+def test_a_compressed_part_is_refused_before_torch_load_inflates_it(tmp_path):
+    """torch.save stores a zip's parts as they are; a deflated one (a few KB of zeros declaring 200 MB, say)
+    would be inflated in memory by torch.load, to any size: refused first, in one line."""
+    save_checkpoint(state(1), tmp_path)
+    path = tmp_path / 'ckpt.pt'
+    with zipfile.ZipFile(path) as z:
+        parts = [(info, z.read(info)) for info in z.infolist()]
+    with zipfile.ZipFile(path, 'w') as z:
+        for info, data in parts:
+            info.compress_type = zipfile.ZIP_DEFLATED
+            z.writestr(info, data)
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(tmp_path)
+    assert str(e.value).startswith(f"checkpoint {path} holds ") and "compressed or larger than the file" in str(e.value)
+    assert "so it is not read. No previous checkpoint" in str(e.value)
