@@ -16,12 +16,15 @@ import stat
 import numpy as np
 import torch
 
+from denoised_gpt.files import file_kind, read_json, require_regular_file
+
 SCAN_CHUNK = 1 << 26  # tokens per step of the vocab check (128 MB of uint16): bounded work per call, stops early
 # Token files up to this many tokens (256 MB) have all their ids checked when TokenBatches opens them:
 # well under a second, so even a meta.json's stored max id is not taken on trust there (the file may
 # have changed since). A larger file (OpenWebText's train.bin: 9 G tokens, up to a minute per rank when
 # not in the page cache) is checked by its meta.json's max id, when that describes it, and batch by batch.
 FULL_SCAN_TOKENS = 1 << 27
+_PREPARE_AGAIN = "remove it and run that dataset's prepare.py again"
 _OTHER_TOKENIZER = ("the file was made with another tokenizer; prepare it again or set vocab_size to the "
                     "dataset's (see its meta.json)")
 
@@ -60,9 +63,7 @@ def _token_file_size(data_dir, path):
     except PermissionError:  # a folder on the way lacks x permission (stat fails, so isfile() says False)
         raise _permission_denied(path) from None
     if not stat.S_ISREG(st.st_mode):
-        kind = "folder" if stat.S_ISDIR(st.st_mode) else "FIFO" if stat.S_ISFIFO(st.st_mode) else "special file"
-        raise ValueError(f"cannot read {path}: it is a {kind}, not a token file; remove it and run that "
-                         f"dataset's prepare.py again")
+        raise ValueError(f"cannot read {path}: it is a {file_kind(st.st_mode)}, not a token file; {_PREPARE_AGAIN}")
     try:
         open(path, "rb").close()  # now, rather than as a raw PermissionError at the first batch
     except PermissionError:
@@ -248,23 +249,10 @@ class _PlainDataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"refusing to load {module}.{name}: only plain data is read")
 
 
-def _require_regular_file(path):
-    """ValueError unless path is a regular file: open() on a folder raises IsADirectoryError (a
-    traceback in the scripts), and on a FIFO blocks for ever."""
-    try:
-        mode = os.stat(path).st_mode
-    except OSError:
-        return  # open() names it (missing, permission denied)
-    if not stat.S_ISREG(mode):
-        kind = "folder" if stat.S_ISDIR(mode) else "FIFO" if stat.S_ISFIFO(mode) else "special file"
-        raise ValueError(f"cannot read {path}: it is a {kind}, not a file; remove it and run that dataset's "
-                         f"prepare.py again")
-
-
 def read_meta_pkl(path):
     """nanoGPT's meta.pkl (vocab_size, itos, stoi) read safely: a file that references any class or
     function (a crafted pickle that would run code) raises ValueError instead of being executed."""
-    _require_regular_file(path)
+    require_regular_file(path, _PREPARE_AGAIN)
     try:
         with open(path, "rb") as f:
             meta = _PlainDataUnpickler(f).load()
@@ -342,13 +330,7 @@ def _read_meta_json(json_path):
     """meta.json as a dict whose known fields have their types: ValueError for a file that is not a
     JSON object or holds a wrong-typed field; OSError (FileNotFoundError, PermissionError) when it
     cannot be read."""
-    _require_regular_file(json_path)
-    try:
-        with open(json_path) as f:
-            meta = json.load(f)
-    except (ValueError, RecursionError) as e:  # ValueError: bad syntax, not UTF-8, an int of too many digits
-        reason = "nested too deeply" if isinstance(e, RecursionError) else e
-        raise ValueError(f"{json_path} is not valid JSON ({reason}); run that dataset's prepare.py again") from e
+    meta = read_json(json_path, _PREPARE_AGAIN)
     if not isinstance(meta, dict):
         raise ValueError(f"{json_path} holds a JSON {type(meta).__name__}, not an object; run that dataset's "
                          f"prepare.py again")

@@ -19,6 +19,7 @@ from denoised_gpt.checkpoint import (CKPT_NAME, PREV_NAME, SHARDED_GLOB, Checkpo
                                      load_checkpoint)
 from denoised_gpt.sharded_checkpoint import POINTER_NAME
 from denoised_gpt.device import max_memory_allocated
+from denoised_gpt.files import write_problem
 
 # out_dir/metrics.jsonl: one JSON line per logged iteration and per evaluation, for compare.py and
 # plots. Resume-safe: a resumed run first drops the rows written after its checkpoint.
@@ -70,11 +71,9 @@ def lock_out_dir(out_dir):
 def out_dir_error(out_dir, e, doing):
     """One line for an OSError (e) while `doing` something in out_dir before training, which changed nothing
     that matters there: a full disk (or quota) said as such."""
-    if e.errno in (errno.ENOSPC, getattr(errno, 'EDQUOT', errno.ENOSPC)):
-        problem, fix = "no space left on device", "free some space or choose another --out_dir"
-    else:
-        problem, fix = e.strerror or str(e), "fix the cause or choose another --out_dir"
-    return f"out_dir={out_dir!r}: {problem} while {doing}; the checkpoints in it are intact: {fix}"
+    cause, remedy = write_problem(e)
+    return (f"out_dir={out_dir!r}: {cause} while {doing}; the checkpoints in it are intact: {remedy} or choose "
+            f"another --out_dir")
 
 
 # what a save writes before renaming it into place (checkpoint.py, sharded_checkpoint.py): left behind

@@ -244,9 +244,9 @@ def test_other_write_errors_are_one_line_and_keep_both_checkpoints(tmp_path):
     limit = ("import resource, signal; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
              "resource.setrlimit(resource.RLIMIT_FSIZE, (1_000_000, resource.RLIM_INFINITY))")
     result = run_save_until_it_fails(tmp_path, limit=limit)
-    assert result['message'] == (f"could not write a checkpoint in {tmp_path} (File too large); {tmp_path}/ckpt.pt"
-                                 f" / {tmp_path}/ckpt.prev.pt are intact. Fix the cause and resume with "
-                                 f"init_from='resume'")
+    assert result['message'] == (f"File too large in {tmp_path} while saving a checkpoint; {tmp_path}/ckpt.pt / "
+                                 f"{tmp_path}/ckpt.prev.pt are intact. Fix the cause (or set out_dir to a disk with "
+                                 f"room) and resume with init_from='resume'")
     assert result['intact'] and result['files'] == ['ckpt.prev.pt', 'ckpt.pt']
 
 
