@@ -68,7 +68,7 @@ from denoised_gpt.checkpoint import CheckpointError, checkpoint_path, load_check
 from denoised_gpt.cli import check_attn_types, fail, read_config
 from denoised_gpt.evaluation import mean_std
 from denoised_gpt.training import NOT_RESUMED
-from denoised_gpt.run_dir import lock_out_dir
+from denoised_gpt.run_dir import METRICS_NAME, dropped_note, lock_out_dir, metrics_rows
 from denoised_gpt.tuning import (METRICS, candidate_args, candidate_label, candidate_settings, candidate_tag, candidates,
                                  choose, edge_warnings, outranked, score)
 from model import GPT, GPTConfig
@@ -304,13 +304,26 @@ def recorded_changes():
 # -----------------------------------------------------------------------------
 # training
 
+noted_metrics = set()  # the metrics logs whose damaged lines were named already
+
+
 def read_metrics(run_dir):
-    """(iteration rows, evaluation rows) of a run's metrics.jsonl; ([], []) when it has none."""
-    path = os.path.join(run_dir, 'metrics.jsonl')
+    """(iteration rows, evaluation rows) of a run's metrics.jsonl; ([], []) when it has none. Its lines that
+    are not rows train.py writes (damaged, edited) are left out, and named once."""
+    path = os.path.join(run_dir, METRICS_NAME)
     if not os.path.exists(path):
         return [], []
-    with open(path) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
+    try:
+        lines = list(metrics_rows(path))
+    except ValueError as e:  # a device, a FIFO
+        fail(e)
+    except OSError as e:
+        fail(f"cannot read {path} ({e.strerror or e}); fix its permissions")
+    note = dropped_note(path, [(number, problem) for number, _, _, problem in lines if problem is not None])
+    if note and path not in noted_metrics:
+        noted_metrics.add(path)
+        print(note, file=sys.stderr)
+    rows = [row for _, _, row, problem in lines if problem is None]
     return [r for r in rows if 'loss' in r], [r for r in rows if 'val_loss' in r]
 
 
