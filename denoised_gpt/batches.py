@@ -105,6 +105,25 @@ def check_token_ids(path, vocab_size, vouched=None):
             raise _id_error(path, int(data[at]), at, vocab_size, vouched)
 
 
+def _label_error(path, label, at, vocab_size):
+    """The TokenIdError for a label outside -1 .. vocab_size - 1 at position `at` of a labels file."""
+    return TokenIdError(f"{path} holds label {label} at position {at}, but a label is -1 (not scored) or a token id "
+                        f"below vocab_size {vocab_size}: the file is damaged or from another preparation; run that "
+                        f"dataset's prepare.py again")
+
+
+def check_label_ids(path, vocab_size):
+    """TokenIdError naming the first label of the labels file at path (int32) outside -1 .. vocab_size - 1:
+    a target the loss would index past its logits with, mid-run, as an IndexError. Chunk by chunk, as
+    check_token_ids."""
+    labels = np.memmap(path, dtype=np.int32, mode="r")
+    for start in range(0, len(labels), SCAN_CHUNK):
+        chunk = labels[start:start + SCAN_CHUNK]
+        if int(chunk.min()) < -1 or int(chunk.max()) >= vocab_size:
+            at = start + int(np.argmax((chunk < -1) | (chunk >= vocab_size)))
+            raise _label_error(path, int(labels[at]), at, vocab_size)
+
+
 class ExampleLayout:
     """How a dataset's token file is cut into training rows: random windows (example_tokens None), or
     whole examples of example_tokens tokens. With labels (meta.json's "labels"), the targets come from
@@ -123,8 +142,10 @@ class ExampleLayout:
         self.example_tokens = meta.get("example_tokens")
         self.labels_path = os.path.join(data_dir, f"{split}_labels.bin") if meta.get("labels") else None
 
-    def check(self, path, num_tokens, block_size):
-        """ValueError unless the token file at path (num_tokens long) fits this layout at block_size."""
+    def check(self, path, num_tokens, block_size, vocab_size=None):
+        """ValueError unless the token file at path (num_tokens long) fits this layout at block_size: with
+        labels, a labels file of one label per token, and with vocab_size, every label in -1 .. vocab_size - 1
+        (a TokenIdError)."""
         if self.example_tokens is None:
             return
         if block_size != self.example_tokens - 1:
@@ -140,6 +161,8 @@ class ExampleLayout:
                 raise ValueError(f"{self.labels_path} has {label_bytes} bytes but {path} has {num_tokens} tokens "
                                  f"(one int32 label per token): the files are from different preparations; run "
                                  f"prepare.py again")
+            if vocab_size is not None:
+                check_label_ids(self.labels_path, vocab_size)
 
     def rows(self, path, starts, length):
         """(x, y) int64 tensors: for each start, tokens [start, start + length) and their targets: the next
@@ -168,7 +191,10 @@ class TokenBatches:
                              f"it is truncated or not a .bin from prepare.py; run prepare.py again")
         self.num_tokens = nbytes // 2
         self.layout = ExampleLayout(data_dir, split)
-        self.layout.check(self.path, self.num_tokens, block_size)
+        # the labels are read whole here up to the size whose token file is (FULL_SCAN_TOKENS); beyond it,
+        # batch by batch
+        self.layout.check(self.path, self.num_tokens, block_size,
+                          vocab_size if self.num_tokens <= FULL_SCAN_TOKENS else None)
         if self.num_tokens < block_size + 1:
             raise ValueError(f"{self.path} has {self.num_tokens} tokens, fewer than block_size + 1 = {block_size + 1} "
                              f"needed for one (x, y) window; lower block_size or prepare more data")
@@ -204,13 +230,18 @@ class TokenBatches:
                                f"vocab_size is {vocab_size}: {_OTHER_TOKENIZER}")
         return f"{split}_max_id {top}"
 
-    def _check_batch(self, rows, starts, path, offset):
+    def _check_batch(self, rows, starts, path, offset, labels=False):
         # Every batch, on the CPU before the copy to the device: one max over batch_size * block_size
         # ints (microseconds), for what the construction did not read (a large file) or what changed
-        # on disk since. rows[r, t] was read from path at position starts[r] + offset + t.
-        if int(rows.max()) >= self.vocab_size:
-            r, t = np.argwhere(rows.numpy() >= self.vocab_size)[0]
-            raise _id_error(path, int(rows[r, t]), int(starts[r]) + offset + int(t), self.vocab_size, self.vouched)
+        # on disk since. rows[r, t] was read from path at position starts[r] + offset + t; labels: rows
+        # of labels, which may also be -1 (not scored), and no lower.
+        low = -1 if labels else 0
+        if int(rows.max()) >= self.vocab_size or int(rows.min()) < low:
+            r, t = np.argwhere((rows.numpy() >= self.vocab_size) | (rows.numpy() < low))[0]
+            at = int(starts[r]) + offset + int(t)
+            if labels:
+                raise _label_error(path, int(rows[r, t]), at, self.vocab_size)
+            raise _id_error(path, int(rows[r, t]), at, self.vocab_size, self.vouched)
 
     def get_batch(self, generator=None):
         """(x, y), int64 tensors of shape (batch_size, block_size) on self.device. Draws the window
@@ -229,7 +260,7 @@ class TokenBatches:
             if self.layout.labels_path is None:  # y is x shifted by one: only its last column is new
                 self._check_batch(y[:, -1:], ix, self.path, self.block_size)
             else:
-                self._check_batch(y, ix, self.layout.labels_path, 1)
+                self._check_batch(y, ix, self.layout.labels_path, 1, labels=True)
         if self.pin:
             return x.pin_memory().to(self.device, non_blocking=True), y.pin_memory().to(self.device, non_blocking=True)
         return x.to(self.device), y.to(self.device)
