@@ -17,6 +17,7 @@ The scripts import this file by putting data/ on sys.path.
 """
 import argparse
 import bz2
+import errno
 import glob
 import gzip
 import itertools
@@ -205,6 +206,21 @@ class Piece:
     end: int | None = None
 
 
+def dead_link(path):
+    """What path is when it is a symbolic link that leads to no file: 'a broken symbolic link (to X, which
+    does not exist)' or 'a symbolic link that loops'; None otherwise. Such a path is not missing: there is a
+    link there that someone made, and nothing should be downloaded or written to it."""
+    try:
+        os.stat(path)
+        return None
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return "a symbolic link that loops (following it leads back to a link already followed)"
+        if isinstance(e, FileNotFoundError) and os.path.islink(path):
+            return f"a broken symbolic link (to {os.readlink(path)}, which does not exist)"
+    return None
+
+
 def input_files(patterns):
     """Expand paths/globs in the order given (sorted within a glob), so the same command sees the same documents."""
     files = []
@@ -213,6 +229,10 @@ def input_files(patterns):
         if not found:
             raise PrepareError(f"--input {pattern!r} matches no file; check the path "
                                f"(quote globs so that the shell passes them on)")
+        for f in found:  # a document file that is not there: said, not skipped
+            problem = dead_link(f)
+            if problem:
+                raise PrepareError(f"--input {f} is {problem}; point it at the file, or name the file itself")
         matched = [f for f in found if os.path.isfile(f)]
         if not matched:  # say so, rather than "the input holds no documents" later
             what = ("is a folder" if len(found) == 1 and os.path.isdir(found[0])

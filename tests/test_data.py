@@ -601,6 +601,26 @@ def test_shakespeare_char_bad_input_is_one_line(tmp_path):
     assert (tmp_path / "taken").read_text() == "a file\n"
 
 
+@pytest.mark.parametrize("script", [SHAKESPEARE, OWT], ids=["shakespeare_char", "openwebtext"])
+def test_an_input_that_is_a_looping_or_broken_link_is_named_not_downloaded(tmp_path, script):
+    """A looping link was taken for a missing file: shakespeare_char offered to download to that path (and
+    said it could not), openwebtext said it matched 'only folders or special files'."""
+    (tmp_path / "loop").symlink_to("loop")
+    (tmp_path / "broken").symlink_to(tmp_path / "gone.txt")
+    for name, what in [("loop", "a symbolic link that loops (following it leads back to a link already followed)"),
+                       ("broken", f"a broken symbolic link (to {tmp_path / 'gone.txt'}, which does not exist)")]:
+        r = prepare(script, "--input", tmp_path / name, "--out_dir", tmp_path / "out", check=False)
+        assert_bad_input(r, f"{tmp_path / name} is {what}; point it at ")
+        assert "download" not in r.stdout + r.stderr
+    assert sorted(os.listdir(tmp_path)) == ["broken", "loop"]
+    if script == SHAKESPEARE:  # its input.txt in --out_dir, where it downloads to when there is none
+        (tmp_path / "out").mkdir()
+        (tmp_path / "out" / "input.txt").symlink_to("input.txt")
+        r = prepare(script, "--out_dir", tmp_path / "out", check=False)
+        assert_bad_input(r, f"{tmp_path / 'out' / 'input.txt'} is a symbolic link that loops")
+        assert "download" not in r.stdout + r.stderr and os.listdir(tmp_path / "out") == ["input.txt"]
+
+
 def test_prepared_max_ids_checked_against_the_model_vocab(owt_jsonl):
     out = owt_jsonl[0] / "out"
     TokenBatches(out, "val", 8, 2, vocab_size=50257)  # GPT-2's EOT, 50256, is the largest id
