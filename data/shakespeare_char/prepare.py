@@ -21,7 +21,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # data/, for prepare_common
 from prepare_common import (PrepareError, atomic_outputs, check_out_dir, dead_link, max_id, one_line_errors,
-                            write_json)
+                            write_array, write_json)
 
 URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -118,8 +118,8 @@ def prepare(args):
     train_ids, val_ids = ids[:int(n * 0.9)], ids[int(n * 0.9):]
 
     with atomic_outputs(args.out_dir, ["train.bin", "val.bin", "meta.pkl", "meta.json"]) as tmp:
-        train_ids.tofile(tmp["train.bin"])
-        val_ids.tofile(tmp["val.bin"])
+        write_array(tmp["train.bin"], train_ids)
+        write_array(tmp["val.bin"], val_ids)
         with open(tmp["meta.pkl"], "wb") as f:
             pickle.dump({"vocab_size": len(chars), "itos": itos, "stoi": stoi}, f)
         # 'chars' (the vocabulary in id order) lets meta.json alone decode, without the pickle
