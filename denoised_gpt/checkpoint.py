@@ -69,7 +69,6 @@ def save_checkpoint(state, out_dir):
     not modified. If anything fails (an unpicklable value, a full disk, a kill) the existing files
     are untouched; a failed write (OSError) raises CheckpointError with a one-line message.
     Returns the path written."""
-    os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, CKPT_NAME)
     prev = os.path.join(out_dir, PREV_NAME)
     for stale in glob.glob(path + '.tmp-*') + glob.glob(prev + '.tmp-*'):
@@ -79,6 +78,7 @@ def save_checkpoint(state, out_dir):
         state['model_args'], state['attn_args'] = split_model_args(state['model_args'])
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
+        os.makedirs(out_dir, exist_ok=True)  # (a read-only place fails here: said as a failed save)
         _write_synced(state, tmp)
         if os.path.exists(path):
             _keep_as_previous(path, prev)
