@@ -20,6 +20,7 @@ import fnmatch
 import hashlib
 import json
 import os
+import re
 import shutil
 import stat
 import tempfile
@@ -98,6 +99,7 @@ def export(checkpoint, hf_dir, data_dir=None, overwrite=False):
     into a temporary folder beside hf_dir and moved into place when all are written (_move_into_place),
     so a failed export leaves hf_dir as it was. Returns notes for the user: the format chosen and why,
     what the tokenizer is. ValueError when the checkpoint or hf_dir cannot be used."""
+    from safetensors import SafetensorError
     from denoised_gpt.weights import PEFT_WRAPPER, model_with_weights
     from model import GPTConfig
     check_hf_dir(hf_dir, overwrite)
@@ -132,6 +134,11 @@ def export(checkpoint, hf_dir, data_dir=None, overwrite=False):
         with open(os.path.join(tmp, 'README.md'), 'w') as f:
             f.write(model_card(model, run, incompatibility, vocabulary, tokenizer_note, hf_dir))
         _move_into_place(tmp, hf_dir)
+    except SafetensorError as e:  # a failed write of the weights, in safetensors' words
+        written = re.search(r"\(os error (\d+)\)", str(e))
+        if written is None:
+            raise
+        raise OSError(int(written[1]), os.strerror(int(written[1]))) from e
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return notes
