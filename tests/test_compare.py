@@ -349,6 +349,37 @@ def test_report_only_refuses_a_metrics_log_that_is_a_device_or_a_fifo(sweep, kin
     assert not (out / 'report').exists()
 
 
+def test_a_full_disk_when_writing_the_report_is_one_line_and_keeps_the_earlier_results(sweep):
+    """results.json.tmp a link to /dev/full: every write to it fails with ENOSPC (a traceback before)."""
+    tmp, data, _ = sweep
+    out = copy_sweep(tmp, 'full-report')
+    args = sweep_args(out, data, '--report_only=True', '--samples=False', attn_types='base', seeds='1')
+    assert compare(args).returncode == 0
+    results = (out / 'report' / 'results.json').read_bytes()
+    (out / 'report' / 'results.json.tmp').symlink_to('/dev/full')
+    proc = compare(args)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip() == f"compare.py: error: cannot write {out / 'report' / 'results.json'}: no space left " \
+                                  f"on device; the file there before is intact. Free some space and run the same " \
+                                  f"command with --report_only=True (the runs are intact)"
+    assert (out / 'report' / 'results.json').read_bytes() == results
+    assert not os.path.lexists(out / 'report' / 'results.json.tmp')
+
+
+def test_a_report_folder_that_is_a_file_is_refused_before_any_training(sweep):
+    """It was a FileExistsError traceback from os.makedirs, once every run had trained."""
+    tmp, data, _ = sweep
+    out = copy_sweep(tmp, 'report-a-file', runs=())
+    out.mkdir()
+    (out / 'report').write_text('my notes\n')
+    for more in (['--report_only=True'], []):
+        proc = compare(sweep_args(out, data, *more, '--samples=False', attn_types='base', seeds='1'))
+        assert proc.returncode == 2 and proc.stderr.strip() == (
+            f"compare.py: error: {out / 'report'} is not a folder, and compare.py writes its report there: move it "
+            f"away"), proc.stderr
+    assert (out / 'report').read_text() == 'my notes\n' and not (out / 'runs').exists()
+
+
 def test_compare_runs_from_another_directory(sweep):
     """train.py and sample.py are found beside compare.py, not in the current directory (a traceback
     'No such file: train.py' before); the finished run is reported, nothing retrained."""
