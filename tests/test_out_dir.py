@@ -311,7 +311,8 @@ def test_a_metrics_log_that_is_a_device_or_a_fifo_is_refused_at_resume_in_one_li
         (out / 'metrics.jsonl').symlink_to('/dev/zero')
     else:
         os.mkfifo(out / 'metrics.jsonl')
-    files = lambda: {k: v for k, v in snapshot(out).items() if k.name != '.lock'}  # noqa: E731 (the lock says who holds it)
+    def files():  # (the lock file says who holds it: every run rewrites it)
+        return {k: v for k, v in snapshot(out).items() if k.name != '.lock'}
     before = files()
     proc = subprocess.run(train_command(out, data, '--init_from=resume', '--max_iters=10'), cwd=ROOT,
                           env=subprocess_env(), capture_output=True, text=True, timeout=120)

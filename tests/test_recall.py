@@ -206,7 +206,7 @@ def test_a_label_outside_minus_one_to_vocab_size_is_refused_at_load_in_one_line(
 
 
 def test_a_label_file_changed_after_load_is_caught_by_the_batch_that_holds_it(mqar, tmp_path, monkeypatch):
-    monkeypatch.setattr("denoised_gpt.batches.FULL_SCAN_TOKENS", 0)  # every file counts as large: checked batch by batch
+    monkeypatch.setattr("denoised_gpt.batches.FULL_SCAN_TOKENS", 0)  # every file counts as large: read by batches
     data = copy_of(mqar, tmp_path / "data")
     tb = TokenBatches(str(data), "train", 32, 16, seed=0, vocab_size=64)
     tb.get_batch()
