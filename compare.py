@@ -67,8 +67,9 @@ from denoised_gpt.batches import ExampleLayout
 from denoised_gpt.checkpoint import CheckpointError, checkpoint_path, load_checkpoint
 from denoised_gpt.cli import check_attn_types, fail, read_config
 from denoised_gpt.evaluation import mean_std
+from denoised_gpt.files import FileError, read_json, write_atomically, write_problem
 from denoised_gpt.training import NOT_RESUMED
-from denoised_gpt.run_dir import lock_out_dir
+from denoised_gpt.run_dir import METRICS_NAME, dropped_note, lock_out_dir, metrics_rows
 from denoised_gpt.tuning import (METRICS, candidate_args, candidate_label, candidate_settings, candidate_tag, candidates,
                                  choose, edge_warnings, outranked, score)
 from model import GPT, GPTConfig
@@ -304,13 +305,26 @@ def recorded_changes():
 # -----------------------------------------------------------------------------
 # training
 
+noted_metrics = set()  # the metrics logs whose damaged lines were named already
+
+
 def read_metrics(run_dir):
-    """(iteration rows, evaluation rows) of a run's metrics.jsonl; ([], []) when it has none."""
-    path = os.path.join(run_dir, 'metrics.jsonl')
+    """(iteration rows, evaluation rows) of a run's metrics.jsonl; ([], []) when it has none. Its lines that
+    are not rows train.py writes (damaged, edited) are left out, and named once."""
+    path = os.path.join(run_dir, METRICS_NAME)
     if not os.path.exists(path):
         return [], []
-    with open(path) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
+    try:
+        lines = list(metrics_rows(path))
+    except ValueError as e:  # a device, a FIFO
+        fail(e)
+    except OSError as e:
+        fail(f"cannot read {path} ({e.strerror or e}); fix its permissions")
+    note = dropped_note(path, [(number, problem) for number, _, _, problem in lines if problem is not None])
+    if note and path not in noted_metrics:
+        noted_metrics.add(path)
+        print(note, file=sys.stderr)
+    rows = [row for _, _, row, problem in lines if problem is None]
     return [r for r in rows if 'loss' in r], [r for r in rows if 'val_loss' in r]
 
 
@@ -535,9 +549,9 @@ def run_results(run):
     }
 
 
-def read_json(path):
-    with open(path) as f:
-        return json.load(f)
+def read_eval_json(path):
+    """One of eval.py's JSON results (recall.json, attention_noise.json); FileError when it is damaged."""
+    return read_json(path, "delete it, and compare.py has eval.py write it again")
 
 
 def recall_results(run, attention=True):
@@ -552,17 +566,17 @@ def recall_results(run, attention=True):
     measures = {'recall': 'recall.json', **({'attention_noise': 'attention_noise.json'} if attention else {})}
     paths = [os.path.join(run.dir, name) for name in measures.values()]
     if any(not os.path.exists(p) or os.path.getmtime(p) < os.path.getmtime(checkpoint_path(run.dir)) for p in paths) \
-            or 'dtype' not in read_json(paths[0]):
+            or 'dtype' not in read_eval_json(paths[0]):
         flags = [f'--{m}=True' for m in measures]
         proc = subprocess.run([sys.executable, EVAL_SCRIPT, f'--out_dir={run.dir}', *flags, '--batch_size=64'],
                               capture_output=True, text=True)
         if proc.returncode != 0:
             raise CheckpointError(f"eval.py {' '.join(flags)} failed: {proc.stderr.strip().splitlines()[-1:]}")
-    recall = read_json(paths[0])
+    recall = read_eval_json(paths[0])
     result = {'accuracy': recall['accuracy'],
               'accuracy_by_pairs': {k: v['accuracy'] for k, v in recall['by_pairs'].items()}}
     if attention:
-        shares = read_json(paths[1])
+        shares = read_eval_json(paths[1])
         look = shares['lookup']
         result.update({f'{part}_share': look[part] for part in ('answer', 'noise', 'pairs', 'context')},
                       lookup_head=f"L{look['layer']}h{look['head']}",
@@ -648,7 +662,7 @@ def tuning_result(run, metric, is_outranked):
     if metric == 'accuracy':
         try:
             result['accuracy'] = recall_results(run, attention=False)['accuracy']
-        except CheckpointError as e:
+        except (CheckpointError, FileError) as e:
             fail(f"tuning run {run.dir}: {e}")
     return result
 
@@ -670,6 +684,16 @@ try:  # one sweep per out_dir at a time (its train.py runs each lock their own f
     sweep_lock = lock_out_dir(out_dir)
 except ValueError as e:
     fail(e)
+report_dir = os.path.join(out_dir, 'report')
+
+
+def check_report_dir():
+    """A report folder that cannot be one is said before any training, not after it."""
+    if os.path.lexists(report_dir) and not os.path.isdir(report_dir):
+        fail(f"{report_dir} is not a folder, and compare.py writes its report there: move it away")
+
+
+check_report_dir()
 tuning = tune_variants() if tune else {}
 untrainable = {key for key, t in tuning.items() if t['settings'] is None}  # every candidate diverged
 runs = [Run(a, s, point, tuning[(a, point[1])]['settings'] if tuning else None)
@@ -688,32 +712,40 @@ for run in tqdm(done, desc='reading the runs', disable=len(done) < 2 or not sys.
         results.append(run_results(run))
     except CheckpointError as e:  # a damaged or foreign ckpt.pt among the runs
         failures[(run.variant, run.seed)] = f"its checkpoint cannot be read: {e}"
+    except FileError as e:  # a damaged result of eval.py's
+        failures[(run.variant, run.seed)] = str(e)
 if not results:
     fail(f"no readable finished run in {out_dir}/runs: nothing to report ({'; '.join(failures.values())})")
 done = [run for run in done if (run.variant, run.seed) not in failures]
 # matplotlib only when reporting
-from denoised_gpt.compare_report import paired_vs_base, write_plots, write_report  # noqa: E402
+from denoised_gpt.compare_report import WRITE_AGAIN, paired_vs_base, write_plots, write_report  # noqa: E402
 summary = summarize(results)
-report_dir = os.path.join(out_dir, 'report')
-os.makedirs(report_dir, exist_ok=True)
 first_run = {}  # variant -> the run of its first seed: the one sampled
 for run in done:
     first_run.setdefault(run.variant, run.dir)
 texts = {v: sample_text(d) for v, d in first_run.items()} if samples else {}
-plots = write_plots(results, report_dir)
 stop_at_val_loss = train_config['stop_at_val_loss']
 protocol = ({'tuned': True, 'tune': tune, 'tune_seeds': tune_seeds, 'metric': sorted({t['metric'] for t in tuning.values()}),
              **({'stop_at_val_loss': stop_at_val_loss} if stop_at_val_loss else {})}
             if tune else {'tuned': False, 'settings': {k: train_config[k] for k in SHARED_SETTINGS}})
-write_report(report_dir, summary, results, failures, texts, plots,
-             dict(base_config=base_config, overrides=overrides, grid=[label for *_, label in points if label],
-                  seeds=seeds, max_iters=max_iters, protocol=protocol, tuning=list(tuning.values()),
-                  stop_at_val_loss=stop_at_val_loss,
-                  command=shlex.join(['python3', 'compare.py', *sys.argv[1:]]), changes=recorded_changes()))
-with open(os.path.join(report_dir, 'results.json'), 'w') as f:
-    json.dump({'protocol': protocol, 'tuning': list(tuning.values()), 'summary': summary, 'runs': results,
-               'failed': [{'attn_type': a, 'seed': s, 'reason': why} for (a, s), why in failures.items()]},
-              f, indent=1)
+check_report_dir()  # again: the study may have run for days
+try:  # each file whole or not at all; a failed write is one line (a full disk, ...)
+    os.makedirs(report_dir, exist_ok=True)
+    plots = write_plots(results, report_dir)
+    write_report(report_dir, summary, results, failures, texts, plots,
+                 dict(base_config=base_config, overrides=overrides, grid=[label for *_, label in points if label],
+                      seeds=seeds, max_iters=max_iters, protocol=protocol, tuning=list(tuning.values()),
+                      stop_at_val_loss=stop_at_val_loss,
+                      command=shlex.join(['python3', 'compare.py', *sys.argv[1:]]), changes=recorded_changes()))
+    write_atomically(os.path.join(report_dir, 'results.json'), lambda f: json.dump(
+        {'protocol': protocol, 'tuning': list(tuning.values()), 'summary': summary, 'runs': results,
+         'failed': [{'attn_type': a, 'seed': s, 'reason': why} for (a, s), why in failures.items()]}, f, indent=1),
+        then=WRITE_AGAIN)
+except FileError as e:
+    fail(e)
+except OSError as e:  # making the folder
+    cause, remedy = write_problem(e)
+    fail(f"cannot make {report_dir}: {cause}. {remedy.capitalize()}{WRITE_AGAIN}")
 print(f"report: {os.path.join(report_dir, 'report.md')} ({len(done)} of {len(runs)} runs"
       f"{f', {len(failures)} failed' if failures else ''})")
 if failures:

@@ -44,13 +44,13 @@ answer_help(__file__)  # --help before the heavy imports below
 
 import json
 import os
-import tempfile
 import time
 
 from denoised_gpt.batches import ExampleLayout, TokenBatches, TokenIdError, check_token_ids, load_meta
 from denoised_gpt.checkpoint import CheckpointError, checkpoint_path, load_checkpoint
-from denoised_gpt.cli import (check_inference_source, check_ranges, fail, gpt2_encoding, log, prepare_device,
-                              quiet_ctrl_c, read_config)
+from denoised_gpt.cli import (check_inference_source, check_ranges, check_writable_folder, fail, gpt2_encoding, log,
+                              prepare_device, quiet_ctrl_c, read_config)
+from denoised_gpt.files import FileError, write_atomically
 from denoised_gpt.models import load_model, noise_on, trained_dtype
 from denoised_gpt.device import autocast_context, manual_seed
 from model import ATTENTION_TYPES
@@ -127,31 +127,10 @@ if not eval_dir:
     eval_dir = out_dir if init_from == 'resume' else f"eval-{os.path.basename(os.path.normpath(init_from))}"
 
 
-def check_folder(key, path):
-    """Exit 2 unless the setting's folder is, or can be made, one we can write in: tried now, not when the first
-    results are ready. The folders made for the trial are removed again: a run that fails before it writes
-    leaves none."""
-    made = []  # the missing folders of the path, innermost first
-    missing = os.path.abspath(path)
-    while not os.path.lexists(missing):
-        made.append(missing)
-        missing = os.path.dirname(missing)
-    try:
-        os.makedirs(os.path.abspath(path), exist_ok=True)
-        tempfile.TemporaryFile(dir=path).close()
-    except OSError as e:
-        what = "is a file, not a folder" if os.path.isfile(path) else f"cannot be written ({e.strerror or e})"
-        fail(f"{key}={path!r} {what}: choose another folder with --{key}")
-    finally:
-        for folder in made:
-            if os.path.isdir(folder):
-                os.rmdir(folder)
-
-
 if eval_dir != out_dir or os.path.isdir(out_dir):  # an out_dir that is no folder: loading it says why, below
-    check_folder('eval_dir', eval_dir)
+    check_writable_folder('eval_dir', eval_dir)
 if glue and glue_cache_dir:
-    check_folder('glue_cache_dir', glue_cache_dir)
+    check_writable_folder('glue_cache_dir', glue_cache_dir)
 
 # -----------------------------------------------------------------------------
 # model(s)
@@ -217,13 +196,24 @@ log(f"{info['attn_type']} model, {info['checkpoint']}, {info['params'] / 1e6:.2f
 results = dict(model={k: v for k, v in info.items() if k != 'identity'})
 
 
-def write_json(name, value):
+def write_file(name, write, binary=False):
+    """eval_dir/name written whole or not at all (write(f) fills it); a failed write is one line and exit 2,
+    the file there before intact."""
     path = os.path.join(eval_dir, name)
-    tmp = path + '.tmp'
-    with open(tmp, 'w') as f:
-        json.dump(value, f, indent=2, default=str)  # default: lm-eval's results hold a few non-JSON values
-    os.replace(tmp, path)  # a reader never sees half a file
+    try:
+        write_atomically(path, write, binary, then=" and evaluate again")
+    except FileError as e:
+        fail(e)
     log(f"wrote {path}")
+
+
+def write_png(name, figure):
+    write_file(name, lambda f: figure.savefig(f, format='png', dpi=100), binary=True)
+
+
+def write_json(name, value):
+    # default: lm-eval's results hold a few non-JSON values
+    write_file(name, lambda f: json.dump(value, f, indent=2, default=str))
 
 
 def val_bin(which):
@@ -336,17 +326,15 @@ if attention_noise:
     mine_shares = shares_of(model, info)
     results['attention_noise'] = mine_shares
     write_json('attention_noise.json', mine_shares)
-    plot_heatmaps([(info['name'], heatmap_panels(mine_shares))], label, os.path.join(eval_dir, 'attention_noise.png'))
-    log(f"wrote {os.path.join(eval_dir, 'attention_noise.png')}")
+    write_png('attention_noise.png', plot_heatmaps([(info['name'], heatmap_panels(mine_shares))], label))
     if compare_to:
         other_model.to(device)
         theirs_shares = shares_of(other_model, other_info)
         other_model.cpu()
         write_json(f"attention_noise_{file_name_part(other_info['name'])}.json", theirs_shares)
-        png = os.path.join(eval_dir, f"attention_noise_vs_{file_name_part(other_info['name'])}.png")
-        plot_heatmaps([(info['name'], heatmap_panels(mine_shares)), (other_info['name'], heatmap_panels(theirs_shares))],
-                      label, png)
-        log(f"wrote {png}")
+        write_png(f"attention_noise_vs_{file_name_part(other_info['name'])}.png",
+                  plot_heatmaps([(info['name'], heatmap_panels(mine_shares)),
+                                 (other_info['name'], heatmap_panels(theirs_shares))], label))
 
 # -----------------------------------------------------------------------------
 # attention entropy
@@ -370,17 +358,15 @@ if entropy:
         print(f"attention entropy ({name}), mean over heads per layer: " + ' '.join(f"{m:.3f}" for m in means))
     results['entropy'] = mine
     write_json('entropy.json', mine)
-    plot_entropy([(info['name'], mine['entropy'])], os.path.join(eval_dir, 'entropy.png'))
-    log(f"wrote {os.path.join(eval_dir, 'entropy.png')}")
+    write_png('entropy.png', plot_entropy([(info['name'], mine['entropy'])]))
     if compare_to:
         theirs = entropy_of(other_model.to(device), other_info, other_data)
         del other_model
         for name, means in theirs['layer_mean'].items():
             print(f"compare_to {other_info['name']} ({name}): " + ' '.join(f"{m:.3f}" for m in means))
         write_json(f"entropy_{file_name_part(other_info['name'])}.json", theirs)
-        png = os.path.join(eval_dir, f"entropy_vs_{file_name_part(other_info['name'])}.png")
-        plot_entropy([(info['name'], mine['entropy']), (other_info['name'], theirs['entropy'])], png)
-        log(f"wrote {png}")
+        write_png(f"entropy_vs_{file_name_part(other_info['name'])}.png",
+                  plot_entropy([(info['name'], mine['entropy']), (other_info['name'], theirs['entropy'])]))
 
 # -----------------------------------------------------------------------------
 # GLUE: frozen backbone, cached last-token features, linear probe
@@ -399,8 +385,7 @@ if glue:
     print(table)
     results['glue'] = glue_results
     write_json('glue.json', dict(model=results['model'], settings=settings, results=glue_results))
-    with open(os.path.join(eval_dir, 'glue.md'), 'w') as f:
-        f.write(table + '\n')
+    write_file('glue.md', lambda f: f.write(table + '\n'))
 
 # -----------------------------------------------------------------------------
 # lm-evaluation-harness

@@ -28,6 +28,7 @@ import os
 
 from denoised_gpt.checkpoint import CheckpointError, checkpoint_path, load_checkpoint
 from denoised_gpt.cli import fail, log, read_config
+from denoised_gpt.files import write_problem
 from denoised_gpt.hf_format import check_hf_dir, export
 from denoised_gpt.weights import refuse_nonfinite_state
 
@@ -63,7 +64,8 @@ try:
 except ValueError as e:
     fail(e)
 except OSError as e:  # disk full, no permission: the temporary folder is gone, hf_dir as it was
-    fail(f"could not write {hf_dir} ({e.strerror or e}); fix the cause and export again")
+    cause, remedy = write_problem(e)
+    fail(f"cannot write {hf_dir}: {cause}; nothing was changed there. {remedy.capitalize()} and export again")
 for note in notes:
     log(note)
 print(f"wrote {hf_dir}: load it with transformers (see {os.path.join(hf_dir, 'README.md')}), publish it with "

@@ -31,7 +31,7 @@ import torch
 from denoised_gpt import growth
 from denoised_gpt.batches import TokenBatches, load_meta
 from denoised_gpt.checkpoint import CheckpointError, checkpoint_path, load_checkpoint, save_checkpoint
-from denoised_gpt.cli import check_ranges, fail, read_config
+from denoised_gpt.cli import check_ranges, check_writable_folder, fail, read_config
 from denoised_gpt.device import manual_seed, resolve_device, setup, synchronize
 from denoised_gpt.run_dir import peak_memory_mib
 from denoised_gpt.weights import refuse_nonfinite_state
@@ -120,6 +120,7 @@ def main():
         device = resolve_device(device)
     except ValueError as e:
         fail(e)
+    check_writable_folder('out', out)  # now, not after the growth
     setup(device)
     manual_seed(seed)
     model = GPT(GPTConfig(**model_args))

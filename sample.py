@@ -64,7 +64,7 @@ import torch
 from denoised_gpt.batches import load_meta, read_meta_pkl
 from denoised_gpt.checkpoint import checkpoint_path
 from denoised_gpt.cli import (check_inference_source, check_ranges, fail, gpt2_encoding, log, prepare_device,
-                              quiet_ctrl_c, read_config)
+                              print_result, quiet_ctrl_c, read_config)
 from denoised_gpt.models import load_model, noise_on, trained_dtype
 from denoised_gpt.device import autocast_context, manual_seed, torch_dtype
 from model import ATTENTION_TYPES
@@ -402,7 +402,7 @@ def render_prompt(i, prompt, prompt_ids, completions):
 encoded = [encode(p) for p in prompts]  # every prompt checked before any output
 log(f"{model_sentence(str, str)}; device {device} ({dtype})")
 if header() is not None:
-    print(header())
+    print_result(header())
 generating = 0.0  # seconds spent in model.generate, for the tokens/s line at the end
 for i, (prompt, prompt_ids) in enumerate(zip(prompts, encoded)):
     if len(prompt_ids) > model.config.block_size:
@@ -417,6 +417,6 @@ for i, (prompt, prompt_ids) in enumerate(zip(prompts, encoded)):
     new_tokens = y[:, len(prompt_ids):].tolist()  # .tolist() waits for the device: the timing is complete
     generating += time.perf_counter() - t0
     completions = [decode_pieces(row) for row in new_tokens]
-    print(render_prompt(i, prompt, prompt_ids, completions), flush=True)
+    print_result(render_prompt(i, prompt, prompt_ids, completions))
 n_tokens = len(prompts) * num_samples * max_new_tokens
 log(f"generated {n_tokens} tokens in {generating:.1f} s ({n_tokens / generating:.1f} tokens/s)")

@@ -13,10 +13,12 @@ Two ways in, one split (`split_documents`) and one tokeniser (`encode_documents`
   parquet row group), parses and tokenises it, so nothing but a 0.1 s tokenizer load runs on one
   core. On 2 cores that is ~2x a one-process tokenising loop; the `datasets` import and its
   one-process JSON-to-Arrow conversion alone took ~2 s per 50 MB (docs/benchmarks.md).
-The scripts import this file by putting data/ on sys.path.
+The scripts import this file by putting data/ on sys.path; it puts the repository there too, for what it
+shares with the package (the words for a failed write: denoised_gpt/files.py).
 """
 import argparse
 import bz2
+import errno
 import glob
 import gzip
 import itertools
@@ -35,6 +37,9 @@ from math import ceil
 import numpy as np
 import tiktoken
 from tqdm import tqdm
+
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository, for the package
+from denoised_gpt.files import write_problem  # noqa: E402
 
 RESTART_HINT = """\
 Interrupted or failed? Run the same command again. From the hub, the download resumes
@@ -205,6 +210,21 @@ class Piece:
     end: int | None = None
 
 
+def dead_link(path):
+    """What path is when it is a symbolic link that leads to no file: 'a broken symbolic link (to X, which
+    does not exist)' or 'a symbolic link that loops'; None otherwise. Such a path is not missing: there is a
+    link there that someone made, and nothing should be downloaded or written to it."""
+    try:
+        os.stat(path)
+        return None
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return "a symbolic link that loops (following it leads back to a link already followed)"
+        if isinstance(e, FileNotFoundError) and os.path.islink(path):
+            return f"a broken symbolic link (to {os.readlink(path)}, which does not exist)"
+    return None
+
+
 def input_files(patterns):
     """Expand paths/globs in the order given (sorted within a glob), so the same command sees the same documents."""
     files = []
@@ -213,6 +233,10 @@ def input_files(patterns):
         if not found:
             raise PrepareError(f"--input {pattern!r} matches no file; check the path "
                                f"(quote globs so that the shell passes them on)")
+        for f in found:  # a document file that is not there: said, not skipped
+            problem = dead_link(f)
+            if problem:
+                raise PrepareError(f"--input {f} is {problem}; point it at the file, or name the file itself")
         matched = [f for f in found if os.path.isfile(f)]
         if not matched:  # say so, rather than "the input holds no documents" later
             what = ("is a folder" if len(found) == 1 and os.path.isdir(found[0])
@@ -456,7 +480,10 @@ def tokenize_files(units, column, text_unit, num_proc, tokens_path):
             results = pool.imap(tokenize_unit, jobs)  # in order, so documents keep the input order
         try:
             for (tokens, unit_lengths), (_, nbytes) in zip(results, units):
-                out.write(tokens.data)  # (not tofile: its error on a full disk does not say so)
+                try:
+                    out.write(tokens.data)  # (not tofile: its error on a full disk does not say so)
+                except OSError as e:
+                    raise write_failed(os.path.dirname(tokens_path) or ".", e) from e
                 lengths.append(unit_lengths)
                 bar.update(nbytes)
         finally:
@@ -465,12 +492,28 @@ def tokenize_files(units, column, text_unit, num_proc, tokens_path):
     return np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
 
 
+def token_memmap(path, total):
+    """A uint16 memmap of `total` tokens at path, to write, its disk space reserved first: a write through a
+    map to a full disk is a SIGBUS that kills the process with no message and no cleanup, where the
+    reservation fails as an OSError (ENOSPC)."""
+    if total and hasattr(os, "posix_fallocate"):  # (not on macOS: there the file is sparse, as before)
+        with open(path, "wb") as f:
+            try:
+                os.posix_fallocate(f.fileno(), 0, 2 * total)
+            except OSError as e:
+                if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):  # a file system that cannot reserve space
+                    raise
+                f.truncate(2 * total)
+        return np.memmap(path, dtype=np.uint16, mode="r+", shape=(total,))
+    return np.memmap(path, dtype=np.uint16, mode="w+", shape=(total,))
+
+
 def write_documents(tokens, lengths, order, path, desc):
     """Write the documents `order` (indices into lengths) of the flat `tokens`, in that order, to a
     uint16 file; return its token count and largest token id."""
     starts = np.cumsum(lengths) - lengths
     total = int(lengths[order].sum())
-    out = np.memmap(path, dtype=np.uint16, mode="w+", shape=(total,))
+    out = token_memmap(path, total)
     pos, top = 0, -1
     with tqdm(total=total, unit="tok", unit_scale=True, desc=desc) as bar:
         for k in range(0, len(order), 100_000):  # Python ints (fast slicing) for 100k documents at a time
@@ -570,7 +613,7 @@ def write_bin(tok, path, desc):
     count and largest token id."""
     import pyarrow.compute as pc
     total = int(token_counts(tok).sum())
-    arr = np.memmap(path, dtype=np.uint16, mode="w+", shape=(total,))
+    arr = token_memmap(path, total)
     i, top = 0, -1
     with tqdm(total=total, unit="tok", unit_scale=True, desc=desc) as bar:
         for batch in tok.with_format("arrow").iter(batch_size=10_000):
@@ -623,22 +666,39 @@ def prepare_hub(args, hub_path, hub_name):
 
 # --------------------------------------------------------------------------------- writing
 
+def write_failed(out_dir, e):
+    """The PrepareError for an OSError (e) while writing into out_dir: a full disk, a read-only file system,
+    no permission (files.write_problem's words)."""
+    cause, remedy = write_problem(e)
+    return PrepareError(f"cannot write in {out_dir}: {cause}; the files there are as they were (this run's partial "
+                        f"files are removed). {remedy.capitalize()} and run the same command again")
+
+
 @contextmanager
 def atomic_outputs(out_dir, names):
     """Yield {name: temporary path}. Only when the block finishes are they renamed to their final
     names (in the order given: put meta.json last); on any error or Ctrl-C they are deleted. A
     killed process (`kill`, SIGKILL, power loss) can only leave '<name>.partial' files, never a
-    finished-looking .bin, and the next run overwrites them."""
+    finished-looking .bin, and the next run overwrites them. A failed write is a PrepareError."""
     os.makedirs(out_dir, exist_ok=True)
     tmp = {name: os.path.join(out_dir, name + ".partial") for name in names}
     try:
         yield tmp
         for name, path in tmp.items():
             os.replace(path, os.path.join(out_dir, name))
+    except OSError as e:  # the block only writes: a full disk, most likely
+        raise write_failed(out_dir, e) from e
     finally:
         for path in tmp.values():
             if os.path.exists(path):
                 os.remove(path)
+
+
+def write_array(path, array):
+    """array's bytes as the file at path (what ndarray.tofile writes), through a Python file: tofile's error
+    on a full disk carries no errno ('N requested and 0 written'), this one says ENOSPC."""
+    with open(path, "wb") as f:
+        f.write(np.ascontiguousarray(array).data)
 
 
 def write_json(path, obj):

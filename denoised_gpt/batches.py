@@ -16,12 +16,15 @@ import stat
 import numpy as np
 import torch
 
+from denoised_gpt.files import file_kind, read_json, require_regular_file
+
 SCAN_CHUNK = 1 << 26  # tokens per step of the vocab check (128 MB of uint16): bounded work per call, stops early
 # Token files up to this many tokens (256 MB) have all their ids checked when TokenBatches opens them:
 # well under a second, so even a meta.json's stored max id is not taken on trust there (the file may
 # have changed since). A larger file (OpenWebText's train.bin: 9 G tokens, up to a minute per rank when
 # not in the page cache) is checked by its meta.json's max id, when that describes it, and batch by batch.
 FULL_SCAN_TOKENS = 1 << 27
+_PREPARE_AGAIN = "remove it and run that dataset's prepare.py again"
 # (true for every script: the vocabulary is the model's, from meta.json or a checkpoint, never a setting)
 _OTHER_TOKENIZER = ("the file was made with another tokenizer than the model's: prepare it again with its "
                     "prepare.py, or give the data the model was trained on (--dataset)")
@@ -61,9 +64,7 @@ def _token_file_size(data_dir, path):
     except PermissionError:  # a folder on the way lacks x permission (stat fails, so isfile() says False)
         raise _permission_denied(path) from None
     if not stat.S_ISREG(st.st_mode):
-        kind = "folder" if stat.S_ISDIR(st.st_mode) else "FIFO" if stat.S_ISFIFO(st.st_mode) else "special file"
-        raise ValueError(f"cannot read {path}: it is a {kind}, not a token file; remove it and run that "
-                         f"dataset's prepare.py again")
+        raise ValueError(f"cannot read {path}: it is a {file_kind(st.st_mode)}, not a token file; {_PREPARE_AGAIN}")
     try:
         open(path, "rb").close()  # now, rather than as a raw PermissionError at the first batch
     except PermissionError:
@@ -105,6 +106,25 @@ def check_token_ids(path, vocab_size, vouched=None):
             raise _id_error(path, int(data[at]), at, vocab_size, vouched)
 
 
+def _label_error(path, label, at, vocab_size):
+    """The TokenIdError for a label outside -1 .. vocab_size - 1 at position `at` of a labels file."""
+    return TokenIdError(f"{path} holds label {label} at position {at}, but a label is -1 (not scored) or a token id "
+                        f"below vocab_size {vocab_size}: the file is damaged or from another preparation; run that "
+                        f"dataset's prepare.py again")
+
+
+def check_label_ids(path, vocab_size):
+    """TokenIdError naming the first label of the labels file at path (int32) outside -1 .. vocab_size - 1:
+    a target the loss would index past its logits with, mid-run, as an IndexError. Chunk by chunk, as
+    check_token_ids."""
+    labels = np.memmap(path, dtype=np.int32, mode="r")
+    for start in range(0, len(labels), SCAN_CHUNK):
+        chunk = labels[start:start + SCAN_CHUNK]
+        if int(chunk.min()) < -1 or int(chunk.max()) >= vocab_size:
+            at = start + int(np.argmax((chunk < -1) | (chunk >= vocab_size)))
+            raise _label_error(path, int(labels[at]), at, vocab_size)
+
+
 class ExampleLayout:
     """How a dataset's token file is cut into training rows: random windows (example_tokens None), or
     whole examples of example_tokens tokens. With labels (meta.json's "labels"), the targets come from
@@ -123,8 +143,10 @@ class ExampleLayout:
         self.example_tokens = meta.get("example_tokens")
         self.labels_path = os.path.join(data_dir, f"{split}_labels.bin") if meta.get("labels") else None
 
-    def check(self, path, num_tokens, block_size):
-        """ValueError unless the token file at path (num_tokens long) fits this layout at block_size."""
+    def check(self, path, num_tokens, block_size, vocab_size=None):
+        """ValueError unless the token file at path (num_tokens long) fits this layout at block_size: with
+        labels, a labels file of one label per token, and with vocab_size, every label in -1 .. vocab_size - 1
+        (a TokenIdError)."""
         if self.example_tokens is None:
             return
         if block_size != self.example_tokens - 1:
@@ -140,6 +162,8 @@ class ExampleLayout:
                 raise ValueError(f"{self.labels_path} has {label_bytes} bytes but {path} has {num_tokens} tokens "
                                  f"(one int32 label per token): the files are from different preparations; run "
                                  f"prepare.py again")
+            if vocab_size is not None:
+                check_label_ids(self.labels_path, vocab_size)
 
     def rows(self, path, starts, length):
         """(x, y) int64 tensors: for each start, tokens [start, start + length) and their targets: the next
@@ -168,7 +192,10 @@ class TokenBatches:
                              f"it is truncated or not a .bin from prepare.py; run prepare.py again")
         self.num_tokens = nbytes // 2
         self.layout = ExampleLayout(data_dir, split)
-        self.layout.check(self.path, self.num_tokens, block_size)
+        # the labels are read whole here up to the size whose token file is (FULL_SCAN_TOKENS); beyond it,
+        # batch by batch
+        self.layout.check(self.path, self.num_tokens, block_size,
+                          vocab_size if self.num_tokens <= FULL_SCAN_TOKENS else None)
         if self.num_tokens < block_size + 1:
             raise ValueError(f"{self.path} has {self.num_tokens} tokens, fewer than block_size + 1 = {block_size + 1} "
                              f"needed for one (x, y) window; lower block_size or prepare more data")
@@ -204,13 +231,18 @@ class TokenBatches:
                                f"vocab_size is {vocab_size}: {_OTHER_TOKENIZER}")
         return f"{split}_max_id {top}"
 
-    def _check_batch(self, rows, starts, path, offset):
+    def _check_batch(self, rows, starts, path, offset, labels=False):
         # Every batch, on the CPU before the copy to the device: one max over batch_size * block_size
         # ints (microseconds), for what the construction did not read (a large file) or what changed
-        # on disk since. rows[r, t] was read from path at position starts[r] + offset + t.
-        if int(rows.max()) >= self.vocab_size:
-            r, t = np.argwhere(rows.numpy() >= self.vocab_size)[0]
-            raise _id_error(path, int(rows[r, t]), int(starts[r]) + offset + int(t), self.vocab_size, self.vouched)
+        # on disk since. rows[r, t] was read from path at position starts[r] + offset + t; labels: rows
+        # of labels, which may also be -1 (not scored), and no lower.
+        low = -1 if labels else 0
+        if int(rows.max()) >= self.vocab_size or int(rows.min()) < low:
+            r, t = np.argwhere((rows.numpy() >= self.vocab_size) | (rows.numpy() < low))[0]
+            at = int(starts[r]) + offset + int(t)
+            if labels:
+                raise _label_error(path, int(rows[r, t]), at, self.vocab_size)
+            raise _id_error(path, int(rows[r, t]), at, self.vocab_size, self.vouched)
 
     def get_batch(self, generator=None):
         """(x, y), int64 tensors of shape (batch_size, block_size) on self.device. Draws the window
@@ -229,7 +261,7 @@ class TokenBatches:
             if self.layout.labels_path is None:  # y is x shifted by one: only its last column is new
                 self._check_batch(y[:, -1:], ix, self.path, self.block_size)
             else:
-                self._check_batch(y, ix, self.layout.labels_path, 1)
+                self._check_batch(y, ix, self.layout.labels_path, 1, labels=True)
         if self.pin:
             return x.pin_memory().to(self.device, non_blocking=True), y.pin_memory().to(self.device, non_blocking=True)
         return x.to(self.device), y.to(self.device)
@@ -249,23 +281,10 @@ class _PlainDataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"refusing to load {module}.{name}: only plain data is read")
 
 
-def _require_regular_file(path):
-    """ValueError unless path is a regular file: open() on a folder raises IsADirectoryError (a
-    traceback in the scripts), and on a FIFO blocks for ever."""
-    try:
-        mode = os.stat(path).st_mode
-    except OSError:
-        return  # open() names it (missing, permission denied)
-    if not stat.S_ISREG(mode):
-        kind = "folder" if stat.S_ISDIR(mode) else "FIFO" if stat.S_ISFIFO(mode) else "special file"
-        raise ValueError(f"cannot read {path}: it is a {kind}, not a file; remove it and run that dataset's "
-                         f"prepare.py again")
-
-
 def read_meta_pkl(path):
     """nanoGPT's meta.pkl (vocab_size, itos, stoi) read safely: a file that references any class or
     function (a crafted pickle that would run code) raises ValueError instead of being executed."""
-    _require_regular_file(path)
+    require_regular_file(path, _PREPARE_AGAIN)
     try:
         with open(path, "rb") as f:
             meta = _PlainDataUnpickler(f).load()
@@ -343,13 +362,7 @@ def _read_meta_json(json_path):
     """meta.json as a dict whose known fields have their types: ValueError for a file that is not a
     JSON object or holds a wrong-typed field; OSError (FileNotFoundError, PermissionError) when it
     cannot be read."""
-    _require_regular_file(json_path)
-    try:
-        with open(json_path) as f:
-            meta = json.load(f)
-    except (ValueError, RecursionError) as e:  # ValueError: bad syntax, not UTF-8, an int of too many digits
-        reason = "nested too deeply" if isinstance(e, RecursionError) else e
-        raise ValueError(f"{json_path} is not valid JSON ({reason}); run that dataset's prepare.py again") from e
+    meta = read_json(json_path, _PREPARE_AGAIN)
     if not isinstance(meta, dict):
         raise ValueError(f"{json_path} holds a JSON {type(meta).__name__}, not an object; run that dataset's "
                          f"prepare.py again")

@@ -36,7 +36,6 @@ nanoGPT interoperability:
 """
 
 import concurrent.futures
-import errno
 import glob
 import os
 import pickle
@@ -50,7 +49,8 @@ import numpy as np
 import torch
 
 from denoised_gpt.checkpoint_base import (CheckpointError, clean_name, first_damaged_record, nanogpt_param_names,
-                                          short_reason)
+                                          short_reason, train_state_problem)
+from denoised_gpt.files import write_problem
 from denoised_gpt.sharded_checkpoint import (POINTER_NAME, check_zip_parts, failure_cause, is_sharded_checkpoint,
                                              newest_sharded, raise_if_refused, read_sharded, read_train_state, sharded_pointer)
 
@@ -69,7 +69,6 @@ def save_checkpoint(state, out_dir):
     not modified. If anything fails (an unpicklable value, a full disk, a kill) the existing files
     are untouched; a failed write (OSError) raises CheckpointError with a one-line message.
     Returns the path written."""
-    os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, CKPT_NAME)
     prev = os.path.join(out_dir, PREV_NAME)
     for stale in glob.glob(path + '.tmp-*') + glob.glob(prev + '.tmp-*'):
@@ -79,6 +78,7 @@ def save_checkpoint(state, out_dir):
         state['model_args'], state['attn_args'] = split_model_args(state['model_args'])
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
+        os.makedirs(out_dir, exist_ok=True)  # (a read-only place fails here: said as a failed save)
         _write_synced(state, tmp)
         if os.path.exists(path):
             _keep_as_previous(path, prev)
@@ -140,11 +140,9 @@ def _write_failure_message(err, out_dir, path, prev):
     intact = (f"{' / '.join(kept)} {'are' if len(kept) > 1 else 'is'} intact" if kept
               else "no checkpoint was written")
     then = "resume with init_from='resume'" if kept else "start the run again"  # nothing to resume from
-    if err.errno in (errno.ENOSPC, getattr(errno, 'EDQUOT', errno.ENOSPC)):  # disk full / quota
-        return (f"no space left on device in {out_dir} while saving a checkpoint; {intact}. Free some "
-                f"space (or set out_dir to a disk with room) and {then}")
-    reason = err.strerror or type(err).__name__
-    return f"could not write a checkpoint in {out_dir} ({reason}); {intact}. Fix the cause and {then}"
+    cause, remedy = write_problem(err)
+    return (f"{cause} in {out_dir} while saving a checkpoint; {intact}. {remedy.capitalize()} (or set out_dir "
+            f"to a disk with room) and {then}")
 
 
 def _keep_as_previous(path, prev):
@@ -193,6 +191,9 @@ def checkpoint_path(out_dir_or_file):
         folder_iter = read_train_state(folder)['iter_num']
     except Exception:
         return folder  # damaged, or holding code: load_checkpoint says which
+    for it, which in ((file_iter, path), (folder_iter, folder)):
+        if train_state_problem({'iter_num': it}):
+            return which  # not a count: load_checkpoint says so
     return folder if folder_iter >= file_iter else path
 
 
@@ -252,6 +253,9 @@ def load_checkpoint(out_dir_or_file, map_location='cpu', metadata_only=False, mo
     missing = [k for k in REQUIRED_KEYS if not isinstance(ckpt, dict) or k not in ckpt]
     if missing:
         raise CheckpointError(f"{path} is not a training checkpoint: it lacks {', '.join(missing)}")
+    problem = train_state_problem(ckpt)
+    if problem:
+        raise CheckpointError(f"checkpoint {path} is not as train.py writes one: its {problem}. {use_prev}")
     # torch.compile'd models (nanoGPT saves them so) prefix every key with '_orig_mod.'; nanoGPT
     # without flash attention (torch < 2) saved each layer's causal mask, a buffer, as attn.bias
     model = {clean_name(k): v for k, v in ckpt['model'].items()}
@@ -275,16 +279,24 @@ def _load_sharded(folder, metadata_only, model_only):
     except (Exception, CheckpointException) as e:  # a missing or truncated shard, a damaged train_state.pt
         raise_if_refused(folder, e)  # a file holding code: said as such, not as damage
         cause = failure_cause(e)
-        others = sorted(glob.glob(os.path.join(os.path.dirname(folder), SHARDED_GLOB)))
-        others = [o for o in others if o != folder and is_sharded_checkpoint(o)]
-        fallback = (f"The previous one, {others[-1]}, was kept for this: load it directly, or resume from it by "
-                    f"writing its name into {sharded_pointer(os.path.dirname(folder))}" if others else
-                    "No previous sharded checkpoint exists next to it.")
         raise CheckpointError(f"sharded checkpoint {folder} is incomplete or corrupt ({type(cause).__name__}: "
-                              f"{short_reason(cause)}). {fallback}") from e
+                              f"{short_reason(cause)}). {_sharded_fallback(folder)}") from e
+    problem = train_state_problem(ckpt)
+    if problem:
+        raise CheckpointError(f"sharded checkpoint {folder} is not as train.py writes one: its {problem}. "
+                              f"{_sharded_fallback(folder)}")
     ckpt['model_args'] = full_model_args(ckpt)
     ckpt.pop('attn_args', None)
     return ckpt
+
+
+def _sharded_fallback(folder):
+    """What to use instead of the sharded checkpoint in folder, which cannot be loaded."""
+    others = sorted(glob.glob(os.path.join(os.path.dirname(folder), SHARDED_GLOB)))
+    others = [o for o in others if o != folder and is_sharded_checkpoint(o)]
+    return (f"The previous one, {others[-1]}, was kept for this: load it directly, or resume from it by "
+            f"writing its name into {sharded_pointer(os.path.dirname(folder))}" if others else
+            "No previous sharded checkpoint exists next to it.")
 
 
 def _first_damaged_tensor(path, tensors):

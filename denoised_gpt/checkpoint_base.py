@@ -13,6 +13,44 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used; the message says why and what to do instead."""
 
 
+def _is_count(v):
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _is_number(v):
+    # nanoGPT stores best_val_loss as the 0-d tensor its evaluation returned
+    if hasattr(v, 'dim') and hasattr(v, 'is_floating_point'):
+        return v.dim() == 0 and v.is_floating_point()
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+# The train state as train.py writes it (key: (what it must be, the check)); an optional key may be absent
+# (a checkpoint of an older version, or nanoGPT's) or None where train.py writes None
+TRAIN_STATE = {
+    'iter_num': ("a non-negative integer", _is_count),
+    'best_val_loss': ("a number", _is_number),
+    'best_iter': ("a non-negative integer or null", lambda v: v is None or _is_count(v)),
+    'val_loss': ("a number or null", lambda v: v is None or _is_number(v)),
+    'train_time': ("a number", _is_number),
+    'model_args': ("a dict", lambda v: isinstance(v, dict)),
+    'config': ("a dict", lambda v: isinstance(v, dict)),
+    'attn_args': ("a dict", lambda v: isinstance(v, dict)),  # the variant's model_args (checkpoint.py)
+}
+
+
+def train_state_problem(state):
+    """What is wrong with the counters and settings of a checkpoint's train state (TRAIN_STATE's keys that
+    it has), in words for a message ("iter_num is '5' (a str), not a non-negative integer"), or None. Checked
+    on load, so that a file edited or written by other code is refused in one line, not met as a TypeError
+    in the middle of a run."""
+    for key, (expected, ok) in TRAIN_STATE.items():
+        if key in state and not ok(state[key]):
+            value = repr(state[key])
+            value = value if len(value) <= 40 else value[:37] + '...'
+            return f"{key} is {value} (a {type(state[key]).__name__}), not {expected}"
+    return None
+
+
 def untrusted_file_error(path, e):
     """The CheckpointError for a file (or a folder of them) at path that torch.load(weights_only=True)
     refused (e) because it holds pickled objects other than tensors and plain values; None when e is any

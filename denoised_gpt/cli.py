@@ -7,8 +7,10 @@ import math
 import os
 import signal
 import sys
+import tempfile
 
 from configurator import ConfigError, apply_config, optional_bool
+from denoised_gpt.files import write_problem
 
 GPT2_NAMES = ('gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl')
 
@@ -32,6 +34,47 @@ def quiet_ctrl_c():
 def log(message):
     """Messages go to stderr, so that a script's stdout holds only its results."""
     print(message, file=sys.stderr, flush=True)
+
+
+def check_writable_folder(key, path):
+    """Exit 2 unless the setting's folder is, or can be made, one we can write in: tried now, not when the first
+    results are ready. The folders made for the trial are removed again: a run that fails before it writes
+    leaves none."""
+    made = []  # the missing folders of the path, innermost first
+    missing = os.path.abspath(path)
+    while not os.path.lexists(missing):
+        made.append(missing)
+        missing = os.path.dirname(missing)
+    try:
+        os.makedirs(os.path.abspath(path), exist_ok=True)
+        tempfile.TemporaryFile(dir=path).close()
+    except OSError as e:
+        what = "is a file, not a folder" if os.path.isfile(path) else f"cannot be written ({write_problem(e)[0]})"
+        fail(f"{key}={path!r} {what}: choose another folder with --{key}")
+    finally:
+        for folder in made:
+            if os.path.isdir(folder):
+                os.rmdir(folder)
+
+
+def print_result(text):
+    """print(text) to stdout, where a script's results go, flushed now: a stdout that cannot take it (a full
+    disk, `> /dev/full`, a closed pipe) ends the script with one line naming where stdout goes and why (exit
+    status 1), not a traceback."""
+    try:
+        print(text, flush=True)
+    except OSError as e:
+        try:
+            where = os.readlink(f"/proc/self/fd/{sys.stdout.fileno()}")  # (Linux) the file or device behind it
+        except (OSError, ValueError):
+            where = ""
+        where = where if os.path.isabs(where) else "stdout"  # (a pipe's is 'pipe:[inode]')
+        # stdout is given up for good: Python's own flush at exit would fail again, with a second message
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        cause, remedy = write_problem(e)
+        print(f"{os.path.basename(sys.argv[0])}: error: cannot write the results to {where}: {cause}; {remedy} "
+              f"and run it again", file=sys.stderr)
+        sys.exit(1)
 
 
 def read_config(script, defaults, given=None, optional_bools=()):

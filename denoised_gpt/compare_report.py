@@ -9,6 +9,7 @@ import os
 import matplotlib
 
 from denoised_gpt.evaluation import mean_std
+from denoised_gpt.files import write_atomically
 
 matplotlib.use('Agg')  # files only, no display needed
 import matplotlib.pyplot as plt  # noqa: E402
@@ -79,6 +80,18 @@ def seed_tails(runs, shared_iters):
     return tails
 
 
+# how to write the report again after a failed write (files.write_atomically's remedy goes on with it)
+WRITE_AGAIN = " and run the same command with --report_only=True (the runs are intact)"
+
+
+def save_png(fig, path):
+    """fig as a PNG at path, written whole or not at all (FileError, one line, on a failed write), and closed."""
+    try:
+        write_atomically(path, lambda f: fig.savefig(f, format='png', dpi=120), binary=True, then=WRITE_AGAIN)
+    finally:
+        plt.close(fig)
+
+
 def write_plots(results, report_dir):
     """val_loss.png (against iterations and training time) and learned.png (sigma / lambda over
     training, where a variant learns them). Returns {name: file name} of the plots written."""
@@ -108,8 +121,7 @@ def write_plots(results, report_dir):
         ax.grid(alpha=0.3)
     ax_it.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(os.path.join(report_dir, 'val_loss.png'), dpi=120)
-    plt.close(fig)
+    save_png(fig, os.path.join(report_dir, 'val_loss.png'))
     written['val_loss'] = 'val_loss.png'
 
     if any('accuracy_by_pairs' in r for r in results):
@@ -134,8 +146,7 @@ def write_plots(results, report_dir):
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7)
         fig.tight_layout()
-        fig.savefig(os.path.join(report_dir, 'learned.png'), dpi=120)
-        plt.close(fig)
+        save_png(fig, os.path.join(report_dir, 'learned.png'))
         written['learned'] = 'learned.png'
     return written
 
@@ -164,8 +175,7 @@ def plot_accuracy(results, report_dir):
     axes[0][0].set_ylabel('answer accuracy (mean over seeds, bars = min..max)')
     axes[0][-1].legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(os.path.join(report_dir, 'accuracy.png'), dpi=120)
-    plt.close(fig)
+    save_png(fig, os.path.join(report_dir, 'accuracy.png'))
     return 'accuracy.png'
 
 
@@ -192,8 +202,7 @@ def plot_against_filler(results, report_dir):
         ax.grid(alpha=0.3)
     axes[1].legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(os.path.join(report_dir, 'attention.png'), dpi=120)
-    plt.close(fig)
+    save_png(fig, os.path.join(report_dir, 'attention.png'))
     return 'attention.png'
 
 
@@ -416,5 +425,4 @@ def write_report(report_dir, summary, results, failures, samples, plots, setup):
             lines += [f"### `{attn_type}`", "", f"{fence}text", text, fence, ""]
     if failures:
         lines += ["## Failed runs", ""] + [f"- `{a}` seed {s}: {why}" for (a, s), why in failures.items()] + [""]
-    with open(os.path.join(report_dir, 'report.md'), 'w') as f:
-        f.write('\n'.join(lines))
+    write_atomically(os.path.join(report_dir, 'report.md'), lambda f: f.write('\n'.join(lines)), then=WRITE_AGAIN)

@@ -20,6 +20,7 @@ import fnmatch
 import hashlib
 import json
 import os
+import re
 import shutil
 import stat
 import tempfile
@@ -28,6 +29,8 @@ import torch
 
 from denoised_gpt.batches import load_meta, read_meta_pkl
 from denoised_gpt.checkpoint import CKPT_NAME
+from denoised_gpt.checkpoint_base import train_state_problem
+from denoised_gpt.files import read_json
 
 OP_NAMESPACE = 'denoised_gpt'  # model.py's custom op: torch.ops.denoised_gpt.lm_head_cross_entropy
 MODEL_TYPE = 'denoised_gpt'  # config.json's model_type of a folder with our own modeling code
@@ -101,6 +104,7 @@ def export(checkpoint, hf_dir, data_dir=None, overwrite=False):
     into a temporary folder beside hf_dir and moved into place when all are written (_move_into_place),
     so a failed export leaves hf_dir as it was. Returns notes for the user: the format chosen and why,
     what the tokenizer is. ValueError when the checkpoint or hf_dir cannot be used."""
+    from safetensors import SafetensorError
     from denoised_gpt.weights import PEFT_WRAPPER, model_with_weights
     from model import GPTConfig
     check_hf_dir(hf_dir, overwrite)
@@ -138,6 +142,11 @@ def export(checkpoint, hf_dir, data_dir=None, overwrite=False):
         with open(os.path.join(tmp, RUN_FILE), 'w') as f:
             json.dump(run, f, indent=2, default=repr)
         notes += _move_into_place(tmp, hf_dir)
+    except SafetensorError as e:  # a failed write of the weights, in safetensors' words
+        written = re.search(r"\(os error (\d+)\)", str(e))
+        if written is None:
+            raise
+        raise OSError(int(written[1]), os.strerror(int(written[1]))) from e
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return notes
@@ -473,11 +482,12 @@ def exported_model_type(path):
 
 
 def _read_json(path):
+    """An exported folder's JSON file (config.json, training_run.json, ...) as a dict: ValueError naming it
+    and what is wrong otherwise."""
     try:
-        with open(path) as f:
-            value = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"cannot read {path} ({e}): export the model again") from e
+        value = read_json(path, "export the model again")
+    except OSError as e:
+        raise ValueError(f"cannot read {path} ({e.strerror or e}): export the model again") from e
     if not isinstance(value, dict):
         raise ValueError(f"{path} holds no JSON object: export the model again")
     return value
@@ -491,8 +501,12 @@ def exported_run(path):
         return None
     run = _read_json(run_path)
     best = run.get('best_val_loss')
-    return dict(iter_num=run.get('iter_num', 0), best_val_loss=1e9 if best is None else best,
-                config=run.get('config', {}))
+    state = dict(iter_num=run.get('iter_num', 0), best_val_loss=1e9 if best is None else best,
+                 config=run.get('config', {}))
+    problem = train_state_problem(state)
+    if problem:
+        raise ValueError(f"{run_path} is not as export_hf.py writes it: its {problem}; export the model again")
+    return state
 
 
 def read_exported(path):

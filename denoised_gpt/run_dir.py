@@ -19,10 +19,12 @@ from denoised_gpt.checkpoint import (CKPT_NAME, PREV_NAME, SHARDED_GLOB, Checkpo
                                      load_checkpoint)
 from denoised_gpt.sharded_checkpoint import POINTER_NAME
 from denoised_gpt.device import max_memory_allocated
+from denoised_gpt.files import parse_json, require_regular_file, write_problem
 
 # out_dir/metrics.jsonl: one JSON line per logged iteration and per evaluation, for compare.py and
 # plots. Resume-safe: a resumed run first drops the rows written after its checkpoint.
 METRICS_NAME = 'metrics.jsonl'
+_MOVE_METRICS_AWAY = "move it away (a resumed run then logs from its checkpoint on)"
 
 
 LOCK_NAME = '.lock'
@@ -70,11 +72,9 @@ def lock_out_dir(out_dir):
 def out_dir_error(out_dir, e, doing):
     """One line for an OSError (e) while `doing` something in out_dir before training, which changed nothing
     that matters there: a full disk (or quota) said as such."""
-    if e.errno in (errno.ENOSPC, getattr(errno, 'EDQUOT', errno.ENOSPC)):
-        problem, fix = "no space left on device", "free some space or choose another --out_dir"
-    else:
-        problem, fix = e.strerror or str(e), "fix the cause or choose another --out_dir"
-    return f"out_dir={out_dir!r}: {problem} while {doing}; the checkpoints in it are intact: {fix}"
+    cause, remedy = write_problem(e)
+    return (f"out_dir={out_dir!r}: {cause} while {doing}; the checkpoints in it are intact: {remedy} or choose "
+            f"another --out_dir")
 
 
 # what a save writes before renaming it into place (checkpoint.py, sharded_checkpoint.py): left behind
@@ -127,8 +127,7 @@ def prepare_out_dir(out_dir, resumed_iter, overwrite, eval_only):
     if eval_only:
         return lock, None
     if resumed_iter is not None:
-        trim_metrics(out_dir, resumed_iter)
-        return lock, None
+        return lock, trim_metrics(out_dir, resumed_iter)
     return lock, clear_for_new_run(out_dir, overwrite)
 
 
@@ -153,21 +152,22 @@ def log_metrics(out_dir, row):
 
 
 def trim_metrics(out_dir, resumed_iter):
-    """Keep the rows the checkpoint had seen: iterations before resumed_iter, evaluations up to it.
-    ValueError when the file cannot be rewritten (a full disk): it is then left as it was."""
+    """Keep the rows the checkpoint had seen: iterations before resumed_iter, evaluations up to it, and
+    drop the lines that are not rows (metrics_rows). Returns a note saying what was dropped as damaged, or
+    None. ValueError when metrics.jsonl is not a regular file, or cannot be rewritten (a full disk): it is
+    then left as it was."""
     path = os.path.join(out_dir, METRICS_NAME)
     if not os.path.exists(path):
-        return
-    with open(path) as f:
-        lines = f.read().splitlines()
-    keep = []
-    for line in lines:
-        try:
-            row = json.loads(line)
-        except ValueError:  # the last line of a killed run may be cut short
-            continue
-        if row['iter'] < resumed_iter or (row['iter'] == resumed_iter and 'val_loss' in row):
-            keep.append(line)
+        return None
+    keep, damaged = [], []
+    try:
+        for number, line, row, problem in metrics_rows(path):
+            if problem is not None:
+                damaged.append((number, problem))
+            elif row['iter'] < resumed_iter or (row['iter'] == resumed_iter and 'val_loss' in row):
+                keep.append(line)
+    except OSError as e:  # permission denied, an I/O error
+        raise ValueError(f"cannot read {path} ({e.strerror or e}); fix its permissions, or {_MOVE_METRICS_AWAY}") from e
     tmp = path + '.tmp'
     try:
         with open(tmp, 'w') as f:
@@ -177,6 +177,92 @@ def trim_metrics(out_dir, resumed_iter):
         with contextlib.suppress(OSError):
             os.remove(tmp)
         raise ValueError(out_dir_error(out_dir, e, f"trimming {path} to the checkpoint's iteration")) from e
+    return dropped_note(path, damaged)
+
+
+# A line of metrics.jsonl is at most kilobytes (an evaluation's row holds the learned values per head); one
+# longer than this is damage, and is skipped without being held in memory whole
+MAX_ROW_BYTES = 1 << 20
+# what train.py writes in each kind of row, as compare.py reads it: an iteration's (it has 'loss') and an
+# evaluation's (it has 'val_loss'); a non-finite value is a number too (a diverged evaluation is logged so)
+ROW_NUMBERS = {'loss': ('loss', 'tokens_per_s', 'time'), 'val_loss': ('val_loss', 'train_loss', 'time')}
+
+
+def metrics_rows(path):
+    """(line number, line, row, problem) for each line of the metrics log at path: row is the parsed row and
+    problem None for a row train.py writes (log_metrics); for any other line (cut short by a kill, damaged,
+    edited) row is None and problem says why. Refused (ValueError) unless path is a regular file: a link to
+    a device would be read for ever, a FIFO would hang. Reads a line at a time, each at most MAX_ROW_BYTES."""
+    require_regular_file(path, f"put the run's metrics log there, or {_MOVE_METRICS_AWAY}")
+    with open(path, 'rb') as f:
+        for number, data in enumerate(_bounded_lines(f), start=1):
+            if data is None:
+                yield number, None, None, f"longer than {MAX_ROW_BYTES >> 20} MiB"
+                continue
+            if not data.strip():
+                continue  # a blank line holds nothing
+            try:
+                line = data.decode('utf-8').rstrip('\n')
+                row = parse_json(line)
+            except ValueError as e:  # cut short by a kill, or damaged
+                yield number, None, None, f"not JSON ({e})"
+                continue
+            problem = metrics_row_problem(row)
+            yield number, line, None if problem else row, problem
+
+
+def _bounded_lines(f):
+    """The lines of the binary file f, each at most MAX_ROW_BYTES long; None for a longer one, whose rest is
+    read past, never held whole."""
+    while True:
+        line = f.readline(MAX_ROW_BYTES + 1)
+        if not line:
+            return
+        if len(line) <= MAX_ROW_BYTES or line.endswith(b'\n'):
+            yield line
+            continue
+        while line and not line.endswith(b'\n'):
+            line = f.readline(MAX_ROW_BYTES)
+        yield None
+
+
+def metrics_row_problem(row):
+    """Why a parsed metrics.jsonl line is not a row train.py writes (in words for a message), or None."""
+    if not isinstance(row, dict):
+        kind = {list: 'an array', str: 'a string', bool: 'true or false', type(None): 'null'}.get(type(row), 'a number')
+        return f"{kind}, not a JSON object"
+    number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)  # noqa: E731
+    if 'iter' not in row:
+        return "it has no iter"
+    if not (isinstance(row['iter'], int) and number(row['iter']) and row['iter'] >= 0):
+        return f"its iter is {_shown(row['iter'])}, not a non-negative integer"
+    kind = 'val_loss' if 'val_loss' in row else 'loss' if 'loss' in row else None
+    if kind is None:
+        return "neither an iteration's row (loss) nor an evaluation's (val_loss)"
+    for key in ROW_NUMBERS[kind]:
+        if key not in row:
+            return f"it has no {key}"
+        if not number(row[key]):
+            return f"its {key} is {_shown(row[key])}, not a number"
+    if kind == 'val_loss' and not (row.get('peak_memory_mib') is None or number(row['peak_memory_mib'])):
+        return f"its peak_memory_mib is {_shown(row['peak_memory_mib'])}, not a number"
+    return None
+
+
+def _shown(value):
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:37] + '...'
+
+
+def dropped_note(path, damaged):
+    """A note naming the lines of path left out as not rows ((line number, problem) pairs), or None."""
+    if not damaged:
+        return None
+    shown = '; '.join(f"line {n}: {problem}" for n, problem in damaged[:3])
+    more = f"; and {len(damaged) - 3} more" if len(damaged) > 3 else ""
+    what = "1 line" if len(damaged) == 1 else f"{len(damaged)} lines"
+    rows = "is not a metrics row" if len(damaged) == 1 else "are not metrics rows"
+    return f"note: left out {what} of {path} that {rows} ({shown}{more})"
 
 
 def restart_advice(out_dir, saved_iter, setting='learning_rate'):

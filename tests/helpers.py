@@ -12,6 +12,7 @@ import json
 import os
 import re
 import runpy
+import shutil
 import signal
 import subprocess
 import sys
@@ -162,6 +163,51 @@ def logged_losses(out_dir):
 def eval_losses(stdout):
     """{iter: printed val loss} of train.py's evaluation lines."""
     return {int(m[1]): float(m[3]) for m in EVAL_LINE.finditer(stdout)}
+
+
+# -----------------------------------------------------------------------------
+# full and read-only disks, missing permissions
+
+def small_disk_available():
+    """Whether on_small_disk can run here: `unshare -rm` (user and mount namespaces) mounting a tmpfs."""
+    if sys.platform != 'linux' or not shutil.which('unshare'):
+        return False
+    probe = subprocess.run(['unshare', '-rm', 'sh', '-c', 'mount -t tmpfs -o size=64k tmpfs /tmp'],
+                           capture_output=True)
+    return probe.returncode == 0
+
+
+def on_small_disk(folder, command, size='64k', read_only=False, before='', timeout=120):
+    """Run command (a list, in the repo root) where folder is a fresh tmpfs of `size`: a real full disk
+    once filled, or with read_only a read-only file system (EROFS). It is seen by this process alone (a
+    user and a mount namespace: `unshare -rm`) and vanishes with it, so the names left in it are listed
+    when the command ends: returns (the CompletedProcess, those names). before: shell commands run once it
+    is mounted, before it is made read-only (e.g. copying a file in)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    listing = folder.parent / f"{folder.name}.left"
+    steps = ['dir="$1" left="$2"', 'shift 2', 'mount -t tmpfs -o size=$SIZE tmpfs "$dir" || exit 99', before,
+             'mount -o remount,ro "$dir"' if read_only else '', '"$@"', 'rc=$?', 'ls -A "$dir" > "$left"', 'exit $rc']
+    script = '; '.join(step for step in steps if step)
+    proc = subprocess.run(['unshare', '-rm', 'sh', '-c', script, 'sh', str(folder), str(listing),
+                           *map(str, command)], cwd=ROOT, env=subprocess_env(SIZE=size), capture_output=True,
+                          text=True, timeout=timeout)
+    return proc, listing.read_text().split() if listing.exists() else None
+
+
+def without_root_file_access():
+    """preexec_fn for a script that must meet file permissions: root reads and writes any file
+    whatever its mode (capabilities CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH), so when the tests run
+    as root the script is started with those two dropped from its capability bounding set."""
+    if os.geteuid() != 0:
+        return None
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def drop():
+        for cap in (1, 2):  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH
+            if libc.prctl(24, cap, 0, 0, 0) != 0:  # PR_CAPBSET_DROP
+                raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
+    return drop
 
 
 # -----------------------------------------------------------------------------

@@ -5,7 +5,6 @@ import copy
 import json
 import os
 import random
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -17,7 +16,7 @@ import torch
 
 from denoised_gpt.checkpoint import (NANOGPT_MODEL_ARGS, CheckpointError, capture_rng_state, checkpoint_path, load_checkpoint,
                         load_optimizer_state, optimizer_param_names, restore_rng_state, save_checkpoint)
-from helpers import ROOT, tiny_gpt
+from helpers import ROOT, small_disk_available, tiny_gpt
 
 
 def state(iter_num, **extra):
@@ -232,16 +231,8 @@ def run_save_until_it_fails(out, limit, wrap=()):
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def tmpfs_available():
-    if sys.platform != 'linux' or not shutil.which('unshare'):
-        return False
-    probe = subprocess.run(['unshare', '-rm', 'sh', '-c', 'mount -t tmpfs -o size=64k tmpfs /tmp'],
-                           capture_output=True)
-    return probe.returncode == 0
-
-
-@pytest.mark.skipif(not tmpfs_available(), reason="needs `unshare -rm` (user + mount namespaces) to mount a "
-                                                  "small tmpfs, i.e. a real full disk")
+@pytest.mark.skipif(not small_disk_available(), reason="needs `unshare -rm` (user + mount namespaces) to mount "
+                                                       "a small tmpfs, i.e. a real full disk")
 def test_disk_full_during_save_is_one_line_and_keeps_both_checkpoints(tmp_path):
     out = tmp_path / 'full_disk'
     out.mkdir()
@@ -260,9 +251,9 @@ def test_other_write_errors_are_one_line_and_keep_both_checkpoints(tmp_path):
     limit = ("import resource, signal; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
              "resource.setrlimit(resource.RLIMIT_FSIZE, (1_000_000, resource.RLIM_INFINITY))")
     result = run_save_until_it_fails(tmp_path, limit=limit)
-    assert result['message'] == (f"could not write a checkpoint in {tmp_path} (File too large); {tmp_path}/ckpt.pt"
-                                 f" / {tmp_path}/ckpt.prev.pt are intact. Fix the cause and resume with "
-                                 f"init_from='resume'")
+    assert result['message'] == (f"File too large in {tmp_path} while saving a checkpoint; {tmp_path}/ckpt.pt / "
+                                 f"{tmp_path}/ckpt.prev.pt are intact. Fix the cause (or set out_dir to a disk with "
+                                 f"room) and resume with init_from='resume'")
     assert result['intact'] and result['files'] == ['ckpt.prev.pt', 'ckpt.pt']
 
 

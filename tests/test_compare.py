@@ -310,6 +310,76 @@ def test_report_only_names_an_unreadable_checkpoint(sweep):
     assert "its checkpoint cannot be read" in failed[0]['reason'] and "or not a checkpoint" in failed[0]['reason']
 
 
+def test_report_only_leaves_out_the_lines_of_a_metrics_log_that_are_not_rows(sweep):
+    """Each raised a traceback in the report (a TypeError, a KeyError, a StopIteration); a damaged line is
+    named and left out, and the run's numbers are those of its other rows."""
+    tmp, data, _ = sweep
+    out = copy_sweep(tmp, 'damaged-metrics')
+    log = out / 'runs' / 'base-seed1' / 'metrics.jsonl'
+    rows = log.read_text().splitlines()
+    evals = [json.loads(r) for r in rows if 'val_loss' in json.loads(r)]
+    damaged = ['{}', '[]', '"text"', '{"iter": NaN, "val_loss": 1.0, "train_loss": 1.0, "time": 1.0}',
+               '{"iter": "8", "val_loss": 1.0, "train_loss": 1.0, "time": 1.0}',
+               '{"iter": 8, "val_loss": "x", "train_loss": 1.0, "time": 1.0, "peak_memory_mib": 1}',
+               '{"iter": 8, "val_loss": 1.0, "train_loss": 1.0, "time": 1.0, "peak_memory_mib": "x"}',
+               '{"iter": 2, "loss": 1.0}', '[' * 100_000 + ']' * 100_000]
+    log.write_text('\n'.join(rows[:3] + damaged + rows[3:]) + '\n')
+    proc = compare(sweep_args(out, data, '--report_only=True', '--samples=False', attn_types='base', seeds='1'))
+    assert proc.returncode == 0 and 'Traceback' not in proc.stderr, proc.stderr
+    assert f"note: left out 9 lines of {log} that are not metrics rows (line 4: it has no iter; line 5: an array, " \
+           f"not a JSON object; line 6: a string, not a JSON object; and 6 more)" in proc.stderr
+    run = json.loads((out / 'report' / 'results.json').read_text())['runs'][0]
+    assert [p['val_loss'] for p in run['curve']] == [e['val_loss'] for e in evals]
+
+
+@pytest.mark.parametrize('kind', ['device', 'FIFO'])
+def test_report_only_refuses_a_metrics_log_that_is_a_device_or_a_fifo(sweep, kind):
+    tmp, data, _ = sweep
+    out = copy_sweep(tmp, f'metrics-{kind}')
+    log = out / 'runs' / 'base-seed1' / 'metrics.jsonl'
+    log.unlink()
+    if kind == 'device':
+        log.symlink_to('/dev/zero')
+    else:
+        os.mkfifo(log)
+    proc = compare(sweep_args(out, data, '--report_only=True', '--samples=False', attn_types='base', seeds='1'))
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip() == f"compare.py: error: cannot read {log}: it is a {kind}, not a file; put the run's " \
+                                  f"metrics log there, or move it away (a resumed run then logs from its checkpoint on)"
+    assert not (out / 'report').exists()
+
+
+def test_a_full_disk_when_writing_the_report_is_one_line_and_keeps_the_earlier_results(sweep):
+    """results.json.tmp a link to /dev/full: every write to it fails with ENOSPC (a traceback before)."""
+    tmp, data, _ = sweep
+    out = copy_sweep(tmp, 'full-report')
+    args = sweep_args(out, data, '--report_only=True', '--samples=False', attn_types='base', seeds='1')
+    assert compare(args).returncode == 0
+    results = (out / 'report' / 'results.json').read_bytes()
+    (out / 'report' / 'results.json.tmp').symlink_to('/dev/full')
+    proc = compare(args)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip() == f"compare.py: error: cannot write {out / 'report' / 'results.json'}: no space left " \
+                                  f"on device; the file there before is intact. Free some space and run the same " \
+                                  f"command with --report_only=True (the runs are intact)"
+    assert (out / 'report' / 'results.json').read_bytes() == results
+    assert not os.path.lexists(out / 'report' / 'results.json.tmp')
+
+
+def test_a_report_folder_that_is_a_file_is_refused_before_any_training(sweep):
+    """It was a FileExistsError traceback from os.makedirs, once every run had trained."""
+    tmp, data, _ = sweep
+    out = copy_sweep(tmp, 'report-a-file', runs=())
+    out.mkdir()
+    (out / 'report').write_text('my notes\n')
+    for more in (['--report_only=True'], []):
+        proc = compare(sweep_args(out, data, *more, '--samples=False', attn_types='base', seeds='1'))
+        assert proc.returncode == 2 and proc.stderr.strip() == (
+            f"compare.py: error: {out / 'report'} is not a folder, and compare.py writes its report there: move it "
+            f"away"), proc.stderr
+    assert (out / 'report').read_text() == 'my notes\n' and not (out / 'runs').exists()
+
+
 def test_compare_runs_from_another_directory(sweep):
     """train.py and sample.py are found beside compare.py, not in the current directory (a traceback
     'No such file: train.py' before); the finished run is reported, nothing retrained."""

@@ -17,7 +17,7 @@ import pytest
 import tiktoken
 
 from denoised_gpt.batches import TokenBatches, load_meta
-from helpers import ROOT
+from helpers import ROOT, on_small_disk, small_disk_available, without_root_file_access
 
 OWT = ROOT / "data" / "openwebtext" / "prepare.py"
 FINEWEB = ROOT / "data" / "fineweb_edu" / "prepare.py"
@@ -265,12 +265,14 @@ def test_interrupted_prepare_leaves_no_final_bin(owt_jsonl, tmp_path):
     out = tmp_path / "out"
     # the disk fills (no file may grow to train.bin's size): an error, and nothing left behind
     r = prepare(OWT, *args, "--out_dir", out, check=False, preexec_fn=_file_size_limit(train_bytes - 1))
-    assert r.returncode != 0 and "File too large" in r.stderr
-    assert "Run the same command again" in r.stderr and "wrote no train.bin" in r.stderr
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr  # (the progress bars are on stderr too)
+    assert r.stderr.strip().splitlines()[-1] == (
+        f"prepare.py: error: cannot write in {out}: File too large; the files there are as they were (this run's "
+        f"partial files are removed). Fix the cause and run the same command again")
     assert not out.exists()
     # an error after val.bin was written, while train.bin is: neither is left
     out.mkdir()
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(PrepareError, match=f"cannot write in {out}: disk full"):
         with prepare_common.atomic_outputs(out, ["val.bin", "train.bin", "meta.json"]) as partial:
             Path(partial["val.bin"]).write_bytes(b"\x01\x00")
             Path(partial["train.bin"]).write_bytes(b"\x02")
@@ -427,22 +429,6 @@ def test_out_dir_file_and_garbage_parquet_are_one_line_errors(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def _without_root_file_access():
-    """preexec_fn for a script that must meet file permissions: root reads and writes any file
-    whatever its mode (capabilities CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH), so when the tests run
-    as root the script is started with those two dropped from its capability bounding set."""
-    if os.geteuid() != 0:
-        return None
-    import ctypes
-    libc = ctypes.CDLL(None, use_errno=True)
-
-    def drop():
-        for cap in (1, 2):  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH
-            if libc.prctl(24, cap, 0, 0, 0) != 0:  # PR_CAPBSET_DROP
-                raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
-    return drop
-
-
 @pytest.mark.skipif(sys.platform != "linux", reason="file modes and capabilities as on Linux")
 def test_unreadable_input_and_unwritable_out_dir_are_one_line_errors(tmp_path):
     (tmp_path / "locked.jsonl").write_text('{"text": "a"}\n{"text": "b"}\n')
@@ -460,7 +446,7 @@ def test_unreadable_input_and_unwritable_out_dir_are_one_line_errors(tmp_path):
                   "locked.txt: cannot read it (Permission denied)")]
         for script, args, phrase in cases:
             try:
-                r = prepare(script, *args, check=False, preexec_fn=_without_root_file_access())
+                r = prepare(script, *args, check=False, preexec_fn=without_root_file_access())
             except subprocess.SubprocessError as e:  # prctl refused (a container without CAP_SETPCAP)
                 pytest.skip(f"cannot run the script without root's file access: {e}")
             assert_bad_input(r, phrase)
@@ -599,6 +585,55 @@ def test_shakespeare_char_bad_input_is_one_line(tmp_path):
     # nothing written: no out folder, the file given as --out_dir unchanged
     assert sorted(os.listdir(tmp_path)) == before and os.listdir(tmp_path / "folder") == []
     assert (tmp_path / "taken").read_text() == "a file\n"
+
+
+@pytest.mark.parametrize("script", [SHAKESPEARE, OWT], ids=["shakespeare_char", "openwebtext"])
+def test_an_input_that_is_a_looping_or_broken_link_is_named_not_downloaded(tmp_path, script):
+    """A looping link was taken for a missing file: shakespeare_char offered to download to that path (and
+    said it could not), openwebtext said it matched 'only folders or special files'."""
+    (tmp_path / "loop").symlink_to("loop")
+    (tmp_path / "broken").symlink_to(tmp_path / "gone.txt")
+    for name, what in [("loop", "a symbolic link that loops (following it leads back to a link already followed)"),
+                       ("broken", f"a broken symbolic link (to {tmp_path / 'gone.txt'}, which does not exist)")]:
+        r = prepare(script, "--input", tmp_path / name, "--out_dir", tmp_path / "out", check=False)
+        assert_bad_input(r, f"{tmp_path / name} is {what}; point it at ")
+        assert "download" not in r.stdout + r.stderr
+    assert sorted(os.listdir(tmp_path)) == ["broken", "loop"]
+    if script == SHAKESPEARE:  # its input.txt in --out_dir, where it downloads to when there is none
+        (tmp_path / "out").mkdir()
+        (tmp_path / "out" / "input.txt").symlink_to("input.txt")
+        r = prepare(script, "--out_dir", tmp_path / "out", check=False)
+        assert_bad_input(r, f"{tmp_path / 'out' / 'input.txt'} is a symbolic link that loops")
+        assert "download" not in r.stdout + r.stderr and os.listdir(tmp_path / "out") == ["input.txt"]
+
+
+def test_a_full_disk_while_writing_the_token_files_is_one_line_and_keeps_the_earlier_ones(tmp_path):
+    """train.bin.partial a link to /dev/full: every write to it fails with ENOSPC (tofile's error said
+    '36000 requested and 0 written', in a traceback)."""
+    out = tmp_path / "out"
+    prepare(SHAKESPEARE, "--input", shakespeare_text(tmp_path), "--out_dir", out)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    (out / "train.bin.partial").symlink_to("/dev/full")
+    r = prepare(SHAKESPEARE, "--input", shakespeare_text(tmp_path), "--out_dir", out, check=False)
+    assert_bad_input(r, f"cannot write in {out}: no space left on device; the files there are as they were (this "
+                        f"run's partial files are removed). Free some space and run the same command again")
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+@pytest.mark.skipif(not small_disk_available(), reason="needs `unshare -rm` to mount a small tmpfs (a real full disk)")
+def test_a_disk_that_fills_while_a_mapped_token_file_is_written_is_one_line_and_leaves_nothing(tmp_path):
+    """train.bin is written through a memory map: a write to a full disk there was a SIGBUS (the process
+    killed without a word, its .partial files left behind). tokens.partial fits the 600 kB disk; train.bin,
+    as large, does not."""
+    docs = write_jsonl(tmp_path / "docs.jsonl", [f"document {i} " + "word " * 60 for i in range(3000)])
+    disk = tmp_path / "disk"
+    r, left = on_small_disk(disk, [sys.executable, OWT, "--input", docs, "--out_dir", disk / "out", "--num_proc", 1],
+                            size="600k")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr  # (the progress bars are on stderr too)
+    assert r.stderr.strip().splitlines()[-1].startswith(
+        f"prepare.py: error: cannot write in {disk / 'out'}: no space left on device; the files there are as they "
+        f"were"), r.stderr
+    assert left == []  # no out folder (this run made it), no partial file
 
 
 def test_prepared_max_ids_checked_against_the_model_vocab(owt_jsonl):

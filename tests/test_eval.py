@@ -5,6 +5,7 @@ lm-evaluation-harness: test_eval_lm.py.
 import dataclasses
 import json
 import math
+import os
 import subprocess
 import sys
 
@@ -355,3 +356,20 @@ def test_eval_script_an_eval_dir_it_cannot_write_in_fails_in_one_line_before_the
                                           f"--eval_dir={tmp_path / 'new' / 'eval'}"])
     assert r.returncode == 2 and 'no checkpoint at' in r.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ['notes.txt']
+
+
+def test_eval_script_a_full_disk_when_writing_results_is_one_line_and_keeps_the_earlier_file(char_run, tmp_path):
+    """val_loss.json.tmp a link to /dev/full: every write to it fails with ENOSPC (a traceback before, and
+    the .tmp left behind); an entropy heatmap likewise."""
+    eval_dir = tmp_path / 'eval'
+    eval_dir.mkdir()
+    for measure, name in (('--val_loss=True', 'val_loss.json'), ('--entropy=True', 'entropy.png')):
+        (eval_dir / name).write_text('the earlier result\n')
+        (eval_dir / f"{name}.tmp").symlink_to('/dev/full')
+        r = run_script_in_process('eval.py', [f"--out_dir={char_run['base_dir']}", f"--eval_dir={eval_dir}", measure,
+                                              '--device=cpu', '--entropy_batches=1'])
+        assert r.returncode == 2, r.stderr
+        assert r.stderr.strip().splitlines()[-1] == (
+            f"eval.py: error: cannot write {eval_dir / name}: no space left on device; the file there before is "
+            f"intact. Free some space and evaluate again")
+        assert not os.path.lexists(eval_dir / f"{name}.tmp") and (eval_dir / name).read_text() == 'the earlier result\n'

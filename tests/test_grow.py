@@ -2,14 +2,18 @@
 linear algebra in float64, the gradient the hooks collect, 'zero' growth preserving the function
 exactly, and a grown checkpoint resumed by train.py (DDP with gloo, bf16 autocast)."""
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from denoised_gpt import growth
 from denoised_gpt.checkpoint import load_checkpoint
-from helpers import (make_dataset, run_script_in_process, run_train, run_train_in_process, save_model_checkpoint,
-                     tiny_gpt)
+from helpers import (ROOT, make_dataset, on_small_disk, run_script_in_process, run_train, run_train_in_process,
+                     save_model_checkpoint, small_disk_available, subprocess_env, tiny_checkpoint, tiny_gpt,
+                     without_root_file_access)
 from model import ATTENTION_TYPES, GPT, GPTConfig
 
 VOCAB = 11
@@ -300,3 +304,33 @@ def test_grow_script_rejects_bad_requests_in_one_line(tmp_path):
     save_model_checkpoint(tmp_path / 's', tiny(attn_type='symmetric'), optimizer=None)
     rc, _, err = run_grow(f'--out_dir={tmp_path / "s"}', '--grow_to=8', '--out=x')
     assert rc == 2 and "attn_type='symmetric'; grow.py widens `base` attention only" in err
+
+
+@pytest.mark.skipif(sys.platform != 'linux', reason="file modes, capabilities and mount namespaces as on Linux")
+def test_grow_script_an_out_it_cannot_write_in_is_one_line_before_growing(tmp_path):
+    """--out on a read-only file system, or in a folder without write permission: an OSError traceback at the
+    save, after the growth, before; now refused before it."""
+    data = make_dataset(tmp_path, n_train=2000, n_val=500)
+    tiny_checkpoint(tmp_path / 'narrow', 'base', data)
+    grow = [sys.executable, 'grow.py', f"--out_dir={tmp_path / 'narrow'}", '--grow_to=32', '--batches=1',
+            '--batch_size=2', '--eval_iters=1', '--device=cpu']
+    cases = []
+    if small_disk_available():
+        proc, left = on_small_disk(tmp_path / 'disk', [*grow, f"--out={tmp_path / 'disk' / 'grown'}"], read_only=True)
+        cases.append((proc, f"out='{tmp_path / 'disk' / 'grown'}' cannot be written (read-only file system)"))
+        assert left == []
+    (tmp_path / 'locked').mkdir()
+    (tmp_path / 'locked').chmod(0o555)
+    try:
+        proc = subprocess.run([*grow, f"--out={tmp_path / 'locked' / 'grown'}"], cwd=ROOT, env=subprocess_env(),
+                              capture_output=True, text=True, timeout=120, preexec_fn=without_root_file_access())
+    except subprocess.SubprocessError as e:  # prctl refused (a container without CAP_SETPCAP)
+        pytest.skip(f"cannot run the script without root's file access: {e}")
+    finally:
+        (tmp_path / 'locked').chmod(0o755)
+    cases.append((proc, f"out='{tmp_path / 'locked' / 'grown'}' cannot be written (permission denied)"))
+    for proc, message in cases:
+        assert proc.returncode == 2 and proc.stderr.strip() == f"grow.py: error: {message}: choose another folder " \
+                                                              f"with --out", proc.stderr
+        assert "growing" not in proc.stdout
+    assert os.listdir(tmp_path / 'locked') == []

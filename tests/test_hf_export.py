@@ -11,6 +11,7 @@ export never half-writes or overwrites what it should not, and bad input fails i
 import json
 import os
 import re
+import sys
 
 import numpy as np
 import pytest
@@ -21,8 +22,9 @@ import gpt2_bpe
 from denoised_gpt.checkpoint import load_checkpoint
 from denoised_gpt.evaluation import final_hidden_states
 from denoised_gpt.hf_format import export, write_tokenizer
-from helpers import (NO_AUTOCAST, TINY, VOCAB, hf_lm, local_mc_task, make_dataset, per_doc_loglikelihoods,
-                     run_script_in_process, save_model_checkpoint, tiny_checkpoint, tiny_gpt)
+from helpers import (NO_AUTOCAST, TINY, VOCAB, hf_lm, local_mc_task, make_dataset, on_small_disk,
+                     per_doc_loglikelihoods, run_script_in_process, save_model_checkpoint, small_disk_available,
+                     tiny_checkpoint, tiny_gpt)
 from model import ATTENTION_TYPES, GPT, GPTConfig
 
 # one xdist worker runs this whole file, so its module-scoped fixtures are built once (-n 2 --dist loadfile)
@@ -497,3 +499,20 @@ def test_export_hf_refuses_a_dataset_that_is_not_there(exported, tmp_path):
         assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
         assert proc.stderr.startswith(f"export_hf.py: error: dataset={dataset!r}: no folder "), proc.stderr
         assert sorted(p.name for p in tmp_path.iterdir()) == ['a-file']  # nothing written
+
+
+@pytest.mark.skipif(not small_disk_available(), reason="needs `unshare -rm` to mount a small tmpfs (a real full "
+                                                       "disk, a read-only file system)")
+def test_an_export_to_a_full_or_read_only_disk_is_one_line_and_leaves_nothing(tmp_path):
+    """safetensors says a failed write of the weights in its own exception (SafetensorError), which was a
+    traceback; now it is the OSError it stands for, said as the other write failures are."""
+    tiny_checkpoint(tmp_path / 'out', 'base', tmp_path / 'no-data')
+    for read_only, cause, remedy in [(False, "no space left on device", "Free some space"),
+                                     (True, "read-only file system", "Write to a writable disk")]:
+        disk = tmp_path / f"disk-{read_only}"
+        proc, left = on_small_disk(disk, [sys.executable, 'export_hf.py', f"--out_dir={tmp_path / 'out'}",
+                                          f"--hf_dir={disk / 'hf'}"], size='64k', read_only=read_only)
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stderr.strip().splitlines()[-1] == (f"export_hf.py: error: cannot write {disk / 'hf'}: {cause}; "
+                                                        f"nothing was changed there. {remedy} and export again")
+        assert 'Traceback' not in proc.stderr and left == []  # no hf_dir, no temporary folder

@@ -265,3 +265,59 @@ def test_resuming_to_an_iteration_already_passed_is_refused_in_one_line(tmp_path
                                   f"(10): nothing to train. Give --max_iters above 10 to continue its run " \
                                   f"(--eval_only=True evaluates it)"
     assert snapshot(out) == before
+
+
+# -----------------------------------------------------------------------------
+# a damaged metrics.jsonl: a resume goes on without the lines that are not rows, and says which it left out
+
+DAMAGED_LINES = ['{}', '[]', '{"iter": "x", "loss": 1.0}', '{"iter": 3, "val_loss": "x", "train_loss": 1.0, "time": 1}',
+                 '{"iter": NaN, "loss": 1.0}', '{"iter": 2, "loss": 1.0}', '[' * 100_000 + ']' * 100_000,
+                 '{"iter": 1, "loss": "' + 'x' * (2 << 20) + '"}']
+
+
+def test_a_resume_leaves_out_the_lines_of_the_metrics_log_that_are_not_rows(tmp_path, data):
+    out = tmp_path / 'out'
+    train(str(TINY), f'--dataset={data}', f'--out_dir={out}', '--max_iters=5', '--eval_interval=5')
+    rows = (out / 'metrics.jsonl').read_text().splitlines()
+    (out / 'metrics.jsonl').write_text('\n'.join(rows[:2] + DAMAGED_LINES + rows[2:]) + '\n')
+    proc = train(str(TINY), f'--dataset={data}', f'--out_dir={out}', '--init_from=resume', '--max_iters=6',
+                 '--eval_interval=5')
+    assert proc.stdout.count(f"note: left out 8 lines of {out / 'metrics.jsonl'} that are not metrics rows (line 3: "
+                             f"it has no iter; line 4: an array, not a JSON object; line 5: its iter is \"x\", not a "
+                             f"non-negative integer; and 5 more)") == 1, proc.stdout
+    logged = [json.loads(line) for line in (out / 'metrics.jsonl').read_text().splitlines()]
+    # the rows train.py wrote up to the checkpoint, then the resumed run's
+    assert [json.dumps(r) for r in logged[:len(rows)]] == rows
+    assert [(r['iter'], 'val_loss' in r) for r in logged[len(rows):]] == [(5, False), (6, True)]
+
+
+def test_each_kind_of_line_that_is_not_a_row_is_named(tmp_path):
+    from denoised_gpt.run_dir import metrics_rows
+    (tmp_path / 'metrics.jsonl').write_text('\n'.join(DAMAGED_LINES) + '\n\n')  # (a blank line holds no row)
+    assert [(n, row, problem) for n, _, row, problem in metrics_rows(tmp_path / 'metrics.jsonl')] == [
+        (1, None, "it has no iter"), (2, None, "an array, not a JSON object"),
+        (3, None, 'its iter is "x", not a non-negative integer'), (4, None, 'its val_loss is "x", not a number'),
+        (5, None, "its iter is NaN, not a non-negative integer"), (6, None, "it has no tokens_per_s"),
+        (7, None, "not JSON (nested too deeply)"), (8, None, "longer than 1 MiB")]
+
+
+@pytest.mark.parametrize('kind', ['device', 'FIFO'])
+def test_a_metrics_log_that_is_a_device_or_a_fifo_is_refused_at_resume_in_one_line(tmp_path, data, kind):
+    """A link to /dev/zero was read whole (the process grew to 24 GB); a FIFO hung the resume."""
+    out = tmp_path / 'out'
+    train(str(TINY), f'--dataset={data}', f'--out_dir={out}', '--max_iters=5', '--eval_interval=5')
+    (out / 'metrics.jsonl').unlink()
+    if kind == 'device':
+        (out / 'metrics.jsonl').symlink_to('/dev/zero')
+    else:
+        os.mkfifo(out / 'metrics.jsonl')
+    def files():  # (the lock file says who holds it: every run rewrites it)
+        return {k: v for k, v in snapshot(out).items() if k.name != '.lock'}
+    before = files()
+    proc = subprocess.run(train_command(out, data, '--init_from=resume', '--max_iters=10'), cwd=ROOT,
+                          env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip() == f"train.py: error: cannot read {out / 'metrics.jsonl'}: it is a {kind}, not a " \
+                                  f"file; put the run's metrics log there, or move it away (a resumed run then " \
+                                  f"logs from its checkpoint on)"
+    assert files() == before

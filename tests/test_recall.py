@@ -11,12 +11,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from denoised_gpt.batches import ExampleLayout, TokenBatches
+from denoised_gpt.batches import ExampleLayout, TokenBatches, TokenIdError
 from denoised_gpt.compare_report import filler_lines
 from denoised_gpt.evaluation import exact_val_loss
 from denoised_gpt.evaluation.recall import answer_accuracy, distance_bucket
 from helpers import (NO_AUTOCAST, ROOT, SCRIPT_VARIABLES, TINY, eval_losses, iter_losses, run_script_in_process,
-                     run_train, run_train_in_process, subprocess_env, tiny_gpt)
+                     run_train, run_train_in_process, subprocess_env, tiny_checkpoint, tiny_gpt)
 from model import ATTENTION_TYPES
 
 sys.path.insert(0, str(ROOT / "data" / "mqar"))
@@ -170,6 +170,52 @@ def test_labels_from_another_preparation_are_refused(mqar, tmp_path):
         TokenBatches(str(data), "train", 32, 4, vocab_size=64)
 
 
+def copy_of(mqar, data):
+    data.mkdir()
+    for name in ("train.bin", "val.bin", "train_labels.bin", "val_labels.bin", "meta.json"):
+        (data / name).write_bytes((mqar / name).read_bytes())
+    return data
+
+
+def set_label(path, at, value):
+    labels = np.fromfile(path, dtype=np.int32)
+    labels[at] = value
+    labels.tofile(path)
+
+
+@pytest.mark.parametrize("value", [-2, 64, 2 ** 31 - 1])
+def test_a_label_outside_minus_one_to_vocab_size_is_refused_at_load_in_one_line(mqar, tmp_path, value):
+    """Labels are checked as the tokens are: -2 was an IndexError mid-run in train.py, any of them an
+    IndexError in eval.py's validation pass."""
+    data = copy_of(mqar, tmp_path / "data")
+    set_label(data / "train_labels.bin", 34, value)  # the second example's first target: after a training batch
+    message = (f"holds label {value} at position 34, but a label is -1 (not scored) or a token id below vocab_size 64: "
+               f"the file is damaged or from another preparation; run that dataset's prepare.py again")
+    proc = run_script_in_process("train.py", [TINY, f"--dataset={data}", f"--out_dir={tmp_path / 'out'}"])
+    assert proc.returncode == 2 and proc.stderr.strip() == f"train.py: error: {data / 'train_labels.bin'} {message}"
+    assert not (tmp_path / "out").exists()
+    set_label(data / "train_labels.bin", 34, int(np.fromfile(mqar / "train_labels.bin", dtype=np.int32)[34]))
+    set_label(data / "val_labels.bin", 34, value)
+    out = tmp_path / "trained"
+    tiny_checkpoint(out, "base", data, vocab_size=64)
+    for measure in ("--val_loss=True", "--recall=True", "--attention_noise=True"):
+        proc = run_script_in_process("eval.py", [f"--out_dir={out}", measure, "--device=cpu"])
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stderr.strip().splitlines()[-1] == f"eval.py: error: {data / 'val_labels.bin'} {message}"
+    assert not [p for p in out.iterdir() if p.suffix == ".json"]
+
+
+def test_a_label_file_changed_after_load_is_caught_by_the_batch_that_holds_it(mqar, tmp_path, monkeypatch):
+    monkeypatch.setattr("denoised_gpt.batches.FULL_SCAN_TOKENS", 0)  # every file counts as large: read by batches
+    data = copy_of(mqar, tmp_path / "data")
+    tb = TokenBatches(str(data), "train", 32, 16, seed=0, vocab_size=64)
+    tb.get_batch()
+    np.full(39600, -2, dtype=np.int32).tofile(data / "train_labels.bin")
+    with pytest.raises(TokenIdError, match=r"train_labels.bin holds label -2 at position \d+, but a label "
+                                                   r"is -1 \(not scored\) or a token id below vocab_size 64"):
+        tb.get_batch()
+
+
 def test_data_from_the_earlier_generator_is_refused(mqar, tmp_path):
     """Its examples showed each answer after its query: it is refused with the fix, not trained on."""
     data = tmp_path / "data"
@@ -212,7 +258,7 @@ class Oracle(torch.nn.Module):
 
     def __init__(self, vocab_size, wrong_pairs):
         super().__init__()
-        self.config = type("Config", (), {"block_size": 32})
+        self.config = type("Config", (), {"block_size": 32, "vocab_size": vocab_size})
         self.vocab_size, self.wrong_pairs = vocab_size, wrong_pairs
 
     def forward(self, x, targets):

@@ -411,3 +411,16 @@ def test_a_nonfinite_checkpoint_is_one_line(ckpts, tmp_path):
                                                 f"or inf), the state of a run that diverged: every loss and sample "
                                                 f"from it would be NaN. Use an earlier checkpoint (ckpt.prev.pt next "
                                                 f"to it, if finite), or train again with a lower learning_rate"]
+
+
+@pytest.mark.skipif(not os.path.exists('/dev/full'), reason="needs /dev/full (every write: ENOSPC)")
+def test_a_stdout_that_cannot_take_the_samples_is_one_line(ckpts):
+    """`sample.py > /dev/full`: a full disk behind stdout was an OSError traceback."""
+    with open('/dev/full', 'w') as full:
+        proc = subprocess.run([sys.executable, "sample.py", f"--out_dir={ckpts['base']}", "--num_samples=1",
+                               "--max_new_tokens=4"], cwd=ROOT, env=subprocess_env(), text=True, stdout=full,
+                              stderr=subprocess.PIPE, timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == ("sample.py: error: cannot write the results to /dev/full: no "
+                                                    "space left on device; free some space and run it again")
+    assert "Traceback" not in proc.stderr and "Exception ignored" not in proc.stderr

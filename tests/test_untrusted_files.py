@@ -529,3 +529,100 @@ def test_a_truncated_checkpoint_is_one_short_line_naming_the_fallback(source, tm
         load_checkpoint(folder)
     assert len(str(e.value).splitlines()) == 1
     assert f"incomplete or corrupt (RuntimeError: {first_sentence}). No previous sharded" in str(e.value)
+
+
+# ----------------------------------------------------------------------------------------------
+# counters of another type than train.py writes: refused on load, never a TypeError mid-run
+
+def with_counter(source, tmp_path, kind, key, value):
+    """A copy of source whose ckpt.pt (kind 'ckpt.pt': the sharded checkpoint removed) or sharded
+    checkpoint's train_state.pt (kind 'sharded') holds `value` under key."""
+    out = tmp_path / 'out'
+    shutil.copytree(source, out)
+    if kind == 'ckpt.pt':
+        shutil.rmtree(folder_of(out))
+        (out / 'ckpt.sharded').unlink()
+        path = out / 'ckpt.pt'
+    else:
+        path = folder_of(out) / 'train_state.pt'
+    torch.save({**torch.load(path, weights_only=True), key: value}, path)
+    return out
+
+
+@pytest.mark.parametrize('kind', ['ckpt.pt', 'sharded'])
+@pytest.mark.parametrize('command', SCRIPTS)
+def test_every_script_refuses_a_checkpoint_whose_iter_num_is_a_string_in_one_line(kind, command, source, tmp_path):
+    out = with_counter(source, tmp_path, kind, 'iter_num', '7')
+    if command == 'eval.py --compare_to':
+        shutil.copytree(source, tmp_path / 'good')
+    data = make_dataset(tmp_path) if command == 'train.py init_from' else None
+    script = command.split()[0]
+    args = [a.format(out=out, tmp=tmp_path, data=data) for a in SCRIPTS[command]]
+    if script == 'train.py':
+        args.insert(0, str(ROOT / 'tests' / 'config_tiny.py'))
+    if script == 'convert_checkpoint.py' and kind == 'ckpt.pt':
+        args.append('--to=sharded')
+    proc = run_script_in_process(script, args)
+    assert proc.returncode == 2, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(errors) == 1 and errors[0].startswith(f"{script}: error: "), proc.stderr
+    where = out / 'ckpt.pt' if kind == 'ckpt.pt' else folder_of(out)
+    assert f"{where} is not as train.py writes one: its iter_num is '7' (a str), not a non-negative integer" \
+        in errors[0], errors[0]
+    assert not (tmp_path / 'hf').exists() and not (tmp_path / 'grown').exists()
+
+
+@pytest.mark.parametrize('key, value, expected', [
+    ('best_val_loss', 'low', "best_val_loss is 'low' (a str), not a number"),
+    ('best_val_loss', True, "best_val_loss is True (a bool), not a number"),
+    ('iter_num', -1, "iter_num is -1 (a int), not a non-negative integer"),
+    ('best_iter', 2.0, "best_iter is 2.0 (a float), not a non-negative integer or null"),
+    ('val_loss', [1.5], "val_loss is [1.5] (a list), not a number or null"),
+    ('train_time', None, "train_time is None (a NoneType), not a number"),
+    ('config', 'x', "config is 'x' (a str), not a dict"),
+])
+def test_load_checkpoint_names_a_counter_of_the_wrong_type(source, tmp_path, key, value, expected):
+    for kind in ('ckpt.pt', 'sharded'):
+        out = with_counter(source, tmp_path / kind, kind, key, value)
+        for metadata_only in (False, True):
+            with pytest.raises(CheckpointError) as e:
+                load_checkpoint(out, metadata_only=metadata_only)
+            assert expected in str(e.value) and len(str(e.value).splitlines()) == 1, str(e.value)
+    # what train.py and nanoGPT write loads: nanoGPT's best_val_loss is the 0-d tensor of its evaluation
+    out = with_counter(source, tmp_path / 'nanogpt', 'ckpt.pt', 'best_val_loss', torch.tensor(2.5))
+    assert load_checkpoint(out)['best_val_loss'] == 2.5
+
+
+# ----------------------------------------------------------------------------------------------
+# an exported folder's JSON files (export_hf.py writes them; sample.py, eval.py and train.py read them back)
+
+@pytest.fixture(scope='module')
+def exported(source, tmp_path_factory):
+    folder = tmp_path_factory.mktemp('exported') / 'hf'
+    proc = run_script_in_process('export_hf.py', [f'--out_dir={source / "ckpt.pt"}', f'--hf_dir={folder}'])
+    assert proc.returncode == 0, proc.stderr
+    return folder
+
+
+@pytest.mark.parametrize('name, content, expected', [
+    ('config.json', '{"a": ' * 100_000 + '1' + '}' * 100_000, "config.json is not valid JSON (nested too deeply)"),
+    ('training_run.json', '[' * 100_000 + ']' * 100_000, "training_run.json is not valid JSON (nested too deeply)"),
+    ('training_run.json', '{"iter_num": "7", "best_val_loss": 2.5, "config": {}}',
+     "training_run.json is not as export_hf.py writes it: its iter_num is '7' (a str), not a non-negative integer"),
+], ids=['config.json nested', 'training_run.json nested', 'iter_num a string'])
+@pytest.mark.parametrize('script, args', [
+    ('sample.py', ['--num_samples=1', '--max_new_tokens=2']),
+    ('eval.py', ['--val_loss=True']),
+    ('train.py', [str(ROOT / 'tests' / 'config_tiny.py'), '--out_dir={tmp}/new', '--dataset={data}']),
+])
+def test_a_damaged_json_file_of_an_exported_folder_is_one_line(exported, tmp_path, name, content, expected, script,
+                                                              args):
+    folder = tmp_path / 'hf'
+    shutil.copytree(exported, folder)
+    (folder / name).write_text(content)
+    data = make_dataset(tmp_path) if script == 'train.py' else None
+    proc = run_script_in_process(script, [f'--init_from={folder}', '--device=cpu',
+                                          *[a.format(tmp=tmp_path, data=data) for a in args]])
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip() == f"{script}: error: {folder}/{expected}; export the model again"
+    assert not (tmp_path / 'new').exists()

@@ -38,7 +38,8 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # data/, for prepare_common
-from prepare_common import PrepareError, atomic_outputs, check_out_dir, max_id, one_line_errors, write_json
+from prepare_common import (PrepareError, atomic_outputs, check_out_dir, max_id, one_line_errors, write_array,
+                            write_json)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -130,7 +131,7 @@ def prepare(args):
     names = ["train.bin", "val.bin", "train_labels.bin", "val_labels.bin", "meta.json"]
     with atomic_outputs(args.out_dir, names) as tmp:
         for name, array in zip(names, (train, val, train_labels, val_labels)):
-            array.tofile(tmp[name])
+            write_array(tmp[name], array)
         write_json(tmp["meta.json"], {
             "tokenizer": "ids", "task": "mqar", "vocab_size": args.vocab_size,
             # what train.py and eval.py need: whole examples, and the loss on the labelled answers only

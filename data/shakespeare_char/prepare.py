@@ -20,7 +20,8 @@ import urllib.request
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # data/, for prepare_common
-from prepare_common import PrepareError, atomic_outputs, check_out_dir, max_id, one_line_errors, write_json
+from prepare_common import (PrepareError, atomic_outputs, check_out_dir, dead_link, max_id, one_line_errors,
+                            write_array, write_json)
 
 URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -32,6 +33,10 @@ ENCODE_CHARS = 1 << 24  # characters turned into ids per step: the memory beyond
 def check_input(path):
     """PrepareError unless path is a regular file of at most MAX_INPUT_BYTES: asked of os.stat before the file
     is opened, so that /dev/zero (endless), a FIFO (open waits for a writer) or a folder is never read."""
+    link = dead_link(path)
+    if link:
+        raise PrepareError(f"{path} is {link}; point it at the Tiny Shakespeare input.txt, or give that file's "
+                           f"path with --input")
     try:
         st = os.stat(path)
     except FileNotFoundError:
@@ -55,7 +60,7 @@ def too_large(path, size):
 
 def read_text(path):
     """The local file if given or already downloaded, else download it to `path` (as nanoGPT)."""
-    if not os.path.exists(path):
+    if not os.path.lexists(path):  # (a link that leads nowhere is not missing: check_input names it)
         print(f"downloading {URL}")
         try:
             with urllib.request.urlopen(URL, timeout=30) as r:
@@ -113,8 +118,8 @@ def prepare(args):
     train_ids, val_ids = ids[:int(n * 0.9)], ids[int(n * 0.9):]
 
     with atomic_outputs(args.out_dir, ["train.bin", "val.bin", "meta.pkl", "meta.json"]) as tmp:
-        train_ids.tofile(tmp["train.bin"])
-        val_ids.tofile(tmp["val.bin"])
+        write_array(tmp["train.bin"], train_ids)
+        write_array(tmp["val.bin"], val_ids)
         with open(tmp["meta.pkl"], "wb") as f:
             pickle.dump({"vocab_size": len(chars), "itos": itos, "stoi": stoi}, f)
         # 'chars' (the vocabulary in id order) lets meta.json alone decode, without the pickle

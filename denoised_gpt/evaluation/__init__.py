@@ -65,7 +65,7 @@ def exact_val_loss(model, path, block_size, batch_size, device, ctx, layout=None
 def _examples_val_loss(model, path, batch_size, device, ctx, layout):
     num_tokens = np.memmap(path, dtype=np.uint16, mode='r').size
     length = layout.example_tokens - 1
-    layout.check(path, num_tokens, length)
+    layout.check(path, num_tokens, length, model.config.vocab_size)
     starts = np.arange(0, num_tokens, layout.example_tokens)
     total, count = 0.0, 0
     for i in range(0, len(starts), batch_size):

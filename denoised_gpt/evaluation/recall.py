@@ -39,7 +39,7 @@ def validation_examples(model, data_dir, batch_size, split="val"):
                          f"answer accuracy needs examples with labelled answers, e.g. data/mqar/prepare.py's")
     num_tokens = np.memmap(path, dtype=np.uint16, mode="r").size
     length = layout.example_tokens - 1
-    layout.check(path, num_tokens, length)
+    layout.check(path, num_tokens, length, model.config.vocab_size)
     if length > model.config.block_size:
         raise ValueError(f"{data_dir}'s examples are {length} tokens, longer than the model's block_size "
                          f"{model.config.block_size}")

@@ -1,0 +1,103 @@
+"""Files a user hands over or keeps, read and written so that every failure is one line that names the file,
+the cause and the fix (never a traceback), and so that a failed write loses nothing already written.
+
+- FileError: that line, as a ValueError (what the scripts print as their one-line error).
+- write_problem: what an OSError on a write means to the user, told apart by errno (a full disk, a read-only
+  file system, no permission): the package's one wording of them.
+- write_atomically: a file written whole or not at all, the previous one intact on failure.
+- require_regular_file, read_json, parse_json: what a user may hand over (meta.json, an export's config.json
+  and training_run.json, a run's metrics.jsonl) read without hanging on a FIFO, reading a device for ever, or
+  a RecursionError from JSON nested deeper than Python's parser goes.
+It imports nothing from the package.
+"""
+import contextlib
+import errno
+import json
+import os
+import stat
+
+MAX_JSON_BYTES = 64 << 20  # a JSON file of ours is kilobytes; one larger than this is not one (read whole)
+
+
+class FileError(ValueError):
+    """A file that cannot be read or written as needed; the message names it, the cause and the fix."""
+
+
+def write_problem(e):
+    """(cause, remedy) for an OSError from writing: a full disk (or quota), a read-only file system and a
+    missing permission each say so; anything else is the system's own words."""
+    if e.errno in (errno.ENOSPC, getattr(errno, 'EDQUOT', errno.ENOSPC)):
+        return "no space left on device", "free some space"
+    if e.errno == errno.EROFS:
+        return "read-only file system", "write to a writable disk"
+    if e.errno in (errno.EACCES, errno.EPERM):
+        return "permission denied", "give this user write access there"
+    return e.strerror or str(e), "fix the cause"
+
+
+def write_atomically(path, write, binary=False, then=""):
+    """Write the file at path whole or not at all: write(f) fills path + '.tmp', which then replaces path, so
+    a reader never sees half a file and a failed write leaves the file there before as it was. The temporary
+    file is removed on any failure. A failed write (OSError) raises FileError naming path, the cause, what
+    is intact and the remedy; `then` is added to the remedy (e.g. how to write it again)."""
+    tmp = path + '.tmp'
+    try:
+        with open(tmp, 'wb' if binary else 'w') as f:
+            write(f)
+        os.replace(tmp, path)
+    except BaseException as e:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        if not isinstance(e, OSError):
+            raise
+        cause, remedy = write_problem(e)
+        kept = "the file there before is intact" if os.path.isfile(path) else "nothing was written"
+        raise FileError(f"cannot write {path}: {cause}; {kept}. {remedy.capitalize()}{then}") from e
+
+
+def file_kind(mode):
+    """What a file that is not a regular one is, from its stat mode."""
+    if stat.S_ISDIR(mode):
+        return "folder"
+    if stat.S_ISFIFO(mode):
+        return "FIFO"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "device"
+    return "special file"
+
+
+def require_regular_file(path, fix):
+    """FileError unless path is a regular file (a missing or unreadable one passes: opening it names that).
+    Asked of stat before anything opens it: open() waits for ever on a FIFO, a device such as /dev/zero
+    never ends, a folder raises IsADirectoryError."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return
+    if not stat.S_ISREG(mode):
+        raise FileError(f"cannot read {path}: it is a {file_kind(mode)}, not a file; {fix}")
+
+
+def parse_json(text):
+    """json.loads, with every failure a ValueError: nesting deeper than Python's parser goes (a
+    RecursionError) says 'nested too deeply'."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+
+
+def read_json(path, fix):
+    """The JSON value in the file at path. FileError naming the file, the cause and `fix` for one that is
+    not a regular file, is larger than MAX_JSON_BYTES or is not valid JSON (bad syntax, not UTF-8, an int of
+    too many digits, nested too deeply); OSError (FileNotFoundError, PermissionError) when it cannot be
+    opened."""
+    require_regular_file(path, fix)
+    with open(path, 'rb') as f:
+        data = f.read(MAX_JSON_BYTES + 1)
+    if len(data) > MAX_JSON_BYTES:
+        raise FileError(f"{path} is larger than {MAX_JSON_BYTES >> 20} MiB, which no JSON file of ours is; {fix}")
+    try:
+        return parse_json(data.decode('utf-8'))
+    except ValueError as e:  # a UnicodeDecodeError is one too
+        raise FileError(f"{path} is not valid JSON ({e}); {fix}") from e
