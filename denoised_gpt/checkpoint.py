@@ -52,7 +52,8 @@ from denoised_gpt.checkpoint_base import (CheckpointError, clean_name, first_dam
                                           short_reason, train_state_problem)
 from denoised_gpt.files import write_problem
 from denoised_gpt.sharded_checkpoint import (POINTER_NAME, check_zip_parts, failure_cause, is_sharded_checkpoint,
-                                             newest_sharded, raise_if_refused, read_sharded, read_train_state, sharded_pointer)
+                                             newest_sharded, pointer_problem, raise_if_refused, read_sharded,
+                                             read_train_state, sharded_pointer)
 
 CKPT_NAME = 'ckpt.pt'
 PREV_NAME = 'ckpt.prev.pt'
@@ -216,6 +217,9 @@ def load_checkpoint(out_dir_or_file, map_location='cpu', metadata_only=False, mo
         raise CheckpointError(f"{path} is a folder, not a checkpoint file: move it away" + (
             f", then resume from the previous checkpoint with `mv {prev} {path}`" if has_fallback else ""))
     if not os.path.isfile(path):
+        problem = os.path.basename(path) == CKPT_NAME and pointer_problem(os.path.dirname(path))
+        if problem:
+            raise CheckpointError(problem)
         if has_fallback:
             raise CheckpointError(f"no checkpoint at {path}. {use_prev}")
         raise FileNotFoundError(f"no checkpoint at {path}: train one first (init_from='scratch'), "

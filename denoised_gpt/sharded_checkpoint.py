@@ -44,6 +44,7 @@ import zipfile
 import torch
 
 from denoised_gpt.checkpoint_base import CheckpointError, optimizer_state_by_name, short_reason, untrusted_file_error
+from denoised_gpt.files import file_kind
 
 POINTER_NAME = 'ckpt.sharded'
 STATE_NAME = 'train_state.pt'
@@ -55,12 +56,34 @@ def sharded_pointer(out_dir):
 
 
 def newest_sharded(out_dir):
-    """The folder out_dir/ckpt.sharded names, or None when out_dir has no sharded checkpoint."""
+    """The folder out_dir/ckpt.sharded names, or None when out_dir has no sharded checkpoint, or a pointer
+    that cannot be followed (pointer_problem says why; load_checkpoint does)."""
+    return _read_pointer(out_dir)[0]
+
+
+def pointer_problem(out_dir):
+    """Why out_dir/ckpt.sharded is not followed, or None: it is not a file (a FIFO would hang the reader), or
+    it names something other than a ckpt.sharded-* folder inside out_dir (a folder elsewhere would load
+    another run's checkpoint through this one)."""
+    return _read_pointer(out_dir)[1]
+
+
+def _read_pointer(out_dir):  # (folder or None, problem or None)
     pointer = sharded_pointer(out_dir)
-    if not os.path.isfile(pointer):
-        return None
+    if not os.path.lexists(pointer):
+        return None, None
+    mode = os.stat(pointer).st_mode if os.path.exists(pointer) else 0
+    if not stat.S_ISREG(mode):
+        return None, (f"{pointer} is a {file_kind(mode) if mode else 'broken link'}, not the file naming the newest "
+                      f"sharded checkpoint: remove it (or put the file back)")
     with open(pointer) as f:
-        return os.path.join(out_dir, f.read().strip())
+        name = f.read(256).strip()  # (written as one folder name)
+    folder = os.path.join(out_dir, name)
+    if not name.startswith(POINTER_NAME + '-') or os.path.basename(name) != name or \
+            os.path.dirname(os.path.realpath(folder)) != os.path.realpath(out_dir):
+        return None, (f"{pointer} names {name[:80]!r}, not a {POINTER_NAME}-* folder in {out_dir}, and is not "
+                      f"followed: a run's checkpoints are its own folders (write the newest one's name there)")
+    return folder, None
 
 
 def is_sharded_checkpoint(path):
@@ -397,10 +420,8 @@ def _file_in(folder, name, named_by=None):
                               f"read: copy that file into the folder in place of the link (cp -L)")
     st = os.stat(path)
     if not stat.S_ISREG(st.st_mode):
-        kind = {stat.S_IFIFO: 'a FIFO', stat.S_IFDIR: 'a folder', stat.S_IFSOCK: 'a socket'}.get(
-            stat.S_IFMT(st.st_mode), 'a device')
-        raise CheckpointError(f"sharded checkpoint file {path} is {kind}, not a regular file, and is not read "
-                              f"(reading it could wait forever): put the checkpoint's own file there")
+        raise CheckpointError(f"sharded checkpoint file {path} is a {file_kind(st.st_mode)}, not a regular file, "
+                              f"and is not read (reading it could wait forever): put the checkpoint's own file there")
     return path, st.st_size
 
 

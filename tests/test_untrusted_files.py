@@ -626,3 +626,31 @@ def test_a_damaged_json_file_of_an_exported_folder_is_one_line(exported, tmp_pat
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip() == f"{script}: error: {folder}/{expected}; export the model again"
     assert not (tmp_path / 'new').exists()
+
+
+@pytest.mark.parametrize('pointer', ['elsewhere', 'fifo', 'link out'])
+def test_the_pointer_to_the_newest_sharded_checkpoint_names_a_folder_of_the_run_or_is_refused(source, tmp_path,
+                                                                                               pointer):
+    """out_dir/ckpt.sharded names the newest sharded folder: one naming a folder elsewhere (another run's
+    checkpoint, read and perhaps exported through this one) is not followed, and one that is a FIFO does not
+    hang the reader; scripts say so in one line."""
+    out = tmp_path / 'out'
+    shutil.copytree(source, out)
+    elsewhere = tmp_path / 'other-run'
+    shutil.copytree(folder_of(out), elsewhere / 'ckpt.sharded-0000099')
+    (out / 'ckpt.pt').unlink()
+    if pointer == 'elsewhere':
+        (out / 'ckpt.sharded').write_text('../other-run/ckpt.sharded-0000099\n')
+    elif pointer == 'link out':
+        (out / 'ckpt.sharded-0000099').symlink_to(elsewhere / 'ckpt.sharded-0000099')
+        (out / 'ckpt.sharded').write_text('ckpt.sharded-0000099\n')
+    else:
+        (out / 'ckpt.sharded').unlink()
+        os.mkfifo(out / 'ckpt.sharded')
+    for script, args in (('sample.py', ['--num_samples=1', '--max_new_tokens=2']), ('eval.py', ['--val_loss=True'])):
+        proc = subprocess.run([sys.executable, script, f'--out_dir={out}', '--device=cpu', *args], cwd=ROOT,
+                              env=subprocess_env(), capture_output=True, text=True, timeout=60)
+        assert proc.returncode != 0 and 'Traceback' not in proc.stderr, proc.stderr
+        last = proc.stderr.strip().splitlines()[-1]
+        assert last.startswith(f"{script}: error: {out / 'ckpt.sharded'} "), last
+        assert ("is a FIFO, not the file naming" if pointer == 'fifo' else "folder in") in last, last
