@@ -67,7 +67,7 @@ from denoised_gpt.batches import ExampleLayout
 from denoised_gpt.checkpoint import CheckpointError, checkpoint_path, load_checkpoint
 from denoised_gpt.cli import check_attn_types, fail, read_config
 from denoised_gpt.evaluation import mean_std
-from denoised_gpt.files import FileError, read_json, write_atomically, write_problem
+from denoised_gpt.files import FileError, parse_json, read_json, require_regular_file, write_atomically, write_problem
 from denoised_gpt.training import NOT_RESUMED
 from denoised_gpt.run_dir import METRICS_NAME, dropped_note, lock_out_dir, metrics_rows
 from denoised_gpt.tuning import (METRICS, candidate_args, candidate_label, candidate_settings, candidate_tag, candidates,
@@ -252,9 +252,8 @@ def forget_changes(run):
     with changes_lock:
         if not os.path.exists(path):
             return
-        with open(path) as f:
-            lines = [line for line in f if line.strip()]
-        kept = [line for line in lines if json.loads(line)['run'] != name]
+        lines = [line for line, row in change_rows(path)]
+        kept = [line for line, row in change_rows(path) if row is None or row['run'] != name]
         if len(kept) < len(lines):
             with open(path + '.tmp', 'w') as f:
                 f.writelines(kept)
@@ -289,12 +288,32 @@ def check_settings_unchanged(runs):
     print("continuing runs with changed settings (those trained on are listed in the report):\n" + "\n".join(lines))
 
 
+def change_rows(path):
+    """(line, row) for each line of a CHANGES_NAME file; row None for a line record_change did not write as it
+    is (damaged, edited: the report leaves it out). A file that is not a regular one ends compare.py in one line."""
+    try:
+        require_regular_file(path, "remove it (it lists runs continued with changed settings)")
+    except FileError as e:
+        fail(e)
+    with open(path) as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                row = parse_json(line)
+            except ValueError:
+                row = None
+            ok = isinstance(row, dict) and isinstance(row.get('run'), str) and isinstance(row.get('attn_type'), str) \
+                and 'from_iter' in row and isinstance(row.get('changes'), dict) and all(
+                    isinstance(v, list) and len(v) == 2 for v in row['changes'].values())
+            yield line, row if ok else None
+
+
 def recorded_changes():
     path = os.path.join(out_dir, CHANGES_NAME)
     if not os.path.exists(path):
         return []
-    with open(path) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
+    rows = [row for _, row in change_rows(path) if row is not None]
     # a run killed before its next checkpoint is continued, and recorded, again with the same change: the first counts
     first = {}
     for row in rows:

@@ -255,6 +255,12 @@ def test_a_sweep_with_other_settings_is_refused_unless_told_to_continue(sweep):
     proc = compare(args + longer + ['--continue_changed=True'])  # again: nothing to train, nothing changed since
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert (out / 'report' / 'report.md').read_text().count("from iter") == 1
+    # lines compare.py did not write as they are (damaged, edited) are left out of the report, not a traceback
+    with open(out / 'settings_changes.jsonl', 'a') as f:
+        f.write('{}\n[]\nnot json\n{"run": 5, "attn_type": "base", "from_iter": 1, "changes": {}}\n' + '[' * 100_000 + '\n')
+    proc = compare(args + longer + ['--continue_changed=True', '--report_only=True'])
+    assert proc.returncode == 0 and 'Traceback' not in proc.stderr, proc.stdout + proc.stderr
+    assert (out / 'report' / 'report.md').read_text().count("from iter") == 1
 
 
 def test_a_run_trained_again_from_scratch_drops_the_changes_recorded_for_its_folder(sweep):
