@@ -66,6 +66,7 @@ from configurator import ConfigError, apply_config, script_defaults
 from denoised_gpt.batches import ExampleLayout
 from denoised_gpt.checkpoint import CheckpointError, checkpoint_path, load_checkpoint
 from denoised_gpt.cli import check_attn_types, fail, read_config
+from denoised_gpt.device import slot_gpus
 from denoised_gpt.evaluation import mean_std
 from denoised_gpt.files import FileError, parse_json, read_json, require_regular_file, write_atomically, write_problem
 from denoised_gpt.training import NOT_RESUMED
@@ -82,7 +83,7 @@ overrides = ''  # extra train.py settings for every run, e.g. '--max_iters=500 -
 grid = []  # settings to sweep besides attn_type and seed: each entry is one point, e.g. ['--n_embd=64', '--n_embd=128']
 out_dir = 'out-compare'  # runs in out_dir/runs/<attn_type>-seed<seed>/, the report in out_dir/report/
 nproc = 1  # processes per run; more than 1 launches train.py with torchrun --standalone
-jobs = 1  # runs trained at the same time, each with its share of the CPU cores (and its own nproc GPUs, on CUDA)
+jobs = 1  # runs trained at the same time, each with its share of the CPU cores (on CUDA: nproc GPUs, shared round if too few)
 samples = True  # put one sample per variant (sample.py on its first seed's checkpoint) in the report
 sample_tokens = 200  # new tokens in each sample
 report_only = False  # only write the report from the runs already in out_dir
@@ -378,12 +379,12 @@ def die_with_parent():
 def job_environment(slot):
     """The environment of a train.py in job slot `slot` of `jobs`: with several jobs, each gets its share
     of the CPU cores (OpenMP threads that outnumber the cores spin-wait and run many times slower) and,
-    where there are CUDA GPUs, its own nproc of them."""
+    where there are CUDA GPUs, nproc of them (slot_gpus)."""
     env = dict(os.environ, PYTHONUNBUFFERED='1')  # its lines as they come, not in blocks: for the bar and stopping
     if jobs > 1:
         env['OMP_NUM_THREADS'] = str(max(1, len(os.sched_getaffinity(0)) // (jobs * nproc)))
         if torch.cuda.is_available():
-            env['CUDA_VISIBLE_DEVICES'] = ','.join(str(slot * nproc + k) for k in range(nproc))
+            env['CUDA_VISIBLE_DEVICES'] = ','.join(map(str, slot_gpus(slot, nproc, torch.cuda.device_count())))
     return env
 
 

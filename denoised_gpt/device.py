@@ -358,3 +358,10 @@ def _measured_matmul_flops(device, dtype, seconds):
         if i > 1 and time.perf_counter() > deadline:
             break
     return best
+
+
+def slot_gpus(slot, nproc, gpus):
+    """The GPUs of job slot `slot` when several runs train at a time (compare.py's jobs), nproc each: its own
+    where there are enough for every slot, else shared round the `gpus` there are (small models: several runs
+    at a time on one GPU, each far from filling it)."""
+    return [(slot * nproc + k) % gpus for k in range(nproc)]

@@ -172,3 +172,9 @@ def test_hpu_lazy_ddp_run(tmp_path, fake_habana):
 
 # Gaudi eager mode (hpu_backend, no mark_step, no FusedAdamW, no torch.cuda): test_compile.py's
 # test_train_auto_compiles_in_gaudi_eager_mode_and_prints_the_compile_time, one run for both files.
+
+
+def test_job_slots_get_their_own_gpus_where_there_are_enough_and_share_them_where_not():
+    assert [device.slot_gpus(s, 2, 8) for s in range(4)] == [[0, 1], [2, 3], [4, 5], [6, 7]]  # 4 jobs x 2 ranks
+    assert [device.slot_gpus(s, 1, 1) for s in range(8)] == [[0]] * 8  # 8 small runs on the one GPU
+    assert [device.slot_gpus(s, 1, 2) for s in range(4)] == [[0], [1], [0], [1]]
