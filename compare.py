@@ -83,7 +83,7 @@ overrides = ''  # extra train.py settings for every run, e.g. '--max_iters=500 -
 grid = []  # settings to sweep besides attn_type and seed: each entry is one point, e.g. ['--n_embd=64', '--n_embd=128']
 out_dir = 'out-compare'  # runs in out_dir/runs/<attn_type>-seed<seed>/, the report in out_dir/report/
 nproc = 1  # processes per run; more than 1 launches train.py with torchrun --standalone
-jobs = 1  # runs trained at the same time, each with its share of the CPU cores (on CUDA: nproc GPUs, shared round if too few)
+jobs = 1  # runs trained at the same time, each with its share of the CPU cores (CUDA: nproc GPUs, shared if few)
 samples = True  # put one sample per variant (sample.py on its first seed's checkpoint) in the report
 sample_tokens = 200  # new tokens in each sample
 report_only = False  # only write the report from the runs already in out_dir
