@@ -2,13 +2,14 @@
 # The GPU checklist in one script, for a short loan of a CUDA machine (nothing can be downloaded there).
 #   bash .ci/gpu_check.sh --prepare            # here, once: gpu/ (ignored) gets the data and tokenizer files
 #   bash .ci/gpu_check.sh OUT_DIR [BUDGET_SECONDS]   # there, with gpu/ carried along
-# PARTS picks what runs, in this order (default: all): tests bench compiled profile train sample.
+# PARTS picks what runs, in this order (default: all but noise): tests bench compiled profile train sample noise.
 #   tests     tests/test_cuda.py (every variant against float64 on cuda, KV cache, train.py resume)
 #   bench     bench.py eager, GPT-2 small, bf16, every variant, with generation tokens/s
 #   compiled  bench.py compiled, one process per variant (a timeout keeps the ones done; VARIANTS picks them)
 #   profile   bench.py --profile for base and noiseformer_v2 (where NoiseFormer's extra time goes)
 #   train     train.py compiled on Tiny Shakespeare BPE, a stop + resume, FSDP2 on one GPU (torchrun)
 #   sample    sample.py on that run's checkpoint, with and without the KV cache
+#   noise     the attention-noise study at sequence 32 and 64 (NOISE_LENGTHS), NOISE_JOBS runs at a time
 # Every step is time-boxed (BUDGET, default 480 s, in all) and appends to OUT_DIR/*.log (at most 8 files
 # come back from the device), so a step that fails or runs out of time leaves the others' results.
 # SMALL=1 DEVICE=cpu shrinks every size: a dry run here. First results: docs/benchmarks.md.
@@ -108,5 +109,18 @@ if wants sample; then
     step "sample kv_cache=$cache" sample.log 40 python3 sample.py --out_dir=$RUNS/full --device=$DEVICE \
       --max_new_tokens=200 --num_samples=3 --kv_cache=$cache --start="ROMEO:"
   done
+fi
+# the attention-noise study's longer lengths (docs/recall.md), NOISE_JOBS runs at a time on the one GPU
+# (compare.py shares it round); not in the default PARTS: PARTS=noise. What comes back: noise.log, and
+# noise.tgz with every run's metrics, recall and attention results and the report (no checkpoints)
+# (its runs stay in gpu/noise-runs, which a later call on the same machine continues from)
+if wants noise; then
+  for T in ${NOISE_LENGTHS:-32 64}; do
+    [ -d data/mqar-noise$T ] || python3 data/mqar/prepare.py --num_kv_pairs 4 --seq_len $T --out_dir data/mqar-noise$T \
+      >> "$OUT/noise.log" 2>&1
+    step "noise study, length $T" noise.log 600 python3 compare.py config/compare_noise.py \
+      --grid="--dataset=mqar-noise$T --block_size=$T" --out_dir=gpu/noise-runs --jobs=${NOISE_JOBS:-8}
+  done
+  tar -czf "$OUT/noise.tgz" -C gpu --exclude='*.pt' noise-runs 2>> "$OUT/noise.log"
 fi
 echo "== done at $(( $(date +%s) - START ))s"
