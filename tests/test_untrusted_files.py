@@ -210,19 +210,24 @@ SCRIPTS = {
 @pytest.mark.parametrize('command', SCRIPTS)
 def test_every_script_refuses_in_one_line(evil, command, source, tmp_path):
     out, marker = evil
+    assert_refused(refusal_of(command, out, source, tmp_path), marker)
+
+
+def refusal_of(command, out, source, tmp_path, *more):
+    """SCRIPTS[command] run on out_dir `out`: its one error line (exit status 2, nothing written)."""
     if command == 'eval.py --compare_to':
         shutil.copytree(source, tmp_path / 'good')
     data = make_dataset(tmp_path) if command == 'train.py init_from' else None
     script = command.split()[0]
-    args = [a.format(out=out, tmp=tmp_path, data=data) for a in SCRIPTS[command]]
+    args = [a.format(out=out, tmp=tmp_path, data=data) for a in SCRIPTS[command]] + list(more)
     if script == 'train.py':
         args.insert(0, str(ROOT / 'tests' / 'config_tiny.py'))
     proc = run_script_in_process(script, args)
     assert proc.returncode == 2, proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(errors) == 1 and errors[0].startswith(f"{script}: error: "), proc.stderr
-    assert_refused(errors[0], marker)
     assert not (tmp_path / 'hf').exists() and not (tmp_path / 'grown').exists()
+    return errors[0]
 
 
 @pytest.mark.parametrize('evil', ['.metadata'], indirect=True)
@@ -553,23 +558,11 @@ def with_counter(source, tmp_path, kind, key, value):
 @pytest.mark.parametrize('command', SCRIPTS)
 def test_every_script_refuses_a_checkpoint_whose_iter_num_is_a_string_in_one_line(kind, command, source, tmp_path):
     out = with_counter(source, tmp_path, kind, 'iter_num', '7')
-    if command == 'eval.py --compare_to':
-        shutil.copytree(source, tmp_path / 'good')
-    data = make_dataset(tmp_path) if command == 'train.py init_from' else None
-    script = command.split()[0]
-    args = [a.format(out=out, tmp=tmp_path, data=data) for a in SCRIPTS[command]]
-    if script == 'train.py':
-        args.insert(0, str(ROOT / 'tests' / 'config_tiny.py'))
-    if script == 'convert_checkpoint.py' and kind == 'ckpt.pt':
-        args.append('--to=sharded')
-    proc = run_script_in_process(script, args)
-    assert proc.returncode == 2, proc.stderr
-    errors = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert len(errors) == 1 and errors[0].startswith(f"{script}: error: "), proc.stderr
+    to_sharded = ['--to=sharded'] if command.startswith('convert_checkpoint.py') and kind == 'ckpt.pt' else []
+    error = refusal_of(command, out, source, tmp_path, *to_sharded)
     where = out / 'ckpt.pt' if kind == 'ckpt.pt' else folder_of(out)
     assert f"{where} is not as train.py writes one: its iter_num is '7' (a str), not a non-negative integer" \
-        in errors[0], errors[0]
-    assert not (tmp_path / 'hf').exists() and not (tmp_path / 'grown').exists()
+        in error, error
 
 
 @pytest.mark.parametrize('key, value, expected', [
