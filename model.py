@@ -950,7 +950,7 @@ def _noise_score_mod(sigma, seed, per_sample, extra=None):
     shared_heads = sigma.numel() == 1  # noiseformer_v1: one eps for all heads
 
     def score_mod(score, b, h, q_idx, kv_idx):
-        eps = hashed_normal(seed, b if per_sample else 0, 0 if shared_heads else h, q_idx, kv_idx)
+        eps = hashed_normal(seed, b if per_sample else 0, 0 if shared_heads else h, q_idx, kv_idx).to(sigma.dtype)
         s = score + sigma[0 if shared_heads else h] * eps
         return (s if extra is None else s + extra(eps)).to(score.dtype)
     return score_mod
