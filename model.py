@@ -1010,7 +1010,8 @@ class NoiseKernelGradient(torch.autograd.Function):
             o_part, lse_part = flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
                                               return_lse=True)
             c = torch.exp(upcast(lse_part) - upcast(lse))  # (B, H, T)
-            w_v = w_v + sign * c.unsqueeze(-1) * upcast(o_part)
+            c = torch.where(torch.isfinite(lse_part), c, 0.0)  # rows without a key (their outputs unused)
+            w_v = w_v + sign * torch.where(c.unsqueeze(-1) > 0, c.unsqueeze(-1) * upcast(o_part), 0.0)
             w_sum = w_sum + sign * c
         D = (d_o * upcast(o)).sum(-1)
         d_sigma = (d_o * w_v).sum(dim=(0, 2, 3)) - (D * w_sum).sum(dim=(0, 2))  # per attention head
