@@ -293,6 +293,35 @@ def test_noise_in_kernel_is_causal(noise_heads, per_sample):
             assert (out[:, :, t] - ref[:, :, t]).abs().min() > 1e-6, t
 
 
+@EAGER_FLEX
+@pytest.mark.parametrize("attn_type,per_sample", [("noiseformer_v1", False), ("noiseformer_v2", True)])
+def test_compiled_layer_takes_the_noise_in_kernel(monkeypatch, attn_type, per_sample):
+    """NoiseFormer's layer compiled whole (aot_eager, fullgraph) with noise_in_kernel allowed on the CPU:
+    the seed drawn inside the graph is eager's after the same manual_seed, and the output and d logvar
+    equal the float64 materialised path's with that seed's hashed eps. Only sigma requires grad
+    (FlexAttention has no backward for q, k, v on the CPU)."""
+    overrides = dict(noise_param='logvar', noise_per_sample=per_sample)
+    model, ref_model = make_model(attn_type, dtype=torch.float32, **overrides), make_model(attn_type, **overrides)
+    attn, ref_attn = model.transformer.h[1].attn.train(), ref_model.transformer.h[1].attn.train()
+    for p in attn.parameters():
+        p.requires_grad_(p is attn.noise_logvar)
+    T = 50
+    x, grad_y = torch.randn(2, T, 32, dtype=F64), torch.randn(2, T, 32, dtype=F64)
+    with monkeypatch.context() as patch:
+        patch.setattr(model_module, "noise_in_kernel", lambda q, k, p: torch.compiler.is_compiling())
+        torch.manual_seed(5)
+        y = torch.compile(attn, backend="aot_eager", fullgraph=True)(x.float())
+        y.backward(grad_y.float())
+    torch.manual_seed(5)
+    eps = hashed_eps(draw_noise_seed('cpu'), 2, attn.noise_mu.numel(), T, per_sample).double()
+    monkeypatch.setattr(ref_attn, "draw_noise", lambda *args, **kwargs: eps)
+    ref_attn.materialise_noise = True
+    ref = ref_attn(x)
+    ref.backward(grad_y)
+    assert rel_err(y.detach().double(), ref) < 1e-6
+    assert rel_err(attn.noise_logvar.grad.double(), ref_attn.noise_logvar.grad) < 1e-5
+
+
 def test_noise_in_kernel_only_on_cuda_under_compile():
     """The CPU (and eager CUDA, decoding, attention dropout) keep the SDPA path: NoiseFormer on the CPU
     draws causal_randn exactly as before whatever NOISE_IN_KERNEL says."""
