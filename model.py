@@ -267,7 +267,7 @@ class NoiseFormerAttention(SymmetricAttention):
         return self.noise_mu.view(1, n, 1, 1) + self.sigma().view(1, n, 1, 1) * eps
 
     def attend(self, q, k, v, batch_size):
-        if (self.training or self.noise_at_eval) and noise_in_kernel(q, k, self.attn_dropout_p):
+        if (self.training or self.noise_at_eval) and noise_in_kernel(q, k, v, self.attn_dropout_p):
             return causal_attention_noise_in_kernel(q, k, v, self.noise_mu, self.sigma(), draw_noise_seed(q.device),
                                                     self.noise_per_sample)
         eps = self.draw_noise(batch_size, q.size(-2), k.size(-2), like=q)
@@ -910,10 +910,11 @@ class NoiseScoreGradient(torch.autograd.Function):
 NOISE_IN_KERNEL = True
 
 
-def noise_in_kernel(q, k, dropout_p):
-    """Whether NoiseFormer's attention takes causal_attention_noise_in_kernel."""
+def noise_in_kernel(q, k, v, dropout_p):
+    """Whether NoiseFormer's attention takes causal_attention_noise_in_kernel. FlexAttention's CUDA kernel
+    needs head sizes of 16 or more (its tl.dot)."""
     return (NOISE_IN_KERNEL and q.device.type == 'cuda' and torch.compiler.is_compiling()
-            and q.size(-2) == k.size(-2) and dropout_p == 0)
+            and q.size(-2) == k.size(-2) and dropout_p == 0 and min(q.size(-1), v.size(-1)) >= 16)
 
 
 def draw_noise_seed(device):

@@ -117,8 +117,9 @@ def test_noise_in_kernel_on_cuda_equals_float64(noise_heads, per_sample, mode):
 def test_compiled_noiseformer_layer_on_cuda_puts_the_noise_in_the_kernel(attn_type):
     """Compiled on cuda, a NoiseFormer layer takes causal_attention_noise_in_kernel: its output and input
     gradient are the float64 equations' (naive_attention) with eps the hash of the seed draw_noise_seed
-    gives after the same manual_seed (fallback_random: inductor's random ops draw as eager's do)."""
-    model, ref_attn, attn = reference_and_cuda_layer(attn_type)
+    gives after the same manual_seed (fallback_random: inductor's random ops draw as eager's do). Two heads
+    of 16: FlexAttention's kernel takes no smaller head size."""
+    model, ref_attn, attn = reference_and_cuda_layer(attn_type, n_head=2)
     ref_attn.train(), attn.train()
     T = 100
     x64 = torch.randn(2, T, 32, dtype=F64, requires_grad=True)

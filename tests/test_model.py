@@ -308,7 +308,7 @@ def test_compiled_layer_takes_the_noise_in_kernel(monkeypatch, attn_type, per_sa
     T = 50
     x, grad_y = torch.randn(2, T, 32, dtype=F64), torch.randn(2, T, 32, dtype=F64)
     with monkeypatch.context() as patch:
-        patch.setattr(model_module, "noise_in_kernel", lambda q, k, p: torch.compiler.is_compiling())
+        patch.setattr(model_module, "noise_in_kernel", lambda q, k, v, p: torch.compiler.is_compiling())
         torch.manual_seed(5)
         y = torch.compile(attn, backend="aot_eager", fullgraph=True)(x.float())
         y.backward(grad_y.float())
@@ -325,9 +325,9 @@ def test_compiled_layer_takes_the_noise_in_kernel(monkeypatch, attn_type, per_sa
 def test_noise_in_kernel_only_on_cuda_under_compile():
     """The CPU (and eager CUDA, decoding, attention dropout) keep the SDPA path: NoiseFormer on the CPU
     draws causal_randn exactly as before whatever NOISE_IN_KERNEL says."""
-    q = torch.zeros(1, 1, 4, 8)
+    q = torch.zeros(1, 1, 4, 16)
     assert model_module.NOISE_IN_KERNEL
-    assert not model_module.noise_in_kernel(q, q, 0.0)
+    assert not model_module.noise_in_kernel(q, q, q, 0.0)
 
 
 @pytest.mark.parametrize("attn_type", NOISE)
