@@ -99,7 +99,7 @@ def test_noise_in_kernel_on_cuda_equals_float64(noise_heads, per_sample, mode):
     mu = torch.zeros(noise_heads, device=CUDA, requires_grad=True)
     seed = draw_noise_seed(CUDA)
     autocast = mode.startswith("bf16")
-    attend = torch.compile(causal_attention_noise_in_kernel) if mode.endswith("compiled") else \
+    attend = torch.compile(causal_attention_noise_in_kernel, dynamic=False) if mode.endswith("compiled") else \
         causal_attention_noise_in_kernel
     with torch.autocast(CUDA, dtype=torch.bfloat16, enabled=autocast):
         y = attend(*(t.to(torch.bfloat16) if autocast else t for t in (q, k, v)), mu, sigma, seed, per_sample)
@@ -127,7 +127,7 @@ def test_compiled_noiseformer_layer_on_cuda_puts_the_noise_in_the_kernel(attn_ty
     g64 = torch.randn(2, T, 32, dtype=F64)
     with torch._inductor.config.patch(fallback_random=True):
         torch.manual_seed(5)
-        y = torch.compile(attn)(x)
+        y = torch.compile(attn, dynamic=False)(x)
         (dx,) = torch.autograd.grad(y, x, g64.float().to(CUDA))
     torch.manual_seed(5)
     eps = hashed_eps(draw_noise_seed(CUDA), 2, attn.noise_mu.numel(), T, False).double()
