@@ -267,6 +267,9 @@ class NoiseFormerAttention(SymmetricAttention):
         return self.noise_mu.view(1, n, 1, 1) + self.sigma().view(1, n, 1, 1) * eps
 
     def attend(self, q, k, v, batch_size):
+        if (self.training or self.noise_at_eval) and noise_in_kernel(q, k, v, self.attn_dropout_p):
+            return causal_attention_noise_in_kernel(q, k, v, self.noise_mu, self.sigma(), draw_noise_seed(q.device),
+                                                    self.noise_per_sample)
         eps = self.draw_noise(batch_size, q.size(-2), k.size(-2), like=q)
         if eps is None:
             return causal_attention(q, k, v, self.attn_dropout_p)
@@ -898,6 +901,123 @@ class NoiseScoreGradient(torch.autograd.Function):
         n = ctx.noise_heads  # noiseformer_v1: one (mu, sigma) for all heads
         d_sigma = d_sigma.view(n, -1).sum(1).view(1, n, 1, 1)
         return grad_o, torch.zeros_like(d_sigma), d_sigma, None, None, None, None, None
+
+
+# NoiseFormer's noise inside the attention kernel: on CUDA under torch.compile, FlexAttention adds sigma * eps
+# to each score as the fused kernel computes it, with eps a hash of the score's indices, so no (B, H, T, T)
+# noise or mask exists. False: the SDPA path above everywhere. CPU, eager CUDA, decoding with a cache and
+# attention dropout always take that path (eager FlexAttention builds the whole score matrix).
+NOISE_IN_KERNEL = True
+
+
+def noise_in_kernel(q, k, v, dropout_p):
+    """Whether NoiseFormer's attention takes causal_attention_noise_in_kernel. FlexAttention's CUDA kernel
+    needs head sizes of 16 or more (its tl.dot)."""
+    return (NOISE_IN_KERNEL and q.device.type == 'cuda' and torch.compiler.is_compiling()
+            and q.size(-2) == k.size(-2) and dropout_p == 0 and min(q.size(-1), v.size(-1)) >= 16)
+
+
+def draw_noise_seed(device):
+    """The seed of one forward's hashed noise: two int32 words from torch's generator on `device`, so
+    that re-seeding replays the noise and a resumed run draws what the uninterrupted one drew."""
+    return torch.randint(-2**31, 2**31, (2,), dtype=torch.int32, device=device)
+
+
+def _mix32(x):
+    """MurmurHash3's 32-bit finaliser on int32 tensors (products wrap mod 2^32; shifts are masked to be
+    logical): a bijection of the 2^32 values whose every output bit depends on every input bit."""
+    x = x ^ ((x >> 16) & 0xFFFF)
+    x = x * (0x85EBCA6B - 2**32)
+    x = x ^ ((x >> 13) & 0x7FFFF)
+    x = x * (0xC2B2AE35 - 2**32)
+    return x ^ ((x >> 16) & 0xFFFF)
+
+
+def hashed_normal(seed, b, h, i, j):
+    """eps ~ N(0, 1), float32, as a pure function of the int32 seed (2,) and int32 index tensors
+    (batch, noise head, query, key; broadcasting): FlexAttention's score_mod calls it on scalars,
+    and on arange tensors it gives the same eps as a tensor (tests). Each index goes through a
+    bijective mix in turn, so changing any one changes the result; two 24-bit uniforms from the hash
+    give one Box-Muller normal (|eps| <= 5.8)."""
+    x = _mix32(_mix32(_mix32(_mix32(_mix32(seed[0] ^ b) ^ seed[1]) ^ h) ^ i) ^ j)
+    y = _mix32(x ^ 0x1B873593)
+    u1 = (((x >> 8) & 0xFFFFFF) + 1).to(torch.float32) * 2.0**-24  # (0, 1]
+    u2 = ((y >> 8) & 0xFFFFFF).to(torch.float32) * 2.0**-24  # [0, 1)
+    return torch.sqrt(-2.0 * torch.log(u1)) * torch.cos((2 * math.pi) * u2)
+
+
+def _noise_score_mod(sigma, seed, per_sample, extra=None):
+    """score_mod adding sigma[h] * eps (sigma: one value per noise head, float32 at least), and extra(eps)."""
+    shared_heads = sigma.numel() == 1  # noiseformer_v1: one eps for all heads
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        eps = hashed_normal(seed, b if per_sample else 0, 0 if shared_heads else h, q_idx, kv_idx).to(sigma.dtype)
+        s = score + sigma[0 if shared_heads else h] * eps
+        return (s if extra is None else s + extra(eps)).to(score.dtype)
+    return score_mod
+
+
+def _causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+def causal_block_mask(q):
+    from torch.nn.attention.flex_attention import create_block_mask
+    return create_block_mask(_causal, None, None, q.size(-2), q.size(-2), device=q.device)
+
+
+def causal_attention_noise_in_kernel(q, k, v, mu, sigma, seed, per_sample):
+    """causal_attention_learned_noise (t_q == t_k, no dropout) with eps = hashed_normal(seed, b or 0,
+    noise head, i, j) computed inside FlexAttention's kernel; mu is left out (a constant added to a
+    whole row does not change its softmax). FlexAttention gives dq, dk, dv; NoiseKernelGradient gives
+    dsigma (and dmu = 0). flex_attention's own gradient for a captured sigma would scatter every score's
+    term into sigma with atomic adds, all of a head's to one address: slow, and not bitwise repeatable."""
+    from torch.nn.attention.flex_attention import flex_attention
+    block_mask = causal_block_mask(q)
+    sig = upcast(sigma.detach())
+    needs_noise_grad = torch.is_grad_enabled() and (mu.requires_grad or sigma.requires_grad)
+    if not needs_noise_grad:
+        return flex_attention(q, k, v, score_mod=_noise_score_mod(sig, seed, per_sample), block_mask=block_mask)
+    o, lse = flex_attention(q, k, v, score_mod=_noise_score_mod(sig, seed, per_sample), block_mask=block_mask,
+                            return_lse=True)
+    return NoiseKernelGradient.apply(o, mu, sigma, q.detach(), k.detach(), v.detach(), lse.detach(), seed,
+                                     per_sample)
+
+
+class NoiseKernelGradient(torch.autograd.Function):
+    """NoiseScoreGradient for causal_attention_noise_in_kernel: identity on o in the forward; in the
+    backward dL/dsigma = sum_i dO_i . (W v)_i - D_i sum_j W_ij, W = P * eps, D_i = dO_i . o_i, from
+    two more FlexAttention forwards instead of (T, T) chunks. With eps+ = max(eps, 0), adding
+    log(eps+) to the scores gives softmax(S + log eps+) = P eps+ / c+, c+_i = sum_j P_ij eps+_ij =
+    exp(lse+_i - lse_i); so (P eps+) v = c+ o+, and likewise for eps- = max(-eps, 0), W = P eps+ - P eps-.
+    A row whose eps+ is 0 everywhere is fully masked: its output is 0 and c+ = exp(-inf) = 0."""
+    @staticmethod
+    def forward(ctx, o, mu, sigma, q, k, v, lse, seed, per_sample):
+        ctx.save_for_backward(o, sigma, q, k, v, lse, seed)
+        ctx.per_sample, ctx.noise_heads = per_sample, mu.numel()
+        return o.view_as(o)
+
+    @staticmethod
+    def backward(ctx, grad_o):
+        from torch.nn.attention.flex_attention import flex_attention
+        o, sigma, q, k, v, lse, seed = ctx.saved_tensors
+        sig, block_mask = upcast(sigma.detach()), causal_block_mask(q)
+        d_o = upcast(grad_o)
+        w_v, w_sum = 0, 0
+        for sign in (1.0, -1.0):
+            def log_part(eps, sign=sign):
+                return torch.log(torch.clamp(sign * eps, min=0.0))  # -inf where sign * eps <= 0
+            score_mod = _noise_score_mod(sig, seed, ctx.per_sample, extra=log_part)
+            o_part, lse_part = flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
+                                              return_lse=True)
+            c = torch.exp(upcast(lse_part) - upcast(lse))  # (B, H, T)
+            c = torch.where(torch.isfinite(lse_part), c, 0.0)  # rows without a key (their outputs unused)
+            w_v = w_v + sign * torch.where(c.unsqueeze(-1) > 0, c.unsqueeze(-1) * upcast(o_part), 0.0)
+            w_sum = w_sum + sign * c
+        D = (d_o * upcast(o)).sum(-1)
+        d_sigma = (d_o * w_v).sum(dim=(0, 2, 3)) - (D * w_sum).sum(dim=(0, 2))  # per attention head
+        d_sigma = d_sigma.view(ctx.noise_heads, -1).sum(1).to(sigma.dtype)
+        return grad_o, torch.zeros_like(sigma), d_sigma, None, None, None, None, None, None
 
 
 def append_to_cache(cache, **tensors):

@@ -12,9 +12,10 @@ import torch
 
 from helpers import iter_losses, make_dataset, run_train
 from denoised_gpt.checkpoint import load_checkpoint
-from model import KVCache, causal_randn
+from model import KVCache, causal_attention, causal_attention_noise_in_kernel, causal_randn, draw_noise_seed
 from naive_attention import NAIVE
-from test_model import DIFFERENTIAL, NOISE, VARIANTS, make_model, naive_kwargs, noise_shape, rel_err, sdpa_kernels
+from test_model import (DIFFERENTIAL, NOISE, VARIANTS, hashed_eps, make_model, naive_kwargs, noise_shape, rel_err,
+                        sdpa_kernels)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 F64 = torch.float64
@@ -83,6 +84,59 @@ def test_gradients_on_cuda_do_not_depend_on_earlier_calls():
         check_layer_against_float64(attn_type, autocast=True)
 
 
+@pytest.mark.parametrize("mode", ["float32-eager", "float32-compiled", "bf16-autocast-compiled"])
+@pytest.mark.parametrize("noise_heads,per_sample", [(1, False), (4, True)], ids=["v1", "v2-per-sample"])
+def test_noise_in_kernel_on_cuda_equals_float64(noise_heads, per_sample, mode):
+    """causal_attention_noise_in_kernel on cuda (FlexAttention eager, and compiled to its fused kernel as
+    training runs it) against causal_attention in float64 on the CPU with the hash's eps materialised:
+    the output and the gradients of q, k, v and sigma. T = 300: full and partial blocks of the mask."""
+    torch.manual_seed(0)
+    B, H, T, D = 2, 4, 300, 16
+    q64, k64, v64 = (torch.randn(B, H, T, D, dtype=F64, requires_grad=True) for _ in range(3))
+    sigma64 = (2 * torch.rand(noise_heads, dtype=F64)).requires_grad_()
+    g64 = torch.randn(B, H, T, D, dtype=F64)
+    q, k, v, sigma = (t.detach().float().to(CUDA).requires_grad_() for t in (q64, k64, v64, sigma64))
+    mu = torch.zeros(noise_heads, device=CUDA, requires_grad=True)
+    seed = draw_noise_seed(CUDA)
+    autocast = mode.startswith("bf16")
+    attend = torch.compile(causal_attention_noise_in_kernel, dynamic=False) if mode.endswith("compiled") else \
+        causal_attention_noise_in_kernel
+    with torch.autocast(CUDA, dtype=torch.bfloat16, enabled=autocast):
+        y = attend(*(t.to(torch.bfloat16) if autocast else t for t in (q, k, v)), mu, sigma, seed, per_sample)
+    grads = torch.autograd.grad(y.float(), (q, k, v, sigma), g64.float().to(CUDA))
+    eps = hashed_eps(seed, B, noise_heads, T, per_sample).double()
+    ref = causal_attention(q64, k64, v64, score_bias=sigma64.view(1, -1, 1, 1) * eps)
+    ref_grads = torch.autograd.grad(ref, (q64, k64, v64, sigma64), g64)
+    tolerance = BF16_TOLERANCE if autocast else FP32_TOLERANCE
+    for name, got, want in zip(("y", "dq", "dk", "dv", "dsigma"), (y, *grads), (ref, *ref_grads)):
+        err = rel_err(got.to('cpu', F64), want)
+        assert err < tolerance, (name, mode, err)
+
+
+@pytest.mark.parametrize("attn_type", NOISE)
+def test_compiled_noiseformer_layer_on_cuda_puts_the_noise_in_the_kernel(attn_type):
+    """Compiled on cuda, a NoiseFormer layer takes causal_attention_noise_in_kernel: its output and input
+    gradient are the float64 equations' (naive_attention) with eps the hash of the seed draw_noise_seed
+    gives after the same manual_seed (fallback_random: inductor's random ops draw as eager's do). Two heads
+    of 16: FlexAttention's kernel takes no smaller head size."""
+    model, ref_attn, attn = reference_and_cuda_layer(attn_type, n_head=2)
+    ref_attn.train(), attn.train()
+    T = 100
+    x64 = torch.randn(2, T, 32, dtype=F64, requires_grad=True)
+    x = x64.detach().float().to(CUDA).requires_grad_()
+    g64 = torch.randn(2, T, 32, dtype=F64)
+    with torch._inductor.config.patch(fallback_random=True):
+        torch.manual_seed(5)
+        y = torch.compile(attn, dynamic=False)(x)
+        (dx,) = torch.autograd.grad(y, x, g64.float().to(CUDA))
+    torch.manual_seed(5)
+    eps = hashed_eps(draw_noise_seed(CUDA), 2, attn.noise_mu.numel(), T, False).double()
+    ref = NAIVE[attn_type](ref_attn, x64, eps=eps)
+    (dx_ref,) = torch.autograd.grad(ref, x64, g64)
+    assert rel_err(y.detach().to('cpu', F64), ref) < FP32_TOLERANCE, rel_err(y.detach().to('cpu', F64), ref)
+    assert rel_err(dx.to('cpu', F64), dx_ref) < FP32_TOLERANCE, rel_err(dx.to('cpu', F64), dx_ref)
+
+
 @pytest.mark.parametrize("attn_type", VARIANTS[:-1])   # linear has no softmax attention
 def test_bf16_training_step_on_cuda_takes_a_fused_kernel(attn_type):
     """Which SDPA kernel each variant's bf16 training step gets on this GPU: flash or memory-
@@ -121,10 +175,12 @@ def test_kv_cache_logits_on_cuda_equal_full_forward(attn_type):
     assert rel_err(decoded.double(), full[:, 4:].double()) < FP32_TOLERANCE
 
 
-@pytest.mark.parametrize("attn_type,dtype", [("noiseformer_v2", "bfloat16"), ("diff", "float32")])
+@pytest.mark.parametrize("attn_type,dtype", [("noiseformer_v2", "bfloat16"), ("noiseformer_v1", "float32"),
+                                             ("diff", "float32")])
 def test_train_on_cuda_resumes_bitwise(tmp_path, attn_type, dtype):
     """train.py on cuda: the loss falls, and 10 iterations + a resume to 20 equal 20 in one go,
-    loss by loss and weight by weight (the noise's CUDA generator state is restored too)."""
+    loss by loss and weight by weight (the noise's CUDA generator state is restored too). compile=auto
+    compiles on cuda, so NoiseFormer runs with its noise in the kernel (causal_attention_noise_in_kernel)."""
     data = make_dataset(tmp_path)
     common = ['--device=cuda', f'--dtype={dtype}', f'--attn_type={attn_type}', '--eval_interval=10']
     full = run_train(tmp_path / 'full', data, *common, '--max_iters=20')
