@@ -907,7 +907,8 @@ class NoiseScoreGradient(torch.autograd.Function):
 # to each score as the fused kernel computes it, with eps a hash of the score's indices, so no (B, H, T, T)
 # noise or mask exists. False: the SDPA path above everywhere. CPU, eager CUDA, decoding with a cache and
 # attention dropout always take that path (eager FlexAttention builds the whole score matrix).
-NOISE_IN_KERNEL = True
+# Off until its tests and speed are measured on a GPU (docs/attention.md): set it True to try it.
+NOISE_IN_KERNEL = False
 
 
 def noise_in_kernel(q, k, v, dropout_p):
@@ -978,10 +979,20 @@ def causal_attention_noise_in_kernel(q, k, v, mu, sigma, seed, per_sample):
     needs_noise_grad = torch.is_grad_enabled() and (mu.requires_grad or sigma.requires_grad)
     if not needs_noise_grad:
         return flex_attention(q, k, v, score_mod=_noise_score_mod(sig, seed, per_sample), block_mask=block_mask)
-    o, lse = flex_attention(q, k, v, score_mod=_noise_score_mod(sig, seed, per_sample), block_mask=block_mask,
-                            return_lse=True)
+    o, lse = flex_attention_with_lse(q, k, v, _noise_score_mod(sig, seed, per_sample), block_mask)
     return NoiseKernelGradient.apply(o, mu, sigma, q.detach(), k.detach(), v.detach(), lse.detach(), seed,
                                      per_sample)
+
+
+def flex_attention_with_lse(q, k, v, score_mod, block_mask):
+    """FlexAttention's output and its rows' log-sum-exp (asked for with AuxRequest where torch has it; torch
+    2.6 has only return_lse)."""
+    from torch.nn.attention import flex_attention as flex
+    if hasattr(flex, 'AuxRequest'):
+        o, aux = flex.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
+                                     return_aux=flex.AuxRequest(lse=True))
+        return o, aux.lse
+    return flex.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, return_lse=True)
 
 
 class NoiseKernelGradient(torch.autograd.Function):
@@ -999,7 +1010,6 @@ class NoiseKernelGradient(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_o):
-        from torch.nn.attention.flex_attention import flex_attention
         o, sigma, q, k, v, lse, seed = ctx.saved_tensors
         sig, block_mask = upcast(sigma.detach()), causal_block_mask(q)
         d_o = upcast(grad_o)
@@ -1008,8 +1018,7 @@ class NoiseKernelGradient(torch.autograd.Function):
             def log_part(eps, sign=sign):
                 return torch.log(torch.clamp(sign * eps, min=0.0))  # -inf where sign * eps <= 0
             score_mod = _noise_score_mod(sig, seed, ctx.per_sample, extra=log_part)
-            o_part, lse_part = flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
-                                              return_lse=True)
+            o_part, lse_part = flex_attention_with_lse(q, k, v, score_mod, block_mask)
             c = torch.exp(upcast(lse_part) - upcast(lse))  # (B, H, T)
             c = torch.where(torch.isfinite(lse_part), c, 0.0)  # rows without a key (their outputs unused)
             w_v = w_v + sign * torch.where(c.unsqueeze(-1) > 0, c.unsqueeze(-1) * upcast(o_part), 0.0)

@@ -12,6 +12,7 @@ import torch
 
 from helpers import iter_losses, make_dataset, run_train
 from denoised_gpt.checkpoint import load_checkpoint
+import model as model_module
 from model import KVCache, causal_attention, causal_attention_noise_in_kernel, causal_randn, draw_noise_seed
 from naive_attention import NAIVE
 from test_model import (DIFFERENTIAL, NOISE, VARIANTS, hashed_eps, make_model, naive_kwargs, noise_shape, rel_err,
@@ -114,11 +115,12 @@ def test_noise_in_kernel_on_cuda_equals_float64(noise_heads, per_sample, mode):
 
 
 @pytest.mark.parametrize("attn_type", NOISE)
-def test_compiled_noiseformer_layer_on_cuda_puts_the_noise_in_the_kernel(attn_type):
+def test_compiled_noiseformer_layer_on_cuda_puts_the_noise_in_the_kernel(attn_type, monkeypatch):
     """Compiled on cuda, a NoiseFormer layer takes causal_attention_noise_in_kernel: its output and input
     gradient are the float64 equations' (naive_attention) with eps the hash of the seed draw_noise_seed
     gives after the same manual_seed (fallback_random: inductor's random ops draw as eager's do). Two heads
     of 16: FlexAttention's kernel takes no smaller head size."""
+    monkeypatch.setattr(model_module, 'NOISE_IN_KERNEL', True)  # (off by default until measured here)
     model, ref_attn, attn = reference_and_cuda_layer(attn_type, n_head=2)
     ref_attn.train(), attn.train()
     T = 100
@@ -180,7 +182,7 @@ def test_kv_cache_logits_on_cuda_equal_full_forward(attn_type):
 def test_train_on_cuda_resumes_bitwise(tmp_path, attn_type, dtype):
     """train.py on cuda: the loss falls, and 10 iterations + a resume to 20 equal 20 in one go,
     loss by loss and weight by weight (the noise's CUDA generator state is restored too). compile=auto
-    compiles on cuda, so NoiseFormer runs with its noise in the kernel (causal_attention_noise_in_kernel)."""
+    compiles on cuda; NoiseFormer's noise is in the kernel there when model.NOISE_IN_KERNEL is True."""
     data = make_dataset(tmp_path)
     common = ['--device=cuda', f'--dtype={dtype}', f'--attn_type={attn_type}', '--eval_interval=10']
     full = run_train(tmp_path / 'full', data, *common, '--max_iters=20')
