@@ -253,8 +253,8 @@ def forget_changes(run):
     with changes_lock:
         if not os.path.exists(path):
             return
-        lines = [line for line, row in change_rows(path)]
-        kept = [line for line, row in change_rows(path) if row is None or row['run'] != name]
+        lines = list(change_rows(path))
+        kept = [line for line, row in lines if row is None or row['run'] != name]
         if len(kept) < len(lines):
             with open(path + '.tmp', 'w') as f:
                 f.writelines(kept)

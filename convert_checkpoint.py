@@ -19,8 +19,8 @@ import os
 
 from denoised_gpt.checkpoint import CKPT_NAME, CheckpointError, checkpoint_path, load_checkpoint, save_checkpoint
 from denoised_gpt.cli import fail, read_config
-from denoised_gpt.sharded_checkpoint import (checkpoint_as_sharded, is_sharded_checkpoint, newest_sharded, pointer_problem,
-                                             save_sharded)
+from denoised_gpt.sharded_checkpoint import (checkpoint_as_sharded, is_sharded_checkpoint, newest_sharded,
+                                             pointer_problem, save_sharded)
 from denoised_gpt.weights import refuse_nonfinite_state
 
 # -----------------------------------------------------------------------------
@@ -33,8 +33,9 @@ globals().update(read_config(__file__, {k: globals()[k] for k in config_keys}))
 if to not in ('file', 'sharded'):
     fail(f"to={to!r} must be 'file' (sharded checkpoint -> ckpt.pt) or 'sharded' (ckpt.pt -> sharded checkpoint)")
 source = newest_sharded(out_dir) if to == 'file' else os.path.join(out_dir, CKPT_NAME)
-if to == 'file' and pointer_problem(out_dir):
-    fail(pointer_problem(out_dir))
+problem = pointer_problem(out_dir) if to == 'file' else None
+if problem:
+    fail(problem)
 if source is None or not (is_sharded_checkpoint(source) if to == 'file' else os.path.isfile(source)):
     kind = 'sharded checkpoint (ckpt.sharded, written by parallel=fsdp runs)' if to == 'file' else CKPT_NAME
     fail(f"{out_dir} holds no {kind} to convert")

@@ -226,7 +226,9 @@ iter_num = 0
 best_val_loss = 1e9
 best_iter = None  # the iteration best_val_loss was measured at (None: not known, or none yet)
 checkpoint_val_loss = None  # a resumed checkpoint's own val loss (None: not evaluated, or not known)
-checkpoint_evaluated = None  # whether that state was evaluated (None: not known)
+# a stop at (or during) an evaluation saved the state unevaluated: the resumed run evaluates it first, as the
+# uninterrupted run did (checkpoints of earlier versions record no val_loss at all: not owed)
+evaluation_owed = False
 train_time = 0.0  # seconds spent training (not evaluating), over every process that resumed this run
 try:
     if init_from == 'scratch':
@@ -254,7 +256,7 @@ try:
         if not math.isfinite(best_val_loss):  # a NaN best beats nothing (x < nan is False): no best yet
             best_val_loss, best_iter = 1e9, None
         checkpoint_val_loss = checkpoint.get('val_loss')
-        checkpoint_evaluated = checkpoint_val_loss is not None if 'val_loss' in checkpoint else None
+        evaluation_owed = 'val_loss' in checkpoint and checkpoint_val_loss is None and iter_num % eval_interval == 0
         train_time = checkpoint.get('train_time', 0.0)
     elif is_checkpoint(init_from):  # a new run from a trained model, converted to attn_type (finetune.py)
         if master_process:
@@ -476,9 +478,6 @@ local_iter_num = 0  # number of iterations in the lifetime of this process
 # training further
 saved_iter = iter_num if init_from == 'resume' else None
 saved_val_loss = checkpoint_val_loss  # the val loss of that state (None: not evaluated, or not known)
-# a stop at (or during) an evaluation saved the state unevaluated: the resumed run evaluates it first, as
-# the uninterrupted run did (checkpoints of earlier versions record no val_loss at all: not owed)
-evaluation_owed = init_from == 'resume' and checkpoint_evaluated is False and iter_num % eval_interval == 0
 unsaveable = None  # why the current state must not be saved: its evaluation or last step was non-finite
 refusal = None  # why the last state the loop meant to save was not
 stopping = False
@@ -596,7 +595,8 @@ while True:
         # a KL term that swamps the cross-entropy (or overflows) is kl_weight's doing, not the step size's
         kl_term = kl_weight * kl_mean
         swamped = math.isfinite(ce_mean) and math.isfinite(kl_mean) and not kl_term < 1e3 * ce_mean
-        cause = f" (the KL term, kl_weight x kl = {kl_term:.3g}, swamps the cross-entropy, {ce_mean:.4g})" if swamped else ""
+        cause = (f" (the KL term, kl_weight x kl = {kl_term:.3g}, swamps the cross-entropy, {ce_mean:.4g})"
+                 if swamped else "")
         advice = restart_advice(out_dir, saved_iter, 'kl_weight' if swamped else 'learning_rate')
         if nonfinite == 'stop':
             stop_diverged(f"stopping at iter {iter_num}: non-finite loss or gradient{cause} (nonfinite='stop'). "

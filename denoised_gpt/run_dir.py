@@ -363,8 +363,7 @@ def wandb_learned_values(learned):
 
 class StopRequest:
     """SIGTERM (a scheduler's preemption, `kill`), SIGHUP (the terminal or ssh session closed) or Ctrl-C,
-    remembered: the training loop finishes the
-    step in progress, saves a checkpoint and exits 0. A Ctrl-C after either quits at once, with exit
+    remembered: the training loop finishes the step in progress, saves a checkpoint and exits 0. A Ctrl-C after either quits at once, with exit
     status 130 (128 + SIGINT, what a shell reports for a process Ctrl-C ended) and one line naming the
     checkpoint on disk, as read from it (a save cut short before its rename left the previous one in
     place), and the save's temporary file removed. (A second SIGTERM changes nothing: schedulers repeat it.)"""
