@@ -13,7 +13,9 @@ loss (on recall data: answer accuracy, ties by val loss) is chosen, a candidate 
 last; then the comparison below runs each variant at its own choice. A learning rate tuned alone takes
 min_lr along at base_config's ratio. With train.py's stop_at_val_loss, a run ends at its first
 evaluation at or below it, and a candidate that reaches it on every tuning seed ranks above the others,
-the sooner the better. The report opens with the protocol and every candidate's score.
+the sooner the better. With a `grid`, each variant is tuned at every point, or only at `tune_at` (one
+of the grid's entries, e.g. the cheapest), and compared at every point with its choice there. The
+report opens with the protocol and every candidate's score.
 Without `tune`, every variant trains with the same settings, and the report names them.
 
 Every (attn_type, seed) pair is one train.py process: `base_config`, then `overrides`, then
@@ -92,6 +94,7 @@ continue_changed = False  # continue runs that were trained with other settings 
 tune = {}  # train.py settings to tune per variant, e.g. {'learning_rate': [1e-3, 3e-3, 1e-2]}: every combination is a candidate, trained on tune_seeds
 tune_seeds = [1]  # seeds for tuning only (never one of seeds): a candidate's score is its mean over them
 tune_metric = 'auto'  # 'val_loss' (lowest final val loss), 'accuracy' (highest answer accuracy, ties by val loss: recall data) or 'auto' (accuracy on recall data, else val_loss)
+tune_at = ''  # one of grid's entries: tune each variant at that point only, and compare it at every point with its choice there ('' tunes at every point)
 # -----------------------------------------------------------------------------
 config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str, list, dict))]
 
@@ -171,6 +174,13 @@ if tune:
                 apply_config([base_config, *extra, *args, *candidate_args(settings)], train_defaults)
             except ConfigError as e:
                 fail(f"tune candidate {candidate_label(candidate)}: {e}")
+if tune_at:
+    tune_tag = '-'.join(a.lstrip('-').replace('=', '') for a in shlex.split(tune_at))
+    if not tune:
+        fail(f"tune_at={tune_at!r} names where to tune, but tune is empty: give tune too, or leave tune_at out")
+    if tune_tag not in point_configs:
+        fail(f"tune_at={tune_at!r} is not one of grid's entries ({', '.join(map(repr, grid)) or 'grid is empty'}): "
+             f"give one of them as written")
 missing = sorted({c['dataset'] for c in point_configs.values() if not os.path.isdir(os.path.join('data', c['dataset']))})
 if missing:  # how runs are scored (answer accuracy or val loss) is read from the dataset's meta.json
     fail(f"dataset {missing[0]!r} not found ({os.path.join('data', missing[0])}): prepare it first (its "
@@ -632,15 +642,21 @@ def summarize(results):
     return summary
 
 
+def tuned_at(point):
+    """The tag of the grid point whose tuning chose the settings a run at `point` trains with."""
+    return tune_tag if tune_at else point[1]
+
+
 def tune_variants():
-    """Train every candidate of `tune` for every variant (and grid point) on tune_seeds, skipping what is
-    trained already, and choose each variant's best. Returns {(attn_type, point tag): its tuning record}:
+    """Train every candidate of `tune` for every variant (at every grid point, or at tune_at only) on
+    tune_seeds, skipping what is trained already, and choose each variant's best. Returns {(attn_type,
+    point tag): its tuning record}:
     every candidate's settings, per-seed results and score, the chosen candidate and its settings (None
     when every candidate diverged) and the edge-of-range warnings."""
     options = candidates(tune)
     table = {(a, point[1]): [[Run(a, s, point, candidate_settings(c, point_configs[point[1]]), 'tune', candidate_tag(c))
                               for s in tune_seeds] for c in options]
-             for point in points for a in attn_types}
+             for point in points if tuned_at(point) == point[1] for a in attn_types}
     every = [run for rows in table.values() for seed_runs in rows for run in seed_runs]
     if not report_only:
         check_settings_unchanged(every)
@@ -716,8 +732,8 @@ def check_report_dir():
 check_report_dir()
 tuning = tune_variants() if tune else {}
 untrainable = {key for key, t in tuning.items() if t['settings'] is None}  # every candidate diverged
-runs = [Run(a, s, point, tuning[(a, point[1])]['settings'] if tuning else None)
-        for point in points for a in attn_types if (a, point[1]) not in untrainable for s in seeds]
+runs = [Run(a, s, point, tuning[(a, tuned_at(point))]['settings'] if tuning else None)
+        for point in points for a in attn_types if (a, tuned_at(point)) not in untrainable for s in seeds]
 if not report_only:
     check_settings_unchanged(runs)
 failures = {} if report_only else train_all(runs)
@@ -746,6 +762,7 @@ for run in done:
 texts = {v: sample_text(d) for v, d in first_run.items()} if samples else {}
 stop_at_val_loss = train_config['stop_at_val_loss']
 protocol = ({'tuned': True, 'tune': tune, 'tune_seeds': tune_seeds, 'metric': sorted({t['metric'] for t in tuning.values()}),
+             **({'tuned_at': next(label for _, tag, label in points if tag == tune_tag)} if tune_at else {}),
              **({'stop_at_val_loss': stop_at_val_loss} if stop_at_val_loss else {})}
             if tune else {'tuned': False, 'settings': {k: train_config[k] for k in SHARED_SETTINGS}})
 check_report_dir()  # again: the study may have run for days

@@ -110,8 +110,9 @@ if wants sample; then
       --max_new_tokens=200 --num_samples=3 --kv_cache=$cache --start="ROMEO:"
   done
 fi
-# the attention-noise study's longer lengths (docs/recall.md), NOISE_JOBS runs at a time on the one GPU
-# (compare.py shares it round); not in the default PARTS: PARTS=noise. What comes back: noise.log, and
+# the attention-noise study's longer lengths (docs/recall.md), each tuned there (the CPU study tunes at
+# length 16 only), NOISE_JOBS runs at a time on the one GPU (compare.py shares it round); not in the
+# default PARTS: PARTS=noise. What comes back: noise.log, and
 # noise.tgz with every run's metrics, recall and attention results and the report (no checkpoints)
 # (its runs stay in gpu/noise-runs, which a later call on the same machine continues from)
 if wants noise; then
@@ -119,7 +120,7 @@ if wants noise; then
     [ -d data/mqar-noise$T ] || python3 data/mqar/prepare.py --num_kv_pairs 4 --seq_len $T --out_dir data/mqar-noise$T \
       >> "$OUT/noise.log" 2>&1
     step "noise study, length $T" noise.log 600 python3 compare.py config/compare_noise.py \
-      --grid="--dataset=mqar-noise$T --block_size=$T" --out_dir=gpu/noise-runs --jobs=${NOISE_JOBS:-8}
+      --grid="--dataset=mqar-noise$T --block_size=$T" --tune_at= --out_dir=gpu/noise-runs --jobs=${NOISE_JOBS:-8}
   done
   tar -czf "$OUT/noise.tgz" -C gpu --exclude='*.pt' noise-runs 2>> "$OUT/noise.log"
 fi

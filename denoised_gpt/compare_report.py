@@ -228,10 +228,13 @@ def protocol_lines(protocol, tuning):
     if protocol.get('stop_at_val_loss'):
         metric = (f"the fewest iterations to val loss <= {protocol['stop_at_val_loss']:g} (where its runs stopped), "
                   f"among those that reached it on every tuning seed; else {metric}")
+    where = f" at `{protocol['tuned_at']}` only" if protocol.get('tuned_at') else ""
     lines = [f"**Protocol: each variant at its own best settings.** For every variant, each candidate of "
-             f"`tune = {protocol['tune']!r}` was trained on tuning seed{'s' if len(protocol['tune_seeds']) > 1 else ''} "
+             f"`tune = {protocol['tune']!r}` was trained{where} on tuning seed{'s' if len(protocol['tune_seeds']) > 1 else ''} "
              f"{seeds} (never used in the comparison); the candidate with {metric}, averaged over them, was chosen "
-             f"(a candidate that diverged ranks last); the comparison below trains every variant at its own choice.",
+             f"(a candidate that diverged ranks last); the comparison below trains every variant at its own choice"
+             + (f" (the one chosen at `{protocol['tuned_at']}`) at every point of the grid: at the other points it "
+                "was not tuned, and may do better at other settings there." if where else "."),
              "", "## Tuning", ""]
     labels = [c['label'] for c in tuning[0]['candidates']]
     lines += ["| variant | " + " | ".join(f"`{label}`" for label in labels) + " | chosen |",

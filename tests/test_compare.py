@@ -417,6 +417,9 @@ def test_compare_runs_from_another_directory(sweep):
     (['--grid=--seed=3'], "attn_type, seed, out_dir and init_from are compare.py's to set"),
     (['--grid=--n_emb=64'], "n_emb"),
     (['--report_only=True'], "does not exist, so there are no runs to report"),
+    (["--tune={'learning_rate': [1e-3]}", '--grid=--n_embd=64', '--tune_at=--n_embd=32'],
+     "tune_at='--n_embd=32' is not one of grid's entries ('--n_embd=64'): give one of them as written"),
+    (['--grid=--n_embd=64', '--tune_at=--n_embd=64'], "tune_at='--n_embd=64' names where to tune, but tune is empty"),
 ])
 def test_bad_sweep_settings_are_one_line(args, message, tmp_path):
     proc = run_script_in_process('compare.py', [f'--out_dir={tmp_path / "out"}', *args])
@@ -498,6 +501,29 @@ def test_a_compared_run_is_never_continued_at_a_value_the_tuning_chose_anew(tune
     assert ("2 compared runs (first: base seed 1) were trained at learning_rate=0.01, and the tuning now chooses "
             "0.003: move their folders out of") in proc.stderr
     assert (copy / 'runs' / 'base-seed1' / 'ckpt.pt').read_bytes() == before
+
+
+def test_tune_at_tunes_at_one_grid_point_and_compares_every_point_at_its_choice(sweep):
+    """Tuned at the grid's first point only; both points' comparison runs train at the rate chosen there,
+    and the report says where the tuning ran and that the other point was not tuned."""
+    from denoised_gpt.checkpoint import load_checkpoint
+    tmp, data, _ = sweep
+    out = tmp / 'tuned-at'
+    proc = compare(sweep_args(out, data, "--tune={'learning_rate': [1e-06, 0.01]}", '--tune_seeds=5', '--samples=False',
+                              '--grid=--n_embd=16,--n_embd=32', '--tune_at=--n_embd=16', attn_types='base', seeds='1'))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert sorted(p.name for p in (out / 'tune').iterdir()) == ['base-n_embd16-learning_rate0.01-seed5',
+                                                                'base-n_embd16-learning_rate1e-06-seed5']
+    for width in (16, 32):
+        config = load_checkpoint(out / 'runs' / f'base-n_embd{width}-seed1', metadata_only=True)['config']
+        assert config['learning_rate'] == 0.01 and config['n_embd'] == width
+    results = json.loads((out / 'report' / 'results.json').read_text())
+    assert results['protocol']['tuned_at'] == 'n_embd=16'
+    assert [(t['variant'], t['chosen']) for t in results['tuning']] == [('base n_embd=16', 'learning_rate=0.01')]
+    assert sorted(r['variant'] for r in results['runs']) == ['base n_embd=16', 'base n_embd=32']
+    report = (out / 'report' / 'report.md').read_text()
+    assert "was trained at `n_embd=16` only on tuning seed 5" in report
+    assert "(the one chosen at `n_embd=16`) at every point of the grid: at the other points it was not tuned" in report
 
 
 def test_an_untuned_report_says_every_variant_used_the_same_settings(sweep):
