@@ -126,6 +126,13 @@ if train_config['init_from'] not in ('scratch',) and not train_config['init_from
     fail("the runs must start from scratch or gpt2 weights: leave init_from out of base_config and overrides "
          "(compare.py resumes interrupted runs itself)")
 RESERVED = ('attn_type', 'seed', 'out_dir', 'init_from')  # compare.py sets them for each run
+
+
+def point_tag(args):
+    """A grid point's name in run folders: its train.py arguments without dashes and '=' ('n_embd64')."""
+    return '-'.join(a.lstrip('-').replace('=', '') for a in args)
+
+
 points = []  # (the point's train.py arguments, its name in run folders, its label in the report)
 point_configs = {}  # tag -> every train.py setting at that point
 for point in grid or ['']:
@@ -138,7 +145,7 @@ for point in grid or ['']:
         fail(f"grid entry {point!r}: {e}")
     if any(a.split('=')[0].lstrip('-') in RESERVED for a in args):
         fail(f"grid entry {point!r}: attn_type, seed, out_dir and init_from are compare.py's to set; sweep other keys")
-    tag = '-'.join(a.lstrip('-').replace('=', '') for a in args)
+    tag = point_tag(args)
     point_configs[tag] = config_at_point
     points.append((args, tag, ' '.join(a.lstrip('-') for a in args)))
 if len({tag for _, tag, _ in points}) != len(points):
@@ -175,7 +182,7 @@ if tune:
             except ConfigError as e:
                 fail(f"tune candidate {candidate_label(candidate)}: {e}")
 if tune_at:
-    tune_tag = '-'.join(a.lstrip('-').replace('=', '') for a in shlex.split(tune_at))
+    tune_tag = point_tag(shlex.split(tune_at))
     if not tune:
         fail(f"tune_at={tune_at!r} names where to tune, but tune is empty: give tune too, or leave tune_at out")
     if tune_tag not in point_configs:
