@@ -17,19 +17,32 @@ def model_with_weights(config, state_dict, prepare=None, source=None):
     to overwrite (a second or more at GPT-2 size), and the state_dict's tensors become the parameters
     themselves, not copies. prepare(model), if given, changes the empty model before the weights go in
     (resume: the LoRA adapters and frozen parameters of the run). Raises ValueError, in one line naming
-    source (the checkpoint's path) if given, when a tensor's shape is not the model's; RuntimeError
-    (load_state_dict's) when a tensor is missing or extra."""
+    source (the checkpoint's path) if given, when a tensor is missing, extra, or of another shape than the
+    model's (load_state_dict would list each, in lines)."""
     model = empty_model(config, prepare)
     own = model.state_dict()
+    what = f"{f'checkpoint {source}' if source else 'the checkpoint'} does not fit its own model_args"
+    missing, extra = [k for k in own if k not in state_dict], [k for k in state_dict if k not in own]
+    if missing or extra:
+        raise ValueError(f"{what}: {_names('it lacks', missing, 'of the model they describe')}"
+                         f"{'; ' if missing and extra else ''}{_names('it has', extra, 'the model has no place for')}"
+                         f" (written by another version, or edited): load it with the code that wrote it")
     for name, tensor in state_dict.items():
-        if name in own and tensor.shape != own[name].shape:  # load_state_dict would list each, in lines
-            raise ValueError(f"{f'checkpoint {source}' if source else 'the checkpoint'} does not fit its own "
-                             f"model_args: its {name} has shape {tuple(tensor.shape)}, the model they describe "
+        if tensor.shape != own[name].shape:
+            raise ValueError(f"{what}: its {name} has shape {tuple(tensor.shape)}, the model they describe "
                              f"{tuple(own[name].shape)}")
     model.load_state_dict(state_dict, assign=True)  # requires_grad stays the model's (prepare's freezing)
     # assign gives each key its own Parameter: tie lm_head to the token embedding again, as GPT does
     model.lm_head.weight = model.transformer.wte.weight
     return model
+
+
+def _names(subject, names, predicate, shown=3):
+    """'it has 5 tensors the model has no place for (a, b, c, ...)', or '' for no names."""
+    if not names:
+        return ''
+    listed = ', '.join(names[:shown]) + (', ...' if len(names) > shown else '')
+    return f"{subject} {len(names)} tensor{'s' if len(names) > 1 else ''} {predicate} ({listed})"
 
 
 def empty_model(config, prepare=None):

@@ -74,8 +74,30 @@ def test_model_built_on_meta_with_weights_equals_the_loaded_model(attn_type):
     torch.manual_seed(0)
     b = model(idx)[0]
     assert torch.equal(a, b)
-    with pytest.raises(RuntimeError, match='Missing key'):
-        model_with_weights(trained.config, {k: v for k, v in state.items() if 'ln_f' not in k})
+
+
+def test_weights_missing_or_extra_are_refused_in_one_line_naming_them():
+    import torch
+    from denoised_gpt.weights import model_with_weights
+    from helpers import tiny_gpt
+    trained = tiny_gpt('base', seed=3)
+    state = trained.state_dict()
+    blocks = [k for k in state if k.startswith('transformer.h.')]
+    fit = "checkpoint ckpt.pt does not fit its own model_args: "
+    fix = " (written by another version, or edited): load it with the code that wrote it"
+    cases = [
+        ({k: v for k, v in state.items() if k != 'transformer.ln_f.weight'},
+         "it lacks 1 tensor of the model they describe (transformer.ln_f.weight)"),
+        ({**state, 'transformer.extra': torch.zeros(2)},
+         "it has 1 tensor the model has no place for (transformer.extra)"),
+        ({k: v for k, v in state.items() if k not in blocks[:4]} | {'x.' + k: state[k] for k in blocks[:1]},
+         f"it lacks 4 tensors of the model they describe ({', '.join(blocks[:3])}, ...); "
+         f"it has 1 tensor the model has no place for (x.{blocks[0]})"),
+    ]
+    for bad, names in cases:
+        with pytest.raises(ValueError) as e:
+            model_with_weights(trained.config, bad, source='ckpt.pt')
+        assert str(e.value) == fit + names + fix
 
 
 def test_gpt2_encoding_takes_the_compact_file_when_cached_and_gpt2s_files_otherwise(tmp_path, monkeypatch):
