@@ -49,7 +49,7 @@ import time
 from denoised_gpt.batches import ExampleLayout, TokenBatches, TokenIdError, check_token_ids, load_meta
 from denoised_gpt.checkpoint import CheckpointError, checkpoint_path, load_checkpoint
 from denoised_gpt.cli import (check_inference_source, check_ranges, check_writable_folder, fail, gpt2_encoding, log,
-                              prepare_device, quiet_ctrl_c, read_config)
+                              prepare_device, print_result, quiet_ctrl_c, read_config)
 from denoised_gpt.files import FileError, write_atomically
 from denoised_gpt.models import load_model, noise_on, trained_dtype
 from denoised_gpt.device import autocast_context, manual_seed
@@ -280,8 +280,8 @@ if val_loss:
     r = seeded(lambda: exact_val_loss(model, val_path, model.config.block_size, batch_size, device, ctx,
                                       ExampleLayout(info['data_dir'], 'val')))  # the layout's errors are one line too
     r.update(file=val_path, block_size=model.config.block_size, noise_on=info['noise_on'])
-    print(f"val loss {r['loss']:.4f} (perplexity {r['perplexity']:.2f}) over all {r['tokens']:,} target tokens "
-          f"of {val_path} ({r['windows']} windows of {model.config.block_size}, {time.time() - t0:.1f}s)")
+    print_result(f"val loss {r['loss']:.4f} (perplexity {r['perplexity']:.2f}) over all {r['tokens']:,} target tokens "
+                 f"of {val_path} ({r['windows']} windows of {model.config.block_size}, {time.time() - t0:.1f}s)")
     results['val_loss'] = r
     write_json('val_loss.json', r)
 
@@ -293,10 +293,10 @@ if recall:
     t0 = time.time()
     r = seeded(answer_accuracy, model, info['data_dir'], batch_size, device, ctx)
     r.update(file=val_path, noise_on=info['noise_on'], dtype=dtype)
-    print(f"answer accuracy {r['accuracy']:.4f} over {r['answers']:,} answers of {r['examples']:,} validation "
-          f"examples ({time.time() - t0:.1f}s)")
-    print("  by key-value pairs: " + ", ".join(f"{k}: {v['accuracy']:.4f}" for k, v in r['by_pairs'].items()))
-    print("  by query distance:  " + ", ".join(f"{k}: {v['accuracy']:.4f}" for k, v in r['by_distance'].items()))
+    print_result(f"answer accuracy {r['accuracy']:.4f} over {r['answers']:,} answers of {r['examples']:,} validation "
+                 f"examples ({time.time() - t0:.1f}s)")
+    print_result("  by key-value pairs: " + ", ".join(f"{k}: {v['accuracy']:.4f}" for k, v in r['by_pairs'].items()))
+    print_result("  by query distance:  " + ", ".join(f"{k}: {v['accuracy']:.4f}" for k, v in r['by_distance'].items()))
     results['recall'] = r
     write_json('recall.json', r)
 
@@ -314,12 +314,13 @@ if attention_noise:
         r.update(file=val_path, attn_type=which_info['attn_type'], checkpoint=which_info['checkpoint'],
                  noise_on=which_info['noise_on'], dtype=dtype, seed=seed)
         look = r['lookup']
-        print(f"attention shares ({which_info['name']}, {r['answers']:,} answers of {r['examples']:,} examples, "
-              f"{time.time() - t0:.1f}s): best head per layer, answer / noise = "
-              + ', '.join(f"L{b['layer']}h{b['head']} {b['answer']:.3f} / {b['noise']:.3f}" for b in r['best_head']))
-        print(f"  lookup head L{look['layer']}h{look['head']}: answer {look['answer']:.3f} (signed "
-              f"{look['signed_answer']:.3f}), other pairs {look['pairs']:.3f}, context {look['context']:.3f}; "
-              "answer by filler length: " + ', '.join(f"{k}: {v['lookup']['answer']:.3f}" for k, v in r['by_filler'].items()))
+        best = ', '.join(f"L{b['layer']}h{b['head']} {b['answer']:.3f} / {b['noise']:.3f}" for b in r['best_head'])
+        by_filler = ', '.join(f"{k}: {v['lookup']['answer']:.3f}" for k, v in r['by_filler'].items())
+        print_result(f"attention shares ({which_info['name']}, {r['answers']:,} answers of {r['examples']:,} "
+                     f"examples, {time.time() - t0:.1f}s): best head per layer, answer / noise = {best}")
+        print_result(f"  lookup head L{look['layer']}h{look['head']}: answer {look['answer']:.3f} (signed "
+                     f"{look['signed_answer']:.3f}), other pairs {look['pairs']:.3f}, context {look['context']:.3f}; "
+                     f"answer by filler length: {by_filler}")
         return r
 
     label = 'share of the row\'s absolute attention'
@@ -355,7 +356,7 @@ if entropy:
 
     mine = entropy_of(model, info, mine_data)
     for name, means in mine['layer_mean'].items():
-        print(f"attention entropy ({name}), mean over heads per layer: " + ' '.join(f"{m:.3f}" for m in means))
+        print_result(f"attention entropy ({name}), mean over heads per layer: " + ' '.join(f"{m:.3f}" for m in means))
     results['entropy'] = mine
     write_json('entropy.json', mine)
     write_png('entropy.png', plot_entropy([(info['name'], mine['entropy'])]))
@@ -363,7 +364,7 @@ if entropy:
         theirs = entropy_of(other_model.to(device), other_info, other_data)
         del other_model
         for name, means in theirs['layer_mean'].items():
-            print(f"compare_to {other_info['name']} ({name}): " + ' '.join(f"{m:.3f}" for m in means))
+            print_result(f"compare_to {other_info['name']} ({name}): " + ' '.join(f"{m:.3f}" for m in means))
         write_json(f"entropy_{file_name_part(other_info['name'])}.json", theirs)
         write_png(f"entropy_vs_{file_name_part(other_info['name'])}.png",
                   plot_entropy([(info['name'], mine['entropy']), (other_info['name'], theirs['entropy'])]))
@@ -382,7 +383,7 @@ if glue:
     except glue_eval.GlueError as e:
         fail(e)
     table = glue_eval.markdown_table(info['name'], glue_results, settings)
-    print(table)
+    print_result(table)
     results['glue'] = glue_results
     write_json('glue.json', dict(model=results['model'], settings=settings, results=glue_results))
     write_file('glue.md', lambda f: f.write(table + '\n'))
@@ -399,6 +400,6 @@ if lm_eval:
                                         max_gen_toks=max_gen_toks, seed=seed)
     except ValueError as e:
         fail(e)
-    print(table)
+    print_result(table)
     results['lm_eval'] = lm_results
     write_json('lm_eval.json', dict(model=results['model'], results=lm_results))

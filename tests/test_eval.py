@@ -373,3 +373,16 @@ def test_eval_script_a_full_disk_when_writing_results_is_one_line_and_keeps_the_
             f"eval.py: error: cannot write {eval_dir / name}: no space left on device; the file there before is "
             f"intact. Free some space and evaluate again")
         assert not os.path.lexists(eval_dir / f"{name}.tmp") and (eval_dir / name).read_text() == 'the earlier result\n'
+
+
+@pytest.mark.skipif(not os.path.exists('/dev/full'), reason="needs /dev/full (every write: ENOSPC)")
+def test_eval_script_a_stdout_that_cannot_take_the_results_is_one_line(char_run, tmp_path):
+    """`eval.py > /dev/full`: a full disk behind stdout was an OSError traceback."""
+    with open('/dev/full', 'w') as full:
+        proc = subprocess.run([sys.executable, str(ROOT / 'eval.py'), f"--out_dir={char_run['base_dir']}",
+                               f"--eval_dir={tmp_path / 'eval'}", '--val_loss=True', '--device=cpu'], cwd=ROOT,
+                              env=subprocess_env(), text=True, stdout=full, stderr=subprocess.PIPE, timeout=240)
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == ("eval.py: error: cannot write the results to /dev/full: no space "
+                                                    "left on device; free some space and run it again")
+    assert "Traceback" not in proc.stderr and "Exception ignored" not in proc.stderr
