@@ -232,6 +232,11 @@ def load_checkpoint(out_dir_or_file, map_location='cpu', metadata_only=False, mo
     if head not in (b'PK', b'\x80\x02'):  # torch.save's zip; its legacy pickle format
         raise CheckpointError(f"checkpoint {path} is truncated or corrupt, or not a checkpoint: it does not "
                               f"begin as a file written by torch.save does. {use_prev}")
+    if head == b'\x80\x02':  # torch.load gives each tensor the size this format declares, then reads it
+        raise CheckpointError(f"checkpoint {path} is in torch.save's legacy format, which is not read: a damaged "
+                              f"or crafted one can ask for any amount of memory (train.py and nanoGPT write the zip "
+                              f"format). To convert a file you trust: python3 -c \"import torch; p = '{path}'; "
+                              f"torch.save(torch.load(p, weights_only=True), p)\"")
     if head == b'PK':  # a compressed part would be inflated by torch.load, to whatever size it declares
         try:
             with open(path, 'rb') as f:

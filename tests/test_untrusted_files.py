@@ -491,6 +491,25 @@ def test_a_legacy_train_state_is_refused(source, tmp_path):
     assert_one_line(e, "incomplete or corrupt (ValueError: train_state.pt is in torch.save's legacy format")
 
 
+def test_a_legacy_ckpt_pt_is_refused_and_the_conversion_it_names_makes_it_load(source, tmp_path):
+    """A ckpt.pt in torch.save's legacy format: refused before torch.load allocates the sizes it declares
+    (neither train.py nor nanoGPT writes it); the command the message gives converts it to a loadable file."""
+    path = tmp_path / 'ckpt.pt'
+    torch.save(torch.load(source / 'ckpt.pt', weights_only=True), path, _use_new_zipfile_serialization=False)
+    assert not zipfile.is_zipfile(path)
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(tmp_path)
+    assert_one_line(e, f"checkpoint {path} is in torch.save's legacy format, which is not read")
+    command = re.search(r'python3 -c "(.*)"$', str(e.value)).group(1)
+    subprocess.run([sys.executable, '-c', command], check=True, env=subprocess_env(), timeout=120)
+    assert zipfile.is_zipfile(path)
+    converted, original = load_checkpoint(tmp_path), load_checkpoint(source / 'ckpt.pt')
+    assert converted['model'].keys() == original['model'].keys()
+    assert all(torch.equal(converted['model'][k], v) for k, v in original['model'].items())
+    assert {k: converted[k] for k in ('model_args', 'iter_num', 'config')} == \
+           {k: original[k] for k in ('model_args', 'iter_num', 'config')}
+
+
 @pytest.mark.parametrize('name', ['.metadata', '__0_0.distcp', 'train_state.pt'])
 def test_a_fifo_in_the_folder_is_one_line_not_a_hang(source, tmp_path, name):
     """Opening a FIFO waits for a writer that never comes (a shard, .metadata), and a train_state.pt that is
