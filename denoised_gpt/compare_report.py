@@ -181,8 +181,11 @@ def plot_accuracy(results, report_dir):
 
 def plot_against_filler(results, report_dir):
     """attention.png: answer accuracy and the lookup head's answer share against the examples' filler length
-    (the grid points' datasets), one line per attn_type: mean over seeds, bars = min..max."""
+    (the grid points' datasets), one line per attn_type: mean over seeds, bars = min..max. The lines are
+    shifted apart sideways a little, so that bars at one length do not hide each other."""
     lines = filler_lines(results)
+    lengths = sorted({r['filler_length'] for line in lines.values() for r in line})
+    shift = 0.012 * ((lengths[-1] - lengths[0]) or 1) if lengths else 0
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for ax, key, what in ((axes[0], 'accuracy', 'answer accuracy'),
                           (axes[1], 'answer_share', "lookup head's attention share on the answer")):
@@ -193,9 +196,11 @@ def plot_against_filler(results, report_dir):
             if not table:
                 continue
             mean = [sum(v) / len(v) for v in table]
-            ax.errorbar(fillers, mean, yerr=[[m - min(v) for m, v in zip(mean, table)],
-                                             [max(v) - m for m, v in zip(mean, table)]],
+            x = [f + shift * (i - (len(lines) - 1) / 2) for f in fillers]
+            ax.errorbar(x, mean, yerr=[[m - min(v) for m, v in zip(mean, table)],
+                                       [max(v) - m for m, v in zip(mean, table)]],
                         color=f'C{i % 10}', marker='o', markersize=4, capsize=3, label=label)
+        ax.set_xticks(lengths)
         ax.set_xlabel('filler tokens per example (neither pairs nor queries)')
         ax.set_ylabel(f'{what}\n(mean over seeds, bars = min..max)')
         ax.set_ylim(0, 1.02)
