@@ -214,7 +214,9 @@ def test_a_signal_to_compare_alone_checkpoints_its_runs_and_ends(sweep, sig):
         _, stderr = proc.communicate(timeout=60)
     except subprocess.TimeoutExpired:
         proc.kill()
-        pytest.fail("compare.py did not end within 60 s of the signal")
+        _, stderr = proc.communicate()
+        pytest.fail(f"compare.py did not end within 60 s of the signal; its stderr ends:\n{stderr[-1500:]}\n"
+                    f"train.log ends:\n{log.read_text()[-3000:]}")
     assert proc.returncode == 130 and "run the same command again to continue" in stderr, stderr
     assert "failed" not in stderr and "base seed 1: stopped" in stderr, stderr  # checkpointed, not failed
     text = log.read_text()
