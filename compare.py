@@ -594,16 +594,18 @@ def read_eval_json(path):
 def recall_results(run, attention=True):
     """On a recall dataset: {'accuracy', 'accuracy_by_pairs'} from eval.py --recall=True on the run's final
     checkpoint and, with attention, where its attention goes from --attention_noise=True (its lookup head's
-    answer, noise, other-pairs and context shares, the head, and the filler length per example); {} on other
-    datasets. Read from the run's recall.json and attention_noise.json, computed again when ckpt.pt is newer,
-    or when recall.json does not say its dtype (an older eval.py's, which measured a float32-trained model in
-    bfloat16)."""
+    answer, noise, other-pairs and context shares, the head; its reading layer's answer and context shares,
+    the layer; and the filler length per example); {} on other datasets. Read from the run's recall.json and
+    attention_noise.json, computed again when ckpt.pt is newer, or when an older eval.py wrote them
+    (recall.json without its dtype: a float32-trained model measured in bfloat16; attention_noise.json
+    without the layer shares)."""
     if not is_recall_data(run.config):
         return {}
     measures = {'recall': 'recall.json', **({'attention_noise': 'attention_noise.json'} if attention else {})}
     paths = [os.path.join(run.dir, name) for name in measures.values()]
     if any(not os.path.exists(p) or os.path.getmtime(p) < os.path.getmtime(checkpoint_path(run.dir)) for p in paths) \
-            or 'dtype' not in read_eval_json(paths[0]):
+            or 'dtype' not in read_eval_json(paths[0]) \
+            or (attention and 'reading_layer' not in read_eval_json(paths[1])):
         flags = [f'--{m}=True' for m in measures]
         proc = subprocess.run([sys.executable, EVAL_SCRIPT, f'--out_dir={run.dir}', *flags, '--batch_size=64'],
                               capture_output=True, text=True)
@@ -614,15 +616,18 @@ def recall_results(run, attention=True):
               'accuracy_by_pairs': {k: v['accuracy'] for k, v in recall['by_pairs'].items()}}
     if attention:
         shares = read_eval_json(paths[1])
-        look = shares['lookup']
+        look, layer = shares['lookup'], shares['reading_layer']
         result.update({f'{part}_share': look[part] for part in ('answer', 'noise', 'pairs', 'context')},
                       lookup_head=f"L{look['layer']}h{look['head']}",
+                      **{f'layer_{part}_share': layer[part] for part in ('answer', 'pairs', 'context')},
+                      reading_layer=f"L{layer['layer']}",
                       filler_length=sum(int(k) * v['answers'] for k, v in shares['by_filler'].items()) / shares['answers'])
     return result
 
 
 # what recall_results adds to a run, summarised over seeds like the val loss
-RECALL_KEYS = ('accuracy', 'answer_share', 'noise_share', 'pairs_share', 'context_share', 'filler_length')
+RECALL_KEYS = ('accuracy', 'answer_share', 'noise_share', 'pairs_share', 'context_share', 'layer_answer_share',
+               'layer_pairs_share', 'layer_context_share', 'filler_length')
 
 
 def summarize(results):
@@ -643,7 +648,7 @@ def summarize(results):
     for variant, s in summary.items():
         if variant != s['base'] and s['base'] in summary:
             s['paired_vs_base'] = paired_vs_base(results, variant, s['base'])
-            for key in ('accuracy', 'answer_share'):
+            for key in ('accuracy', 'answer_share', 'layer_answer_share'):
                 if key in s:
                     s[f'{key}_vs_base'] = paired_vs_base(results, variant, s['base'], key=key)
     return summary

@@ -321,6 +321,9 @@ if attention_noise:
         print_result(f"  lookup head L{look['layer']}h{look['head']}: answer {look['answer']:.3f} (signed "
                      f"{look['signed_answer']:.3f}), other pairs {look['pairs']:.3f}, context {look['context']:.3f}; "
                      f"answer by filler length: {by_filler}")
+        layer = r['reading_layer']
+        print_result(f"  reading layer L{layer['layer']} (what each key adds to the layer's output, all heads): "
+                     f"answer {layer['answer']:.3f}, other pairs {layer['pairs']:.3f}, context {layer['context']:.3f}")
         return r
 
     label = 'share of the row\'s absolute attention'

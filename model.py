@@ -145,6 +145,16 @@ class AttentionBase(nn.Module):
         layer input x (after ln_1). Each variant says which maps it has; training never calls this."""
         raise NotImplementedError(f"{type(self).__name__} has no attention_maps")
 
+    def value_heads(self, x):
+        """Analysis only: V split into the heads of attention_maps' maps, (B, heads, T, value size).
+        Every variant's c_attn computes V last."""
+        return split_heads(self.c_attn(x)[..., -self.n_embd:], self.n_head)
+
+    def head_output_scale(self, y):
+        """Analysis only: the elementwise factor forward multiplies a head's output y = A V by before
+        c_proj (none here)."""
+        return torch.ones_like(y)
+
     def output(self, y):
         """(B, heads, T, hs) -> residual-stream update (B, T, C)."""
         return self.resid_dropout(self.c_proj(merge_heads(y)))
@@ -324,6 +334,14 @@ class TwoBranchAttention(AttentionBase):
         y = self.combine(upcast(o1), upcast(o2), self.lambda_full(), cache)
         y = self.head_norm(y.to(self.head_norm.weight.dtype)) * (1 - self.lambda_init)
         return self.output(y.to(o1.dtype))
+
+    def value_heads(self, x):
+        return split_heads(self.c_attn(x)[..., -self.n_embd:], self.n_diff_heads)
+
+    def head_output_scale(self, y):
+        # head_norm(y) * (1 - lambda_init) as forward applies it: RMSNorm is y * weight / rms(y)
+        norm = self.head_norm
+        return norm.weight * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + norm.eps) * (1 - self.lambda_init)
 
     def attention_maps(self, x):
         # combine() is linear in its inputs and works along the query axis, so combining the maps
@@ -599,10 +617,17 @@ class GPT(nn.Module):
         (B, heads, T, T) attention matrix}) layer by layer, so one layer's maps are alive at a time.
         The names are the variant's (attention_maps of its class): 'attn', or 'branch1', 'branch2',
         'combined' for diff / dint / dint_lowrank. NoiseFormer maps use their own noise draw."""
+        for i, attn, x in self.attention_inputs(idx):
+            yield i, attn.attention_maps(x)
+
+    @torch.no_grad()
+    def attention_inputs(self, idx):
+        """Analysis only: yields (layer index, the layer's attention module, its input after ln_1),
+        layer by layer, the block running after its attention module is analysed."""
         pos = torch.arange(idx.size(1), dtype=torch.long, device=idx.device)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
         for i, block in enumerate(self.transformer.h):
-            yield i, block.attn.attention_maps(block.ln_1(x))
+            yield i, block.attn, block.ln_1(x)
             x = block(x)
 
     def crop_block_size(self, block_size):

@@ -180,15 +180,17 @@ def plot_accuracy(results, report_dir):
 
 
 def plot_against_filler(results, report_dir):
-    """attention.png: answer accuracy and the lookup head's answer share against the examples' filler length
-    (the grid points' datasets), one line per attn_type: mean over seeds, bars = min..max. The lines are
-    shifted apart sideways a little, so that bars at one length do not hide each other."""
+    """attention.png: answer accuracy, the lookup head's answer share and the reading layer's against the
+    examples' filler length (the grid points' datasets), one line per attn_type: mean over seeds, bars =
+    min..max. The lines are shifted apart sideways a little, so that bars at one length do not hide each
+    other."""
     lines = filler_lines(results)
     lengths = sorted({r['filler_length'] for line in lines.values() for r in line})
     shift = 0.012 * ((lengths[-1] - lengths[0]) or 1) if lengths else 0
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, axes = plt.subplots(1, 3, figsize=(18, 4.5))
     for ax, key, what in ((axes[0], 'accuracy', 'answer accuracy'),
-                          (axes[1], 'answer_share', "lookup head's attention share on the answer")):
+                          (axes[1], 'answer_share', "lookup head's attention share on the answer"),
+                          (axes[2], 'layer_answer_share', "reading layer's share on the answer")):
         for i, (label, line) in enumerate(lines.items()):
             runs = [r for r in line if key in r]
             fillers = sorted({r['filler_length'] for r in runs})
@@ -205,7 +207,7 @@ def plot_against_filler(results, report_dir):
         ax.set_ylabel(f'{what}\n(mean over seeds, bars = min..max)')
         ax.set_ylim(0, 1.02)
         ax.grid(alpha=0.3)
-    axes[1].legend(fontsize=8)
+    axes[-1].legend(fontsize=8)
     fig.tight_layout()
     save_png(fig, os.path.join(report_dir, 'attention.png'))
     return 'attention.png'
@@ -335,6 +337,21 @@ def attention_lines(summary, results, plots):
                      f"{', '.join(f'{v:.3f}' for v in s['answer_share']['values'])} | {heads} | "
                      f"{fmt(s['noise_share'], 3)} | {fmt(s['pairs_share'], 3)} | {fmt(s['context_share'], 3)} | "
                      f"{reading(s['answer_share_vs_base']) if 'answer_share_vs_base' in s else ''} |")
+    lines += ["", "The layer as a whole: a head's share cannot tell a lookup spread over several heads from attention "
+              "on noise, so each layer is also read by the norm of what each key adds to its output (all heads, "
+              "through the values and c_proj; heads that cancel on a key cancel in its share; docs/eval.md). Each "
+              "run is read at its reading layer, the layer with the highest mean answer share.", "",
+              "| variant | filler tokens | layer answer share | per seed | reading layer per seed | other pairs | "
+              "context | reading (layer answer share) |",
+              "|---|---|---|---|---|---|---|---|"]
+    for variant, s in shares.items():
+        if 'layer_answer_share' not in s:
+            continue
+        layers = ', '.join(r['reading_layer'] for r in results if r['variant'] == variant and 'reading_layer' in r)
+        lines.append(f"| `{variant}` | {s['filler_length']['mean']:g} | {fmt(s['layer_answer_share'], 3)} | "
+                     f"{', '.join(f'{v:.3f}' for v in s['layer_answer_share']['values'])} | {layers} | "
+                     f"{fmt(s['layer_pairs_share'], 3)} | {fmt(s['layer_context_share'], 3)} | "
+                     f"{reading(s['layer_answer_share_vs_base']) if 'layer_answer_share_vs_base' in s else ''} |")
     lines.append("")
     if 'attention' in plots:
         lines += [f"![answer accuracy and answer share against filler length]({plots['attention']})", ""]

@@ -6,10 +6,10 @@ import json
 import pytest
 import torch
 
-from denoised_gpt.evaluation.attention_noise import PARTS, attention_noise
+from denoised_gpt.evaluation.attention_noise import LAYER_PARTS, PARTS, attention_noise
 from helpers import NO_AUTOCAST, run_script_in_process, tiny_checkpoint, tiny_gpt
 from model import ATTENTION_TYPES, causal_randn
-from naive_attention import NAIVE_MAPS
+from naive_attention import NAIVE, NAIVE_MAPS, RMS_EPS, lambda_init_for
 
 T = 12
 # Two handmade examples (T + 1 tokens: the model reads the first T) and their answers, by construction:
@@ -58,13 +58,13 @@ def peaked_model(attn_type, seed=0):
 
 @torch.no_grad()
 def reference_shares(model, idx, seed):
-    """{part: (layers, heads) mean over ANSWERS}, from naive float64 maps, with explicit loops. The layer
-    inputs come from the model's own blocks; NoiseFormer's noise is drawn in the order GPT.attention_maps
-    draws it (the layer's map, then the block's forward)."""
+    """(layers, heads, PARTS) and (layers, LAYER_PARTS) means over ANSWERS, from naive float64 maps and
+    values, with explicit loops. The layer inputs come from the model's own blocks; NoiseFormer's noise is
+    drawn in the order GPT.attention_maps draws it (the layer's map, then the block's forward)."""
     torch.manual_seed(seed)
     cfg = model.config
     x = model.transformer.wte(idx) + model.transformer.wpe(torch.arange(T))
-    per_layer = []
+    per_layer, whole_layer = [], []
     for layer, block in enumerate(model.transformer.h):
         attn = block.attn
         eps, kwargs = None, {}
@@ -74,11 +74,30 @@ def reference_shares(model, idx, seed):
             kwargs['layer_index'] = layer
         if cfg.attn_type == 'dint_lowrank':
             kwargs['score_divisor'] = cfg.lowrank_score_divisor
-        a, _ = NAIVE_MAPS[cfg.attn_type](attn, block.ln_1(x), eps, **kwargs)
+        a, v = NAIVE_MAPS[cfg.attn_type](attn, block.ln_1(x), eps, **kwargs)
         heads = a.size(1)
+        # the factor each head's output A V is multiplied by before c_proj: the differential heads' RMSNorm
+        # and (1 - lambda_init), 1 for the others
+        y = a @ v
+        scale = torch.ones_like(y)
+        if hasattr(attn, 'head_norm'):
+            scale = (attn.head_norm.weight.double() / torch.sqrt((y * y).mean(-1, keepdim=True) + RMS_EPS)
+                     * (1 - lambda_init_for(layer)))
+        output = NAIVE[cfg.attn_type](attn, block.ln_1(x), eps, **kwargs)
         sums = torch.zeros(heads, len(PARTS), dtype=torch.float64)
+        layer_sums = torch.zeros(len(LAYER_PARTS), dtype=torch.float64)
         for row, asked in enumerate(ANSWERS):
             for p, key_at, pairs in asked:
+                # what key j adds to the layer's output at p: c_proj (no bias) of the heads' scaled a_pj v_j
+                adds = [attn.c_proj.weight.double() @ torch.cat([scale[row, h, p] * a[row, h, p, j] * v[row, h, j]
+                                                                 for h in range(heads)]) for j in range(p + 1)]
+                bias = 0 if attn.c_proj.bias is None else attn.c_proj.bias.double()
+                assert torch.allclose(sum(adds) + bias, output[row, p], rtol=1e-9, atol=1e-12)
+                norms = [float(u.norm()) for u in adds]
+                parts = [sum(n for j, n in enumerate(norms) if j in (key_at, key_at + 1)),
+                         sum(n for j, n in enumerate(norms) if j < 2 * pairs and j not in (key_at, key_at + 1)),
+                         sum(n for j, n in enumerate(norms) if j >= 2 * pairs and j not in (key_at, key_at + 1))]
+                layer_sums += torch.tensor([*parts, parts[1] + parts[2]], dtype=torch.float64) / sum(norms)
                 for h in range(heads):
                     total = answer = signed = in_pairs = context = 0.0
                     for j in range(p + 1):
@@ -93,8 +112,9 @@ def reference_shares(model, idx, seed):
                             context += abs(w)
                     sums[h] += torch.tensor([answer, in_pairs, context, in_pairs + context, signed], dtype=torch.float64) / total
         per_layer.append(sums / sum(map(len, ANSWERS)))
+        whole_layer.append(layer_sums / sum(map(len, ANSWERS)))
         x = block(x)
-    return torch.stack(per_layer)  # (layers, heads, parts)
+    return torch.stack(per_layer), torch.stack(whole_layer)  # (layers, heads, parts), (layers, layer parts)
 
 
 @pytest.mark.parametrize('attn_type', list(ATTENTION_TYPES))
@@ -104,10 +124,17 @@ def test_shares_equal_a_float64_computation_from_the_equations(tmp_path, attn_ty
     idx = torch.tensor([t[:T] for t, _ in EXAMPLES])
     torch.manual_seed(3)
     r = attention_noise(model, str(data), 8, 'cpu', NO_AUTOCAST)
-    expected = reference_shares(model, idx, seed=3)
+    expected, expected_layers = reference_shares(model, idx, seed=3)
     got = torch.tensor([r['shares'][part] for part in PARTS], dtype=torch.float64).permute(1, 2, 0)
     assert got.shape == expected.shape
     assert torch.allclose(got, expected, rtol=1e-9, atol=1e-12)
+    # the layer as a whole: the norm of what each key adds to the layer's output
+    got_layers = torch.tensor([r['layer_shares'][part] for part in LAYER_PARTS], dtype=torch.float64).T
+    assert torch.allclose(got_layers, expected_layers, rtol=1e-9, atol=1e-12)
+    reading = int(expected_layers[:, 0].argmax())
+    assert r['reading_layer'] == pytest.approx(dict(layer=reading, **dict(zip(LAYER_PARTS, expected_layers[reading].tolist()))))
+    # a layer's share is not a mean of its heads' shares: values and c_proj weigh the heads
+    assert (got_layers[:, 0] - got[..., 0].mean(-1)).abs().max() > 1e-3
     assert r['answers'] == 5 and r['examples'] == 2
     # the heads' shares differ widely (the maps are far from uniform), so equality says something; DIFF /
     # DINT maps have negative weight
@@ -175,7 +202,7 @@ def test_eval_script_writes_the_shares_and_heatmaps_side_by_side(tmp_path):
         assert written['attn_type'] == model.config.attn_type and written['normalisation'] == 'abs'
     for png in ('attention_noise.png', 'attention_noise_vs_out-base.png'):
         assert (out / png).read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
-    assert r.stdout.count('lookup head L') == 2
+    assert r.stdout.count('lookup head L') == r.stdout.count('reading layer L') == 2
 
 
 def test_eval_script_refuses_attention_noise_on_data_without_answers(tmp_path):

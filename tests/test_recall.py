@@ -364,10 +364,14 @@ def test_compare_sweeps_a_grid_and_reports_accuracy(mqar, tmp_path):
         recall = json.loads((run_dir / "recall.json").read_text())
         assert r["accuracy"] == recall["accuracy"]
         assert r["accuracy_by_pairs"] == {k: v["accuracy"] for k, v in recall["by_pairs"].items()}
-        lookup = json.loads((run_dir / "attention_noise.json").read_text())["lookup"]
+        shares = json.loads((run_dir / "attention_noise.json").read_text())
+        lookup, layer = shares["lookup"], shares["reading_layer"]
         assert (r["answer_share"], r["noise_share"], r["context_share"]) == \
             (lookup["answer"], lookup["noise"], lookup["context"])
         assert r["lookup_head"] == f"L{lookup['layer']}h{lookup['head']}"
+        assert (r["layer_answer_share"], r["layer_pairs_share"], r["layer_context_share"]) == \
+            (layer["answer"], layer["pairs"], layer["context"])
+        assert r["reading_layer"] == f"L{layer['layer']}"
         # 2, 4 and 8 pairs at seq_len 32, 50 examples each: 26, 20 and 8 filler tokens, weighted by answers
         assert r["filler_length"] == pytest.approx((2 * 26 + 4 * 20 + 8 * 8) / 14)
         ckpt = torch.load(run_dir / "ckpt.pt", map_location="cpu", weights_only=False)
@@ -382,6 +386,9 @@ def test_compare_sweeps_a_grid_and_reports_accuracy(mqar, tmp_path):
         shares = {r["variant"]: r["answer_share"] for r in results["runs"]}
         assert linear["answer_share_vs_base"]["differences"] == \
             [shares[f"linear n_embd={width}"] - shares[f"base n_embd={width}"]]
+        layer_shares = {r["variant"]: r["layer_answer_share"] for r in results["runs"]}
+        assert linear["layer_answer_share_vs_base"]["differences"] == \
+            [layer_shares[f"linear n_embd={width}"] - layer_shares[f"base n_embd={width}"]]
         assert base["accuracy"]["values"] == [theirs[1]]
         line = next(line for line in report.splitlines() if line.startswith(f"| `linear n_embd={width}` | 0."))
         assert f"| {mine[1]:.3f} | {mine[1]:.3f} | " in line
@@ -393,6 +400,17 @@ def test_compare_sweeps_a_grid_and_reports_accuracy(mqar, tmp_path):
     assert sorted(filler_lines(one_width)) == ["base", "linear"]
     line = next(line for line in report.splitlines() if line.startswith("| `linear n_embd=16` | 14"))
     assert f"| {summary['linear n_embd=16']['answer_share']['mean']:.3f} |" in line
+    line = next(line for line in report.splitlines() if line.startswith("| `linear n_embd=16` | 14")
+                and line.count("|") == 9)  # the layer table's row
+    assert f"| {summary['linear n_embd=16']['layer_answer_share']['mean']:.3f} |" in line
+
+    # an attention_noise.json without the layer shares is an older eval.py's: measured again
+    path = out / "runs" / "base-n_embd16-seed1" / "attention_noise.json"
+    kept = json.loads(path.read_text())
+    path.write_text(json.dumps({k: v for k, v in kept.items() if k not in ("layer_shares", "reading_layer")}))
+    proc = run_script_in_process("compare.py", args + ["--report_only=True"], env=SCRIPT_VARIABLES)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert json.loads(path.read_text())["reading_layer"] == kept["reading_layer"]
 
     # a recall.json that does not say its dtype is an older eval.py's (bfloat16 on a float32-trained run):
     # measured again, though newer than the checkpoint

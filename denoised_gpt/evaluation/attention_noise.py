@@ -17,6 +17,13 @@ sum_{j in part} |a_pj| / sum_{j <= p} |a_pj|, so the shares are in [0, 1] and ad
 DIFF / DINT maps are negative or rows do not sum to 1. `signed_answer` is the answer span's signed mass
 over the same denominator (in [-1, 1]; equal to the answer share where no weight is negative), so a
 differential map that cancels onto the answer shows as a gap between the two.
+
+A head's share cannot tell a layer that spreads its lookup over several heads from one that reads noise,
+so each layer is also measured as a whole, by what each key adds to the layer's output (norm-based, as
+Kobayashi et al. 2020, "Attention is not only a weight"): key j adds u_pj = c_proj(the heads' a_pj v_j,
+each times the factor forward applies to its head's output: DIFF / DINT's RMSNorm and (1 - lambda_init)),
+c_proj's bias aside, so that sum_j u_pj is the layer's attention output at p. A part's layer share is
+sum_{j in part} |u_pj| / sum_{j <= p} |u_pj|: heads that cancel on a key cancel in its share.
 """
 import numpy as np
 import torch
@@ -24,6 +31,7 @@ import torch
 from denoised_gpt.evaluation.recall import answers, distance_bucket, validation_examples
 
 PARTS = ('answer', 'pairs', 'context', 'noise', 'signed_answer')
+LAYER_PARTS = PARTS[:4]  # a norm has no sign
 
 
 def effective_map(maps):
@@ -50,6 +58,18 @@ def query_shares(rows, key_at, pairs, at):
     return torch.stack([a, p, c, p + c, share(answer, of=rows)], dim=-1)
 
 
+def contribution_norms(attn, rows, values):
+    """rows (Q, heads, T): effective attention rows of one layer's module attn; values (Q, heads, T, value
+    size): the V of each query's example. -> (Q, T): |u_pj|, the norm of what key j adds to the layer's
+    output at the query (module docstring)."""
+    dtype = torch.promote_types(rows.dtype, torch.float32)
+    rows, values = rows.to(dtype), values.to(dtype)
+    per_key = rows[..., None] * values  # (Q, heads, T, value size)
+    per_key = per_key * attn.head_output_scale(per_key.sum(2)).to(dtype)[:, :, None, :]
+    weight = attn.c_proj.weight.to(dtype).view(-1, per_key.size(1), per_key.size(-1))  # (C, heads, size)
+    return torch.einsum('qhtd,chd->qtc', per_key, weight).norm(dim=-1)
+
+
 @torch.no_grad()
 def attention_noise(model, data_dir, batch_size, device, ctx, split="val"):
     """Per layer and head, the mean share of each part (module docstring) over every answer of the split's
@@ -57,7 +77,7 @@ def attention_noise(model, data_dir, batch_size, device, ctx, split="val"):
     and, by number of pairs, by the example's filler length and by query distance, the same means.
     ValueError when data_dir is not a recall dataset."""
     examples, batches = validation_examples(model, data_dir, batch_size, split)
-    shares, groups = [], []  # per answer: (layers, heads, parts), and (pairs, filler, distance bucket)
+    shares, layer_shares, groups = [], [], []  # per answer: (layers, heads, parts), (layers, parts), its groups
     for x, y in batches:
         found = []  # (row, query position, key position, pairs) of every answer in the batch
         for row in range(len(x)):
@@ -66,31 +86,37 @@ def attention_noise(model, data_dir, batch_size, device, ctx, split="val"):
         if not found:  # examples without a labelled answer have nothing to measure
             continue
         b, at, key_at, pairs = (torch.tensor(c, dtype=torch.long) for c in zip(*found))
-        per_layer = []
+        per_layer, whole_layer = [], []
         with ctx:
-            for _, maps in model.attention_maps(x.to(device)):
-                a = effective_map(maps).cpu()
-                per_layer.append(query_shares(a[b, :, at, :], key_at, pairs, at))
+            for _, attn, h in model.attention_inputs(x.to(device)):
+                rows = effective_map(attn.attention_maps(h))[b.to(device), :, at.to(device), :]
+                per_layer.append(query_shares(rows.cpu(), key_at, pairs, at))
+                norms = contribution_norms(attn, rows, attn.value_heads(h)[b.to(device)])
+                whole_layer.append(query_shares(norms[:, None, :].cpu(), key_at, pairs, at)[:, 0, :len(LAYER_PARTS)])
         shares.append(torch.stack(per_layer, dim=1))  # (Q, layers, heads, parts)
+        layer_shares.append(torch.stack(whole_layer, dim=1))  # (Q, layers, layer parts)
         T = x.size(1)
         groups += [(int(n), T - 3 * int(n), distance_bucket(int(p - k))) for n, p, k in zip(pairs, at, key_at)]
     if not shares:
         raise ValueError(f"{data_dir}'s {split} examples hold no labelled answer: nothing to measure")
-    shares = torch.cat(shares)
-    result = dict(normalisation='abs', parts=list(PARTS), examples=examples, **summary(shares))
+    shares, layer_shares = torch.cat(shares), torch.cat(layer_shares)
+    result = dict(normalisation='abs', parts=list(PARTS), examples=examples, **summary(shares, layer_shares))
     lookup = (result['lookup']['layer'], result['lookup']['head'])
+    reading = result['reading_layer']['layer']
     for name, column, order in (('by_pairs', 0, int), ('by_filler', 1, int),
                                 ('by_distance', 2, lambda k: int(k.split('-')[0]))):
         keys = np.array([g[column] for g in groups], dtype=object)
-        result[name] = {str(k): summary(shares[torch.from_numpy(keys == k)], lookup)
-                        for k in sorted(set(keys), key=order)}
+        result[name] = {str(k): summary(shares[chosen], layer_shares[chosen], lookup, reading)
+                        for k in sorted(set(keys), key=order) for chosen in [torch.from_numpy(keys == k)]}
     return result
 
 
-def summary(shares, lookup=None):
-    """shares (Q, layers, heads, parts) -> dict(answers, shares: {part: [[mean per head] per layer]},
-    best_head: per layer, lookup: the best head overall, or the given (layer, head))."""
-    mean = shares.mean(0)  # (layers, heads, parts)
+def summary(shares, layer_shares, lookup=None, reading=None):
+    """shares (Q, layers, heads, parts), layer_shares (Q, layers, layer parts) -> dict(answers, shares:
+    {part: [[mean per head] per layer]}, best_head: per layer, lookup: the best head overall, or the given
+    (layer, head); layer_shares: {part: [mean per layer]}, reading_layer: the layer with the highest answer
+    share, or the given one)."""
+    mean, layer_mean = shares.mean(0), layer_shares.mean(0)  # (layers, heads, parts), (layers, layer parts)
     answer = mean[..., PARTS.index('answer')]
 
     def head(layer, h):
@@ -98,10 +124,15 @@ def summary(shares, lookup=None):
     if lookup is None:
         flat = int(answer.argmax())
         lookup = divmod(flat, answer.size(1))
+    if reading is None:
+        reading = int(layer_mean[:, LAYER_PARTS.index('answer')].argmax())
     return dict(answers=shares.size(0),
                 shares={part: mean[..., i].tolist() for i, part in enumerate(PARTS)},
                 best_head=[head(layer, int(answer[layer].argmax())) for layer in range(answer.size(0))],
-                lookup=head(*lookup))
+                lookup=head(*lookup),
+                layer_shares={part: layer_mean[:, i].tolist() for i, part in enumerate(LAYER_PARTS)},
+                reading_layer=dict(layer=reading, **{part: float(layer_mean[reading, i])
+                                                     for i, part in enumerate(LAYER_PARTS)}))
 
 
 def heatmap_panels(result):
