@@ -74,7 +74,8 @@ def contribution_norms(attn, rows, values):
 def attention_noise(model, data_dir, batch_size, device, ctx, split="val"):
     """Per layer and head, the mean share of each part (module docstring) over every answer of the split's
     examples; the best head of each layer (highest answer share) and the best overall (the `lookup` head);
-    and, by number of pairs, by the example's filler length and by query distance, the same means.
+    each layer's shares as a whole and the best layer (the `reading_layer`); and, by number of pairs, by the
+    example's filler length and by query distance, the same means.
     ValueError when data_dir is not a recall dataset."""
     examples, batches = validation_examples(model, data_dir, batch_size, split)
     shares, layer_shares, groups = [], [], []  # per answer: (layers, heads, parts), (layers, parts), its groups
@@ -86,12 +87,13 @@ def attention_noise(model, data_dir, batch_size, device, ctx, split="val"):
         if not found:  # examples without a labelled answer have nothing to measure
             continue
         b, at, key_at, pairs = (torch.tensor(c, dtype=torch.long) for c in zip(*found))
+        b_on, at_on = b.to(device), at.to(device)
         per_layer, whole_layer = [], []
         with ctx:
             for _, attn, h in model.attention_inputs(x.to(device)):
-                rows = effective_map(attn.attention_maps(h))[b.to(device), :, at.to(device), :]
+                rows = effective_map(attn.attention_maps(h))[b_on, :, at_on, :]
                 per_layer.append(query_shares(rows.cpu(), key_at, pairs, at))
-                norms = contribution_norms(attn, rows, attn.value_heads(h)[b.to(device)])
+                norms = contribution_norms(attn, rows, attn.value_heads(h)[b_on])
                 whole_layer.append(query_shares(norms[:, None, :].cpu(), key_at, pairs, at)[:, 0, :len(LAYER_PARTS)])
         shares.append(torch.stack(per_layer, dim=1))  # (Q, layers, heads, parts)
         layer_shares.append(torch.stack(whole_layer, dim=1))  # (Q, layers, layer parts)
@@ -106,8 +108,10 @@ def attention_noise(model, data_dir, batch_size, device, ctx, split="val"):
     for name, column, order in (('by_pairs', 0, int), ('by_filler', 1, int),
                                 ('by_distance', 2, lambda k: int(k.split('-')[0]))):
         keys = np.array([g[column] for g in groups], dtype=object)
-        result[name] = {str(k): summary(shares[chosen], layer_shares[chosen], lookup, reading)
-                        for k in sorted(set(keys), key=order) for chosen in [torch.from_numpy(keys == k)]}
+        result[name] = {}
+        for k in sorted(set(keys), key=order):
+            chosen = torch.from_numpy(keys == k)
+            result[name][str(k)] = summary(shares[chosen], layer_shares[chosen], lookup, reading)
     return result
 
 
