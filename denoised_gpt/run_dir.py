@@ -361,6 +361,40 @@ def wandb_learned_values(learned):
             for i, layer in enumerate(layers) for j, v in enumerate(layer)}
 
 
+def writes_to(stream, fds):
+    """Whether the stream writes to one of these file descriptors (a stream a test captures has none)."""
+    try:
+        return stream.fileno() in fds
+    except (AttributeError, ValueError, OSError):
+        return False
+
+
+class TerminalStream:
+    """sys.stdout or sys.stderr on a terminal: a write that fails because the terminal has hung up (EIO) drops
+    the terminal's output (hung_up()) and is written again, to where its file descriptor now points."""
+
+    def __init__(self, stream, hung_up):
+        self.stream, self.hung_up = stream, hung_up
+
+    def write(self, text):
+        return self.again_after_hangup(self.stream.write, text)
+
+    def flush(self):
+        return self.again_after_hangup(self.stream.flush)
+
+    def again_after_hangup(self, method, *args):
+        try:
+            return method(*args)
+        except OSError as error:
+            if error.errno != errno.EIO:
+                raise
+            self.hung_up()
+            return method(*args)
+
+    def __getattr__(self, name):  # fileno, isatty, encoding, ...: the stream's own
+        return getattr(self.stream, name)
+
+
 class StopRequest:
     """SIGTERM (a scheduler's preemption, `kill`), SIGHUP (the terminal or ssh session closed) or Ctrl-C,
     remembered: the training loop finishes the step in progress, saves a checkpoint and exits 0. A Ctrl-C after either quits at once, with exit
@@ -376,6 +410,12 @@ class StopRequest:
         self.saving = False  # train.py sets it while it writes a checkpoint
         # known now: a hung-up terminal no longer answers isatty
         self.terminal_fds = [fd for fd in (1, 2) if os.isatty(fd)]
+        # The terminal fails writes (EIO) from the moment it hangs up, and the run may write there before the
+        # SIGHUP is handled (or get none: a closed pty that was not its controlling terminal).
+        if writes_to(sys.stdout, self.terminal_fds):
+            sys.stdout = TerminalStream(sys.stdout, self.drop_terminal_output)
+        if writes_to(sys.stderr, self.terminal_fds):
+            sys.stderr = TerminalStream(sys.stderr, self.drop_terminal_output)
         for name in ('SIGTERM', 'SIGINT', 'SIGHUP'):  # (Windows has no SIGHUP)
             if hasattr(signal, name):
                 signal.signal(getattr(signal, name), self.request)
