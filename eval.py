@@ -326,7 +326,7 @@ if attention_noise:
                      f"answer {layer['answer']:.3f}, other pairs {layer['pairs']:.3f}, context {layer['context']:.3f}")
         return r
 
-    label = 'share of the row\'s absolute attention'
+    label = "share: of the row's absolute weight (heads), of the keys' additions (layer)"
     mine_shares = shares_of(model, info)
     results['attention_noise'] = mine_shares
     write_json('attention_noise.json', mine_shares)

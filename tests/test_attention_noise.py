@@ -6,7 +6,8 @@ import json
 import pytest
 import torch
 
-from denoised_gpt.evaluation.attention_noise import LAYER_PARTS, PARTS, attention_noise
+from denoised_gpt.evaluation.attention_noise import LAYER_PARTS, PARTS, attention_noise, heatmap_panels
+from denoised_gpt.evaluation.entropy import plot_heatmaps
 from helpers import NO_AUTOCAST, run_script_in_process, tiny_checkpoint, tiny_gpt
 from model import ATTENTION_TYPES, causal_randn
 from naive_attention import NAIVE, NAIVE_MAPS, RMS_EPS, lambda_init_for
@@ -203,6 +204,22 @@ def test_eval_script_writes_the_shares_and_heatmaps_side_by_side(tmp_path):
     for png in ('attention_noise.png', 'attention_noise_vs_out-base.png'):
         assert (out / png).read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
     assert r.stdout.count('lookup head L') == r.stdout.count('reading layer L') == 2
+
+
+def test_heatmap_shows_each_layer_as_a_whole_beside_the_heads(tmp_path):
+    model = peaked_model('diff')
+    result = attention_noise(model, str(write_examples(tmp_path / 'data', EXAMPLES)), 8, 'cpu', NO_AUTOCAST)
+    fig = plot_heatmaps([('out-diff', heatmap_panels(result))], 'share')
+    panels = [ax for ax in fig.axes if ax.images]
+    assert [ax.get_title().split('\n')[1].split(' (')[0] for ax in panels] == \
+        ['answer', 'other pairs', 'context', 'layer as a whole']
+    for ax, part in zip(panels[:3], ('answer', 'pairs', 'context')):  # layers x heads
+        assert ax.images[0].get_array().ravel().tolist() == pytest.approx(sum(result['shares'][part], []))
+    layer_panel = panels[3]  # layers x (answer, other pairs, context), named, with no mean of unlike columns
+    assert [t.get_text() for t in layer_panel.get_xticklabels()] == ['answer', 'other pairs', 'context']
+    assert layer_panel.images[0].get_array().ravel().tolist() == pytest.approx(
+        [v for row in zip(*(result['layer_shares'][part] for part in ('answer', 'pairs', 'context'))) for v in row])
+    assert layer_panel.get_title() == 'out-diff\nlayer as a whole'
 
 
 def test_eval_script_refuses_attention_noise_on_data_without_answers(tmp_path):

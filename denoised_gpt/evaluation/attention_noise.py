@@ -140,6 +140,8 @@ def summary(shares, layer_shares, lookup=None, reading=None):
 
 
 def heatmap_panels(result):
-    """The panels of the heatmap PNG: the three parts' shares per layer and head."""
+    """The panels of the heatmap PNG: the three parts' shares per layer and head, then per layer as a whole."""
+    layer = result['layer_shares']
     return {'answer': result['shares']['answer'], 'other pairs': result['shares']['pairs'],
-            'context': result['shares']['context']}
+            'context': result['shares']['context'],
+            'layer as a whole': {'answer': layer['answer'], 'other pairs': layer['pairs'], 'context': layer['context']}}

@@ -58,7 +58,9 @@ def plot_entropy(results, path=None):
 
 def plot_heatmaps(results, colour_label, path=None):
     """results: [(run name, {panel name: [[per head] per layer]})] with values in [0, 1] -> a matplotlib
-    Figure with one row of heatmaps (layers x heads), one per panel that exists: the first run's panels
+    Figure with one row of heatmaps (layers x heads), one per panel that exists; a panel given as
+    {column name: [per layer]} has those named columns instead of heads (and no mean: its columns are
+    different quantities). The first run's panels
     in their order, then the next run's, so that dint compared with base reads branch1, branch2,
     combined, attn, the combined map next to the one it replaces. Each panel is titled with its run and
     name; colours are fixed to [0, 1] so that panels compare. Writes a PNG to path when given. The figure
@@ -71,13 +73,20 @@ def plot_heatmaps(results, colour_label, path=None):
     fig = Figure(figsize=(3.2 * len(panels) + 1, 3.4), layout='constrained')
     axes = fig.subplots(1, len(panels), squeeze=False)[0]
     for ax, (label, name, layers) in zip(axes, panels):
+        columns = list(layers) if isinstance(layers, dict) else None
+        if columns:
+            layers = [list(row) for row in zip(*layers.values())]
         image = ax.imshow(torch.tensor(layers).numpy(), vmin=0, vmax=1, cmap='viridis', aspect='auto',
                           interpolation='nearest')
-        mean = sum(map(sum, layers)) / sum(map(len, layers))
-        ax.set_title(f"{label}\n{name} (mean {mean:.3f})", fontsize=8)
-        ax.set_xticks(range(len(layers[0])))  # whole heads and layers, not fractional ticks
+        if columns:
+            ax.set_title(f"{label}\n{name}", fontsize=8)
+            ax.set_xticks(range(len(columns)), columns, fontsize=7)
+        else:
+            mean = sum(map(sum, layers)) / sum(map(len, layers))
+            ax.set_title(f"{label}\n{name} (mean {mean:.3f})", fontsize=8)
+            ax.set_xticks(range(len(layers[0])))  # whole heads and layers, not fractional ticks
+            ax.set_xlabel('head', fontsize=8)
         ax.set_yticks(range(len(layers)))
-        ax.set_xlabel('head', fontsize=8)
         ax.set_ylabel('layer', fontsize=8)
     fig.colorbar(image, ax=list(axes), label=colour_label)
     if path is not None:
