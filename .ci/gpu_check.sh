@@ -15,7 +15,8 @@
 # SMALL=1 DEVICE=cpu shrinks every size: a dry run here. First results: docs/benchmarks.md.
 set -u
 if [ "${1:-}" = --prepare ]; then
-  mkdir -p gpu/data/shakespeare_bpe gpu/tiktoken && cp ../shared/tiktoken/* gpu/tiktoken/ || exit 1
+  mkdir -p gpu/data/shakespeare_bpe gpu/tiktoken gpu/nanoGPT && cp ../shared/tiktoken/* gpu/tiktoken/ || exit 1
+  cp ../shared/ref/nanoGPT/{bench.py,model.py,configurator.py} gpu/nanoGPT/ || exit 1  # the speed anchor
   grep -qx '/gpu/' .git/info/exclude 2>/dev/null || echo '/gpu/' >> .git/info/exclude
   TIKTOKEN_CACHE_DIR=$PWD/gpu/tiktoken python3 - <<'EOF'
 import json, numpy as np, tiktoken
