@@ -37,7 +37,7 @@ add dint $REPO $BENCH --attn_types=dint
 nvidia-smi > "$OUT/env.log" 2>&1
 python3 -c "import torch, sys; print(sys.version); print(torch.__version__, torch.version.cuda, torch.cuda.is_available() and torch.cuda.get_device_name())" >> "$OUT/env.log" 2>&1
 # phase 0: the in-kernel noise against float64 alone, the eager cases then one compiled, each with a timeout
-# that leaves pytest time to print its tracebacks (the stack where it hung, for a timeout)
+# that leaves pytest time to print its tracebacks (--timeout: pytest-timeout, in the device image, not here)
 echo "== phase 0 at $(( $(date +%s) - START ))s: in-kernel noise against float64" | tee -a "$OUT/bench.log"
 for cases in "eager" "v2-per-sample-float32-compiled"; do
   (cd $ON && timeout -k 5 110 python3 -m pytest tests/test_cuda.py -k "noise_in_kernel_on_cuda and $cases" -p no:xdist \
