@@ -40,9 +40,10 @@ seed by seed (runs with the same seed share data order and evaluation batches): 
 final val loss, their mean +- std, and whether every seed agrees in sign; the report calls a variant
 lower or higher than base only when they all do. On a recall dataset (data/mqar: its meta.json marks
 the answers), eval.py --recall=True --attention_noise=True scores each finished run, and the report adds
-answer accuracy (overall and by number of key-value pairs) and where attention goes (the share of the
-lookup head's attention on the answer against the rest, docs/eval.md), each with its paired reading
-against base, a plot of accuracy against pairs and one of accuracy and answer share against filler length.
+answer accuracy (overall and by number of key-value pairs) and where attention goes (the shares of the
+lookup head's attention, and of the reading layer's output, on the answer and on the irrelevant context,
+docs/eval.md), each with its paired reading against base, a plot of accuracy against pairs and one of
+accuracy, answer shares and context share against filler length.
 """
 
 from configurator import answer_help
@@ -648,7 +649,7 @@ def summarize(results):
     for variant, s in summary.items():
         if variant != s['base'] and s['base'] in summary:
             s['paired_vs_base'] = paired_vs_base(results, variant, s['base'])
-            for key in ('accuracy', 'answer_share', 'layer_answer_share'):
+            for key in ('accuracy', 'answer_share', 'context_share', 'layer_answer_share', 'layer_context_share'):
                 if key in s:
                     s[f'{key}_vs_base'] = paired_vs_base(results, variant, s['base'], key=key)
     return summary

@@ -180,17 +180,18 @@ def plot_accuracy(results, report_dir):
 
 
 def plot_against_filler(results, report_dir):
-    """attention.png: answer accuracy, the lookup head's answer share and the reading layer's against the
-    examples' filler length (the grid points' datasets), one line per attn_type: mean over seeds, bars =
-    min..max. The lines are shifted apart sideways a little, so that bars at one length do not hide each
-    other."""
+    """attention.png: answer accuracy, the lookup head's answer share, the reading layer's, and the reading
+    layer's share on the context (queries and filler: irrelevant to the answer) against the examples' filler
+    length (the grid points' datasets), one line per attn_type: mean over seeds, bars = min..max. The lines
+    are shifted apart sideways a little, so that bars at one length do not hide each other."""
     lines = filler_lines(results)
     lengths = sorted({r['filler_length'] for line in lines.values() for r in line})
     shift = 0.012 * ((lengths[-1] - lengths[0]) or 1) if lengths else 0
-    fig, axes = plt.subplots(1, 3, figsize=(18, 4.5))
+    fig, axes = plt.subplots(1, 4, figsize=(24, 4.5))
     for ax, key, what in ((axes[0], 'accuracy', 'answer accuracy'),
                           (axes[1], 'answer_share', "lookup head's attention share on the answer"),
-                          (axes[2], 'layer_answer_share', "reading layer's share on the answer")):
+                          (axes[2], 'layer_answer_share', "reading layer's share on the answer"),
+                          (axes[3], 'layer_context_share', "reading layer's share on the context")):
         for i, (label, line) in enumerate(lines.items()):
             runs = [r for r in line if key in r]
             fillers = sorted({r['filler_length'] for r in runs})
@@ -205,12 +206,17 @@ def plot_against_filler(results, report_dir):
         ax.set_xticks(lengths)
         ax.set_xlabel('filler tokens per example (neither pairs nor queries)')
         ax.set_ylabel(f'{what}\n(mean over seeds, bars = min..max)')
-        ax.set_ylim(0, 1.02)
+        ax.set_ylim(0, 1.02 if key != 'layer_context_share' else None)  # the context's share: small, zoomed in
         ax.grid(alpha=0.3)
     axes[-1].legend(fontsize=8)
     fig.tight_layout()
     save_png(fig, os.path.join(report_dir, 'attention.png'))
     return 'attention.png'
+
+
+def paired_reading(summary, key):
+    """reading() of a variant's key against base (summarize's f'{key}_vs_base'); '' for base itself."""
+    return reading(summary[f'{key}_vs_base']) if f'{key}_vs_base' in summary else ''
 
 
 def fmt(stat, digits=4):
@@ -327,23 +333,24 @@ def attention_lines(summary, results, plots):
              "head, the layer and head with the highest mean answer share over all validation answers (chosen "
              "among the variant's own heads: DIFF and DINT have half as many as base, so base's best-of-more "
              "choice favours it slightly). Mean ± sample standard deviation over seeds. Reading: the answer share "
-             "minus base's at the same point, seed by seed, as for the val loss.", "",
+             "minus base's at the same point, seed by seed, as for the val loss, and likewise the context share "
+             "(the attention on irrelevant context).", "",
              "| variant | filler tokens | answer share | per seed | lookup head per seed | noise share | "
-             "other pairs | context | reading (answer share) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "other pairs | context | reading (answer share) | reading (context share) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for variant, s in shares.items():
         heads = ', '.join(r['lookup_head'] for r in results if r['variant'] == variant and 'lookup_head' in r)
         lines.append(f"| `{variant}` | {s['filler_length']['mean']:g} | {fmt(s['answer_share'], 3)} | "
                      f"{', '.join(f'{v:.3f}' for v in s['answer_share']['values'])} | {heads} | "
                      f"{fmt(s['noise_share'], 3)} | {fmt(s['pairs_share'], 3)} | {fmt(s['context_share'], 3)} | "
-                     f"{reading(s['answer_share_vs_base']) if 'answer_share_vs_base' in s else ''} |")
+                     f"{paired_reading(s, 'answer_share')} | {paired_reading(s, 'context_share')} |")
     lines += ["", "The layer as a whole: a head's share cannot tell a lookup spread over several heads from attention "
               "on noise, so each layer is also read by the norm of what each key adds to its output (all heads, "
               "through the values and c_proj; heads that cancel on a key cancel in its share; docs/eval.md). Each "
               "run is read at its reading layer, the layer with the highest mean answer share.", "",
               "| variant | filler tokens | layer answer share | per seed | reading layer per seed | other pairs | "
-              "context | reading (layer answer share) |",
-              "|---|---|---|---|---|---|---|---|"]
+              "context | reading (layer answer share) | reading (layer context share) |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for variant, s in shares.items():
         if 'layer_answer_share' not in s:
             continue
@@ -351,10 +358,10 @@ def attention_lines(summary, results, plots):
         lines.append(f"| `{variant}` | {s['filler_length']['mean']:g} | {fmt(s['layer_answer_share'], 3)} | "
                      f"{', '.join(f'{v:.3f}' for v in s['layer_answer_share']['values'])} | {layers} | "
                      f"{fmt(s['layer_pairs_share'], 3)} | {fmt(s['layer_context_share'], 3)} | "
-                     f"{reading(s['layer_answer_share_vs_base']) if 'layer_answer_share_vs_base' in s else ''} |")
+                     f"{paired_reading(s, 'layer_answer_share')} | {paired_reading(s, 'layer_context_share')} |")
     lines.append("")
     if 'attention' in plots:
-        lines += [f"![answer accuracy and answer share against filler length]({plots['attention']})", ""]
+        lines += [f"![answer accuracy, answer share and context share against filler length]({plots['attention']})", ""]
     return lines
 
 
@@ -423,7 +430,7 @@ def write_report(report_dir, summary, results, failures, samples, plots, setup):
                          f"{', '.join(f'{v:.3f}' for v in s['accuracy']['values'])} | "
                          + " | ".join(fmt(s['accuracy_by_pairs'][p], 3) if p in s['accuracy_by_pairs'] else ''
                                       for p in pairs)
-                         + f" | {reading(s['accuracy_vs_base']) if 'accuracy_vs_base' in s else ''} |")
+                         + f" | {paired_reading(s, 'accuracy')} |")
         lines.append("")
         if 'accuracy' in plots:
             lines += [f"![answer accuracy against the number of key-value pairs]({plots['accuracy']})", ""]

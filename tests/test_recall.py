@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from denoised_gpt.batches import ExampleLayout, TokenBatches, TokenIdError
-from denoised_gpt.compare_report import filler_lines
+from denoised_gpt.compare_report import filler_lines, reading
 from denoised_gpt.evaluation import exact_val_loss
 from denoised_gpt.evaluation.recall import answer_accuracy, distance_bucket
 from helpers import (NO_AUTOCAST, ROOT, SCRIPT_VARIABLES, TINY, eval_losses, iter_losses, run_script_in_process,
@@ -386,9 +386,10 @@ def test_compare_sweeps_a_grid_and_reports_accuracy(mqar, tmp_path):
         shares = {r["variant"]: r["answer_share"] for r in results["runs"]}
         assert linear["answer_share_vs_base"]["differences"] == \
             [shares[f"linear n_embd={width}"] - shares[f"base n_embd={width}"]]
-        layer_shares = {r["variant"]: r["layer_answer_share"] for r in results["runs"]}
-        assert linear["layer_answer_share_vs_base"]["differences"] == \
-            [layer_shares[f"linear n_embd={width}"] - layer_shares[f"base n_embd={width}"]]
+        for key in ("context_share", "layer_answer_share", "layer_context_share"):
+            shares = {r["variant"]: r[key] for r in results["runs"]}
+            assert linear[f"{key}_vs_base"]["differences"] == \
+                [shares[f"linear n_embd={width}"] - shares[f"base n_embd={width}"]], key
         assert base["accuracy"]["values"] == [theirs[1]]
         line = next(line for line in report.splitlines() if line.startswith(f"| `linear n_embd={width}` | 0."))
         assert f"| {mine[1]:.3f} | {mine[1]:.3f} | " in line
@@ -400,9 +401,12 @@ def test_compare_sweeps_a_grid_and_reports_accuracy(mqar, tmp_path):
     assert sorted(filler_lines(one_width)) == ["base", "linear"]
     line = next(line for line in report.splitlines() if line.startswith("| `linear n_embd=16` | 14"))
     assert f"| {summary['linear n_embd=16']['answer_share']['mean']:.3f} |" in line
+    assert line.endswith(f"| {reading(summary['linear n_embd=16']['context_share_vs_base'])} |")
     line = next(line for line in report.splitlines() if line.startswith("| `linear n_embd=16` | 14")
-                and line.count("|") == 9)  # the layer table's row
+                and line.count("|") == 10)  # the layer table's row
     assert f"| {summary['linear n_embd=16']['layer_answer_share']['mean']:.3f} |" in line
+    assert line.endswith(f"| {reading(summary['linear n_embd=16']['layer_answer_share_vs_base'])} | "
+                         f"{reading(summary['linear n_embd=16']['layer_context_share_vs_base'])} |")
 
     # an attention_noise.json without the layer shares is an older eval.py's: measured again
     path = out / "runs" / "base-n_embd16-seed1" / "attention_noise.json"
