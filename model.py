@@ -932,7 +932,7 @@ class NoiseScoreGradient(torch.autograd.Function):
 # to each score as the fused kernel computes it, with eps a hash of the score's indices, so no (B, H, T, T)
 # noise or mask exists. False: the SDPA path above everywhere. CPU, eager CUDA, decoding with a cache and
 # attention dropout always take that path (eager FlexAttention builds the whole score matrix).
-# Off until its tests and speed are measured on a GPU (docs/attention.md): set it True to try it.
+# Off: its CUDA float64 tests failed in their first GPU run (docs/attention.md); set it True to try it.
 NOISE_IN_KERNEL = False
 
 
