@@ -25,6 +25,7 @@ NANO="bench.py --device=$DEVICE --real_data=False --compile=True $NANO_SIZE"
 add base $REPO $BENCH --attn_types=base
 add nanogpt $REPO/gpu/nanoGPT $NANO
 add base_as_nanogpt $REPO $BENCH --attn_types=base --grad_clip=0 --fused_loss=False
+add base_profile $REPO $BENCH --attn_types=base --profile=True  # where base's step goes (top kernels)
 add nf2_in_kernel $ON $BENCH --attn_types=noiseformer_v2
 add nf2_sdpa $REPO $BENCH --attn_types=noiseformer_v2
 add nf1_in_kernel $ON $BENCH --attn_types=noiseformer_v1
@@ -65,4 +66,5 @@ for name in "${NAMES[@]}"; do
   [ -f /tmp/bench-$name.json ] && { printf '{"setting": "%s", "result": ' $name; cat /tmp/bench-$name.json; echo '}'; } >> "$OUT/bench.jsonl"
 done
 tail -n 40 /tmp/time-*.log /tmp/warm-*.log > "$OUT/all_tails.log" 2>&1
+cp /tmp/time-base_profile.log "$OUT/profile.log" 2>/dev/null
 echo "== done at $(( $(date +%s) - START ))s" | tee -a "$OUT/bench.log"
