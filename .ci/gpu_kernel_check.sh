@@ -6,7 +6,8 @@
 # Phase 0: the in-kernel noise's float64 test alone, its tracebacks kept. Phase 1, in parallel: tests/test_cuda.py
 # with NOISE_IN_KERNEL = True (a copy of the tree in /tmp/noise-on), and one short compiled run of every timed
 # setting below, which fills the inductor caches. Phase 2, one at a time: each setting timed (bench.py, median
-# of 10 steps; nanoGPT's bench.py, mean of 20), so the cold compile of one never overlaps another's timing. DEVICE=cpu SMALL=1: a dry run of the script here.
+# of 10 steps; nanoGPT's bench.py, mean of 20), so the cold compile of one never overlaps another's timing.
+# DEVICE=cpu SMALL=1: a dry run of the script here.
 set -u
 OUT=${1:?OUT_DIR}; BUDGET=${2:-520}; DEVICE=${DEVICE:-cuda}; START=$(date +%s)
 export PYTHONUNBUFFERED=1 WANDB_MODE=offline OMP_NUM_THREADS=2
