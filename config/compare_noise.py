@@ -7,8 +7,9 @@
 # attention shares (eval.py --attention_noise) against filler length, each paired with base seed by seed.
 # $ for T in 16 32 64; do python3 data/mqar/prepare.py --num_kv_pairs 4 --seq_len $T --out_dir data/mqar-noise$T; done
 # $ python3 compare.py config/compare_noise.py
-# Run it again after an interruption: it resumes. Time on a 2-core CPU (docs/recall.md): length 16, tuning
-# and comparison, about 10 core-hours; lengths 32 and 64, 21 runs each, 10 to 30 core-hours. Tuning at
+# Run it again after an interruption: it resumes. Measured on a 2-core CPU (docs/recall.md): 31.8 core-hours
+# of training, 16 hours at two runs at a time (length 16's tuning 12.3; the compared runs 2.25, 5.07 and
+# 12.16 at lengths 16, 32 and 64; linear attention alone 10.3 of the 31.8). Tuning at
 # lengths 32 and 64 as well would add 50 core-hours (if the filler left the iterations to the target
 # unchanged) to about 170 (if they doubled with the length): that does not fit this CPU, so the rates are
 # tuned at the shortest length only (a lent GPU can tune at every length: --tune_at='').
