@@ -17,3 +17,24 @@ def test_ci_runs_the_readme_test_command():
     test_command = commands[1]
     ci_lines = [l.strip() for l in (ROOT / ".ci" / "run").read_text().splitlines()]
     assert test_command in ci_lines, f".ci/run does not run the README test command {test_command!r}"
+
+
+def test_ci_removes_what_it_built_when_it_fails(tmp_path):
+    # CI runs on a machine whose disk outlives the run, and each torch build is several GB: a run
+    # that fails half way must not leave its virtual environment behind. python3 here fails at once.
+    import os
+    import shutil
+    import subprocess
+
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    (fake_bin / "python3").write_text("#!/bin/sh\nmkdir -p \"$3\"\nexit 3\n")  # `python3 -m venv DIR`
+    (fake_bin / "python3").chmod(0o755)
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    env = {**os.environ, "PATH": f"{fake_bin}:{os.environ['PATH']}", "TMPDIR": str(scratch)}
+    result = subprocess.run([shutil.which("bash"), str(ROOT / ".ci" / "run")], env=env,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 3, result.stdout + result.stderr
+    assert "=== torch" in result.stdout  # it got as far as making a virtual environment
+    assert list(scratch.iterdir()) == [], f".ci/run left {list(scratch.iterdir())} behind"
