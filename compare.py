@@ -60,7 +60,7 @@ import statistics
 import subprocess
 import sys
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 
 import torch
 from tqdm import tqdm
@@ -542,8 +542,13 @@ def train_all(runs, rivals=None):
 
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         try:
-            for future in [pool.submit(train_one, run) for run in todo]:
-                future.result()
+            futures = [pool.submit(train_one, run) for run in todo]
+            # Never an endless wait: the kernel may hand SIGINT / SIGTERM to a job thread, and Python then only
+            # notes it for the main thread, which acts on it once it wakes (here within a second)
+            while wait(futures, timeout=1).not_done:
+                pass
+            for future in futures:
+                future.result()  # a job's exception, raised here
         except KeyboardInterrupt:
             # the train.py processes checkpoint and exit: a Ctrl-C in the terminal reached them already (a
             # SIGTERM after it changes nothing); a SIGINT or SIGTERM sent to compare.py alone did not
