@@ -465,7 +465,10 @@ def train(run, slot, progress, should_stop=lambda: False):
 
 running = set()  # the train.py processes (or their torchrun) now running
 stopping = threading.Event()  # set once a stop signal is being passed on to them
-signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill`, a scheduler's preemption: as Ctrl-C
+# SIGTERM (`kill`, a scheduler's preemption) stops the sweep as Ctrl-C does; SIGINT too where the shell that
+# started compare.py in the background set it to be ignored (train.py, eval.py and sample.py do the same)
+for stop_signal in (signal.SIGINT, signal.SIGTERM):
+    signal.signal(stop_signal, signal.default_int_handler)
 
 
 def outranked_now(rows):

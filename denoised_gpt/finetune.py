@@ -135,9 +135,9 @@ def add_lora(model, rank, alpha, dropout, targets):
 def apply_trainable(model, trainable, lora_rank=8, lora_alpha=16.0, lora_dropout=0.0, lora_targets=''):
     """Freeze what `trainable` says (and add the LoRA adapters), in place. Returns the model, which is
     the same object. ValueError when nothing would train (e.g. 'new' on a variant that adds nothing)."""
-    new = set(new_parameter_names(model))
     if trainable == 'all':
         return model
+    new = set(new_parameter_names(model))
     if trainable == 'lora':
         try:
             add_lora(model, lora_rank, lora_alpha, lora_dropout, lora_targets)

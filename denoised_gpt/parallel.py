@@ -25,9 +25,6 @@ How it maps onto train.py's DDP step, so that the two train the same model:
 """
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from denoised_gpt.device import device_type, torch_dtype
 from model import NoiseFormerAttention
@@ -65,6 +62,9 @@ def shard_model(model, device, dtype):
     """FSDP2 on `model` (a GPT) in place, over every rank of the process group: one group per block
     and the root. Its parameters become DTensors holding this rank's shard (moved to the device);
     build the optimizer afterwards, on them."""
+    # imported here: FSDP's modules take over a second to import, which every other run would pay at start
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     mesh = init_device_mesh(device_type(device), (dist.get_world_size(),))
     # float32: no policy. bf16: weights gathered (and the forward computed) in bf16, gradients reduced
     # and accumulated in float32, the sharded weights and AdamW state float32 as on the DDP path
@@ -114,6 +114,7 @@ def learned_values(model):
 def shard_optimizer_state(optimizer):
     """After optimizer.load_state_dict of a checkpoint's whole tensors (every rank read the file): each
     parameter's state (exp_avg, exp_avg_sq) cut to the parameter's own shard."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
     for group in optimizer.param_groups:
         for p in group['params']:
             if not isinstance(p, DTensor):

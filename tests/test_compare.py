@@ -200,14 +200,16 @@ def test_a_signal_to_compare_alone_checkpoints_its_runs_and_ends(sweep, sig, to_
     train.py gets SIGTERM, saves and exits, and compare.py exits 130 soon, not after the run's 10^6
     iterations; the run is resumable from where it stopped. The kernel may hand a signal sent to the process
     to any of its threads: to_a_thread sends it by thread id to one that is not the main one (Linux gives a
-    signal sent to a thread id to that thread first), where Python only notes it for the main thread."""
+    signal sent to a thread id to that thread first), where Python only notes it for the main thread. That
+    case also starts compare.py as a shell starts a job in the background, with SIGINT ignored."""
     tmp, data, _ = sweep
     out = tmp / f'signalled-{sig.name}'
     overrides = f"--dataset={data} --max_iters=1000000 --lr_decay_iters=1000000 --eval_interval=8 --eval_iters=2"
     args = [f'--base_config={TINY}', f'--overrides={overrides}', '--attn_types=base', '--seeds=1',
             f'--out_dir={out}', '--samples=False']
+    ignore_sigint = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if to_a_thread else None
     proc = subprocess.Popen([sys.executable, 'compare.py', *args], cwd=ROOT, env=subprocess_env(),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, preexec_fn=ignore_sigint)
     log = out / 'runs' / 'base-seed1' / 'train.log'
     deadline = time.time() + 120
     while time.time() < deadline and not (log.exists() and 'saved checkpoint' in log.read_text()):
