@@ -1,5 +1,8 @@
 """Repository-level promises: the README's commands are the ones CI and users actually run."""
+import os
 import re
+import shutil
+import subprocess
 
 from helpers import ROOT
 
@@ -22,10 +25,6 @@ def test_ci_runs_the_readme_test_command():
 def test_ci_removes_what_it_built_when_it_fails(tmp_path):
     # CI runs on a machine whose disk outlives the run, and each torch build is several GB: a run
     # that fails half way must not leave its virtual environment behind. python3 here fails at once.
-    import os
-    import shutil
-    import subprocess
-
     fake_bin = tmp_path / "bin"
     fake_bin.mkdir()
     (fake_bin / "python3").write_text("#!/bin/sh\nmkdir -p \"$3\"\nexit 3\n")  # `python3 -m venv DIR`
