@@ -277,9 +277,6 @@ class NoiseFormerAttention(SymmetricAttention):
         return self.noise_mu.view(1, n, 1, 1) + self.sigma().view(1, n, 1, 1) * eps
 
     def attend(self, q, k, v, batch_size):
-        if (self.training or self.noise_at_eval) and noise_in_kernel(q, k, v, self.attn_dropout_p):
-            return causal_attention_noise_in_kernel(q, k, v, self.noise_mu, self.sigma(), draw_noise_seed(q.device),
-                                                    self.noise_per_sample)
         eps = self.draw_noise(batch_size, q.size(-2), k.size(-2), like=q)
         if eps is None:
             return causal_attention(q, k, v, self.attn_dropout_p)
@@ -584,7 +581,7 @@ class GPT(nn.Module):
         if targets is not None and not return_logits:
             # training: the loss without materialising float32 logits (see lm_head_cross_entropy)
             logits = None
-            loss = lm_head_cross_entropy(x, self.lm_head.weight, targets)
+            loss = lm_head_cross_entropy(x, self.lm_head.weight, targets, low_memory=self.activation_checkpointing)
         elif targets is not None:
             logits = self.lm_head(x)
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
@@ -756,11 +753,11 @@ class GPT(nn.Module):
 # ----------------------------------------------------------------------------------------------
 # Kernels: the helpers and autograd functions the classes above call
 
-# cuDNN attention is left out on CUDA. On an H200 (torch 2.11) its backward reused a plan cached for
-# an earlier call of the same shape but another memory layout and returned wrong input gradients
-# (relative error 0.4 to 1.4 against float64: base after DINT, low-rank DINT after base), and it builds
-# a plan for every new sequence length, which made decoding ~49 ms a token. Flash / memory-efficient
-# were right in every case and cost 3 % (base) to 14 % (NoiseFormer) of an eager training step.
+# cuDNN attention is left out on CUDA: with torch 2.11 (cuDNN 9.19, H100) its backward returns wrong
+# dq, dk, dv (relative error 1.3-1.4) on every call whose output gradient is a contiguous (B, H, T, D)
+# tensor while q, k, v are (B, T, H, D) memory seen as (B, H, T, D), as after the heads are concatenated
+# or scaled; and it builds a plan for every new sequence length (slow decoding). Leaving it out costs a
+# compiled GPT-2-small step 1.2 ms (4 %) on an H100 (docs/benchmarks.md).
 CUDA_SDPA_BACKENDS = [torch.nn.attention.SDPBackend.FLASH_ATTENTION,
                       torch.nn.attention.SDPBackend.EFFICIENT_ATTENTION, torch.nn.attention.SDPBackend.MATH]
 
@@ -928,132 +925,6 @@ class NoiseScoreGradient(torch.autograd.Function):
         return grad_o, torch.zeros_like(d_sigma), d_sigma, None, None, None, None, None
 
 
-# NoiseFormer's noise inside the attention kernel: on CUDA under torch.compile, FlexAttention adds sigma * eps
-# to each score as the fused kernel computes it, with eps a hash of the score's indices, so no (B, H, T, T)
-# noise or mask exists. False: the SDPA path above everywhere. CPU, eager CUDA, decoding with a cache and
-# attention dropout always take that path (eager FlexAttention builds the whole score matrix).
-# Off: its CUDA float64 tests failed in their first GPU run (docs/attention.md); set it True to try it.
-NOISE_IN_KERNEL = False
-
-
-def noise_in_kernel(q, k, v, dropout_p):
-    """Whether NoiseFormer's attention takes causal_attention_noise_in_kernel. FlexAttention's CUDA kernel
-    needs head sizes of 16 or more (its tl.dot)."""
-    return (NOISE_IN_KERNEL and q.device.type == 'cuda' and torch.compiler.is_compiling()
-            and q.size(-2) == k.size(-2) and dropout_p == 0 and min(q.size(-1), v.size(-1)) >= 16)
-
-
-def draw_noise_seed(device):
-    """The seed of one forward's hashed noise: two int32 words from torch's generator on `device`, so
-    that re-seeding replays the noise and a resumed run draws what the uninterrupted one drew."""
-    return torch.randint(-2**31, 2**31, (2,), dtype=torch.int32, device=device)
-
-
-def _mix32(x):
-    """MurmurHash3's 32-bit finaliser on int32 tensors (products wrap mod 2^32; shifts are masked to be
-    logical): a bijection of the 2^32 values whose every output bit depends on every input bit."""
-    x = x ^ ((x >> 16) & 0xFFFF)
-    x = x * (0x85EBCA6B - 2**32)
-    x = x ^ ((x >> 13) & 0x7FFFF)
-    x = x * (0xC2B2AE35 - 2**32)
-    return x ^ ((x >> 16) & 0xFFFF)
-
-
-def hashed_normal(seed, b, h, i, j):
-    """eps ~ N(0, 1), float32, as a pure function of the int32 seed (2,) and int32 index tensors
-    (batch, noise head, query, key; broadcasting): FlexAttention's score_mod calls it on scalars,
-    and on arange tensors it gives the same eps as a tensor (tests). Each index goes through a
-    bijective mix in turn, so changing any one changes the result; two 24-bit uniforms from the hash
-    give one Box-Muller normal (|eps| <= 5.8)."""
-    x = _mix32(_mix32(_mix32(_mix32(_mix32(seed[0] ^ b) ^ seed[1]) ^ h) ^ i) ^ j)
-    y = _mix32(x ^ 0x1B873593)
-    u1 = (((x >> 8) & 0xFFFFFF) + 1).to(torch.float32) * 2.0**-24  # (0, 1]
-    u2 = ((y >> 8) & 0xFFFFFF).to(torch.float32) * 2.0**-24  # [0, 1)
-    return torch.sqrt(-2.0 * torch.log(u1)) * torch.cos((2 * math.pi) * u2)
-
-
-def _noise_score_mod(sigma, seed, per_sample, extra=None):
-    """score_mod adding sigma[h] * eps (sigma: one value per noise head, float32 at least), and extra(eps)."""
-    shared_heads = sigma.numel() == 1  # noiseformer_v1: one eps for all heads
-
-    def score_mod(score, b, h, q_idx, kv_idx):
-        eps = hashed_normal(seed, b if per_sample else 0, 0 if shared_heads else h, q_idx, kv_idx).to(sigma.dtype)
-        s = score + sigma[0 if shared_heads else h] * eps
-        return (s if extra is None else s + extra(eps)).to(score.dtype)
-    return score_mod
-
-
-def _causal(b, h, q_idx, kv_idx):
-    return q_idx >= kv_idx
-
-
-def causal_block_mask(q):
-    from torch.nn.attention.flex_attention import create_block_mask
-    return create_block_mask(_causal, None, None, q.size(-2), q.size(-2), device=q.device)
-
-
-def causal_attention_noise_in_kernel(q, k, v, mu, sigma, seed, per_sample):
-    """causal_attention_learned_noise (t_q == t_k, no dropout) with eps = hashed_normal(seed, b or 0,
-    noise head, i, j) computed inside FlexAttention's kernel; mu is left out (a constant added to a
-    whole row does not change its softmax). FlexAttention gives dq, dk, dv; NoiseKernelGradient gives
-    dsigma (and dmu = 0). flex_attention's own gradient for a captured sigma would scatter every score's
-    term into sigma with atomic adds, all of a head's to one address: slow, and not bitwise repeatable."""
-    from torch.nn.attention.flex_attention import flex_attention
-    block_mask = causal_block_mask(q)
-    sig = upcast(sigma.detach())
-    needs_noise_grad = torch.is_grad_enabled() and (mu.requires_grad or sigma.requires_grad)
-    if not needs_noise_grad:
-        return flex_attention(q, k, v, score_mod=_noise_score_mod(sig, seed, per_sample), block_mask=block_mask)
-    o, lse = flex_attention_with_lse(q, k, v, _noise_score_mod(sig, seed, per_sample), block_mask)
-    return NoiseKernelGradient.apply(o, mu, sigma, q.detach(), k.detach(), v.detach(), lse.detach(), seed,
-                                     per_sample)
-
-
-def flex_attention_with_lse(q, k, v, score_mod, block_mask):
-    """FlexAttention's output and its rows' log-sum-exp (asked for with AuxRequest where torch has it; torch
-    2.6 has only return_lse)."""
-    from torch.nn.attention import flex_attention as flex
-    if hasattr(flex, 'AuxRequest'):
-        o, aux = flex.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
-                                     return_aux=flex.AuxRequest(lse=True))
-        return o, aux.lse
-    return flex.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, return_lse=True)
-
-
-class NoiseKernelGradient(torch.autograd.Function):
-    """NoiseScoreGradient for causal_attention_noise_in_kernel: identity on o in the forward; in the
-    backward dL/dsigma = sum_i dO_i . (W v)_i - D_i sum_j W_ij, W = P * eps, D_i = dO_i . o_i, from
-    two more FlexAttention forwards instead of (T, T) chunks. With eps+ = max(eps, 0), adding
-    log(eps+) to the scores gives softmax(S + log eps+) = P eps+ / c+, c+_i = sum_j P_ij eps+_ij =
-    exp(lse+_i - lse_i); so (P eps+) v = c+ o+, and likewise for eps- = max(-eps, 0), W = P eps+ - P eps-.
-    A row whose eps+ is 0 everywhere is fully masked: its output is 0 and c+ = exp(-inf) = 0."""
-    @staticmethod
-    def forward(ctx, o, mu, sigma, q, k, v, lse, seed, per_sample):
-        ctx.save_for_backward(o, sigma, q, k, v, lse, seed)
-        ctx.per_sample, ctx.noise_heads = per_sample, mu.numel()
-        return o.view_as(o)
-
-    @staticmethod
-    def backward(ctx, grad_o):
-        o, sigma, q, k, v, lse, seed = ctx.saved_tensors
-        sig, block_mask = upcast(sigma.detach()), causal_block_mask(q)
-        d_o = upcast(grad_o)
-        w_v, w_sum = 0, 0
-        for sign in (1.0, -1.0):
-            def log_part(eps, sign=sign):
-                return torch.log(torch.clamp(sign * eps, min=0.0))  # -inf where sign * eps <= 0
-            score_mod = _noise_score_mod(sig, seed, ctx.per_sample, extra=log_part)
-            o_part, lse_part = flex_attention_with_lse(q, k, v, score_mod, block_mask)
-            c = torch.exp(upcast(lse_part) - upcast(lse))  # (B, H, T)
-            c = torch.where(torch.isfinite(lse_part), c, 0.0)  # rows without a key (their outputs unused)
-            w_v = w_v + sign * torch.where(c.unsqueeze(-1) > 0, c.unsqueeze(-1) * upcast(o_part), 0.0)
-            w_sum = w_sum + sign * c
-        D = (d_o * upcast(o)).sum(-1)
-        d_sigma = (d_o * w_v).sum(dim=(0, 2, 3)) - (D * w_sum).sum(dim=(0, 2))  # per attention head
-        d_sigma = d_sigma.view(ctx.noise_heads, -1).sum(1).to(sigma.dtype)
-        return grad_o, torch.zeros_like(sigma), d_sigma, None, None, None, None, None, None
-
-
 def append_to_cache(cache, **tensors):
     """Concatenate new keys/values to a layer's decoding cache along time; return the full tensors."""
     if cache is None:
@@ -1093,19 +964,19 @@ def chunked_linear_attention(q, k, v, chunk, eps, state=None):
     return y, S_before[:, :, -1] + kv[:, :, -1], z_before[:, :, -1] + kz[:, :, -1]
 
 
-@torch.library.custom_op("denoised_gpt::lm_head_cross_entropy", mutates_args=())
-def _lm_head_ce(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, compute_dtype: torch.dtype,
-                chunk: int, needs_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def lm_head_ce_forward(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, compute_dtype: torch.dtype,
+                       chunk: int, needs_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean cross-entropy of x @ weight^T against targets (-1 ignored), the same numbers as
     F.cross_entropy(lm_head(x)) (log-softmax in float32 on the matmul-dtype logits), but the float32
     log-probabilities exist for `chunk` rows at a time only, and d loss / d logits = softmax - onehot
     is written over the logits in the same pass: no (N, V) float32 tensors, no separate backward
     pass over them. At vocab 50304 that was most of a small model's step on CPU. Returns (loss, that
-    gradient, unscaled; an empty tensor when needs_grad is False), which the backward below uses.
+    gradient, unscaled, for every row: the backward drops the rows without a target; an empty tensor
+    when needs_grad is False), which the backward below uses.
 
-    A custom op, so torch.compile keeps it whole, as one node of its graph: traced, the Python chunk
-    loop would unroll into hundreds of small kernels (a compiled CPU step 15x slower than eager), and
-    eager this is already a few large matmuls and in-place passes, which a compiler has little to fuse."""
+    Registered as a custom op (below), so torch.compile keeps it whole, as one node of its graph: traced,
+    the Python chunk loop would unroll into hundreds of small kernels (a compiled CPU step 15x slower than
+    eager). Compiled on CUDA, lm_head_cross_entropy takes the plain loss instead, which inductor fuses."""
     xc, wc = x.to(compute_dtype), weight.to(compute_dtype)
     logits = xc @ wc.t()  # (N, V) in the matmul dtype; becomes the gradient below
     valid = targets != -1
@@ -1123,9 +994,10 @@ def _lm_head_ce(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, co
             g[rows, t] = (logp_t.exp() - 1).to(g.dtype)  # minus the one-hot, in float32
     if not needs_grad:
         return total / n_valid, logits.new_empty(0)
-    if not bool(valid.all()):
-        logits[~valid] = 0
-    return total / n_valid, logits
+    return total / n_valid, logits  # rows without a target are zeroed in the backward (no host sync here)
+
+
+_lm_head_ce = torch.library.custom_op("denoised_gpt::lm_head_cross_entropy", lm_head_ce_forward, mutates_args=())
 
 
 @_lm_head_ce.register_fake
@@ -1137,22 +1009,24 @@ def _lm_head_ce_shapes(x, weight, targets, compute_dtype, chunk, needs_grad):
 
 def _lm_head_ce_save(ctx, inputs, output):
     x, weight, targets, compute_dtype, chunk, needs_grad = inputs
-    ctx.save_for_backward(output[1], x, weight, (targets != -1).sum().clamp_min(1))
+    ctx.save_for_backward(output[1], x, weight, targets != -1)
     ctx.compute_dtype = compute_dtype
     ctx.set_materialize_grads(False)  # no (N, V) zeros for the gradient output, which nothing differentiates
 
 
 def _lm_head_ce_backward(ctx, grad_loss, _):  # the second output is the forward's own gradient
-    grad, x, weight, n_valid = ctx.saved_tensors
+    grad, x, weight, valid = ctx.saved_tensors
     if grad_loss is None:  # the loss took no part in what is differentiated
         return None, None, None, None, None, None
     xc, wc = x.to(ctx.compute_dtype), weight.to(ctx.compute_dtype)
-    scale = grad_loss / n_valid
+    scale = grad_loss / valid.sum().clamp_min(1)
+    # a row without a target has a softmax in `grad` but adds nothing: zeroed here, on (N, C), not (N, V)
+    row_used = valid.unsqueeze(1)
     gx = gw = None
     if ctx.needs_input_grad[0]:
-        gx = (grad @ wc).to(x.dtype) * scale
+        gx = (grad @ wc).to(x.dtype) * scale * row_used
     if ctx.needs_input_grad[1]:
-        gw = (grad.t() @ (xc * scale.to(xc.dtype))).to(weight.dtype)
+        gw = (grad.t() @ (xc * scale.to(xc.dtype) * row_used)).to(weight.dtype)
     return gx, gw, None, None, None, None
 
 
@@ -1160,16 +1034,21 @@ _lm_head_ce.register_autograd(_lm_head_ce_backward, setup_context=_lm_head_ce_sa
 
 
 # rows of float32 log-probabilities held at once by the fused loss. CPU: 32 rows stay in cache. GPUs: ~128 MiB
-# at a time, since each chunk costs ~8 kernel launches (32 rows at vocab 50304: ~3,000 per GPT-2 step, which
-# left the H200 idle half the step)
+# at a time, since each chunk costs ~8 kernel launches (32 rows at vocab 50304: ~3,000 per GPT-2 step)
 CPU_LOSS_CHUNK_ROWS = 32
 GPU_LOSS_CHUNK_BYTES = 128 * 2**20
 
 
-def lm_head_cross_entropy(x, weight, targets, chunk=None):
+def lm_head_cross_entropy(x, weight, targets, chunk=None, low_memory=False):
     """(B, T, C) activations, the (V, C) lm_head weight, (B, T) targets -> mean CE (float32 scalar).
-    Under autocast the matmuls run in the autocast dtype, as lm_head would (see _lm_head_ce)."""
+    Under autocast the matmuls run in the autocast dtype, as lm_head would (see lm_head_ce_forward)."""
     kind = x.device.type
+    if kind == 'cuda' and torch.compiler.is_compiling() and not low_memory:
+        # compiled on CUDA, inductor fuses the plain loss into two passes over the bf16 logits: a GPT-2-small
+        # step 5.2 ms (15 %) faster than the op below, for ~2 GiB more at batch 12 (docs/benchmarks.md). With
+        # activation checkpointing (low_memory) the op stays: there the logits are most of the activations
+        logits = F.linear(x, weight)
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
     if chunk is None:  # (Gaudi takes the GPU rule too; not measured there)
         chunk = CPU_LOSS_CHUNK_ROWS if kind == 'cpu' else \
             max(CPU_LOSS_CHUNK_ROWS, GPU_LOSS_CHUNK_BYTES // (4 * weight.size(0)))
@@ -1177,9 +1056,10 @@ def lm_head_cross_entropy(x, weight, targets, chunk=None):
     needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
     x, targets = x.reshape(-1, x.size(-1)), targets.reshape(-1)
     scored = targets != -1
-    if not torch.compiler.is_compiling() and not bool(scored.all()):
+    if kind == 'cpu' and not torch.compiler.is_compiling() and not bool(scored.all()):
         # rows without a target add nothing to the loss or its gradient: where few rows have one (answer-only
-        # data: 1 position in 4-16) the lm_head runs on those alone. Not when compiled: a data-dependent shape
+        # data: 1 position in 4-16) the lm_head runs on those alone. On the CPU only: on a GPU, bool() would
+        # wait for the device every step. Not when compiled: a data-dependent shape
         x, targets = x[scored], targets[scored]
     loss, _ = _lm_head_ce(x, weight, targets, compute_dtype, chunk, needs_grad)
     return loss

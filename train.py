@@ -571,9 +571,12 @@ while True:
         # backward pass, with gradient scaling if training in fp16
         scaler.scale(loss / gradient_accumulation_steps).backward()
         mark_step()
-    # clip the gradient (max_norm=inf only measures it, for the non-finite check)
+    # clip the gradient; with clipping off, only measure it (for the non-finite check and the log)
     scaler.unscale_(optimizer)
-    grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), grad_clip if grad_clip != 0.0 else float('inf'))
+    if grad_clip != 0.0:
+        grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), grad_clip)
+    else:
+        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in raw_model.parameters() if p.grad is not None])
     if fsdp:  # the norm of the sharded gradients, summed over the ranks: the same value on every rank
         grad_norm = grad_norm.full_tensor()
     # one all-reduce for what every rank must agree on: the logged means, non-finite values, SIGTERM.

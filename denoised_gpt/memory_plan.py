@@ -1,8 +1,10 @@
 """How much memory a training run needs per GPU, computed from the model's shapes before renting any:
 the plan `bench.py --plan=True` prints (docs/benchmarks.md, "Memory plan").
 
-The step is train.py's: float32 weights, gradients and AdamW's two moments (16 bytes a parameter),
-forward under bf16 autocast, the fused lm_head + cross-entropy loss. Activations are what the
+The step is train.py's compiled on CUDA: float32 weights, gradients and AdamW's two moments (16 bytes a
+parameter), forward under bf16 autocast, the plain lm_head + cross-entropy that inductor fuses, or with
+activation checkpointing the fused chunked loss (as on the CPU and eager: fused_loss=True), which needs less.
+Activations are what the
 forward keeps for the backward, counted tensor by tensor from model.py's code (tests/test_memory_plan.py
 checks the sum against torch.profiler's tensor peak on CPU for every attn_type), plus the largest
 short-lived working set of the step. Not counted: the CUDA context, the allocator's fragmentation
@@ -109,10 +111,12 @@ def block_bytes_per_token(config):
     return common + attention_activations(config)[0]
 
 
-def head_bytes_per_token(config):
-    """ln_f's float32 input and statistics, its float32 output (the fused loss keeps x), and d loss /
-    d logits in bf16, which the fused loss writes over the logits in the forward and keeps."""
-    return F * config.n_embd + F * 2 + F * config.n_embd + A * config.vocab_size
+def head_bytes_per_token(config, fused_loss=False):
+    """ln_f's float32 input and statistics, its float32 output (the loss keeps x), and the bf16 logits:
+    the fused loss writes d loss / d logits over them in the forward and keeps that alone; the compiled
+    plain loss keeps the logits and has their gradient beside them in the backward, 3 A V in all (on an
+    H100, GPT-2 small at batch 12: 1.97 GiB more per step than the fused loss; 2 A V is 2.30 GiB)."""
+    return F * config.n_embd + F * 2 + F * config.n_embd + (1 if fused_loss else 3) * A * config.vocab_size
 
 
 def block_backward_bytes_per_token(config):
@@ -130,16 +134,17 @@ def matmul_weight_count(model):
     return sum(p.numel() for block in model.transformer.h for p in block.parameters() if p.dim() == 2)
 
 
-def activation_bytes(config, batch_size, checkpointing, weight_count):
+def activation_bytes(config, batch_size, checkpointing, weight_count, fused_loss=None):
     """Peak bytes of a training step beyond the static memory (weights, gradients, optimizer state):
-    the largest of three moments. The end of the forward (everything kept, autocast's bf16 weight
-    copies, the loss's float32 chunk and its bf16 lm_head weight), the start of the backward (the
-    lm_head's backward: its weight and gradient in bf16 and float32), and the last block's backward
-    (with checkpointing: that block's activations recomputed, with its bf16 weights)."""
+    the largest of three moments (the loss: see head_bytes_per_token; fused_loss None: train.py's
+    compiled CUDA step, fused with checkpointing only). The end of the forward (everything
+    kept, autocast's bf16 weight copies, the loss's float32 chunk and its bf16 lm_head weight), the start
+    of the backward (the lm_head's backward: its weight and gradient in bf16 and float32), and the last
+    block's backward (with checkpointing: that block's activations recomputed, with its bf16 weights)."""
     L, T, C, V = config.n_layer, config.block_size, config.n_embd, config.vocab_size
     N = batch_size * T  # tokens of the micro-batch
     block_tokens, noise = block_bytes_per_token(config), attention_activations(config)[1]
-    head = N * head_bytes_per_token(config)
+    head = N * head_bytes_per_token(config, checkpointing if fused_loss is None else fused_loss)
     weights_bf16 = A * weight_count
     if checkpointing:  # each block keeps only its input (the residual stream) until its rerun
         kept = N * F * C * L

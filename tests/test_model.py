@@ -15,9 +15,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-import model as model_module
-from model import (GPT, GPTConfig, KVCache, causal_attention, causal_attention_noise_in_kernel, causal_randn,
-                   draw_noise_seed, hashed_normal)
+from model import GPT, GPTConfig, KVCache, causal_randn
 from naive_attention import NAIVE, diff_lambda, lambda_init_for, noise_mu_sigma
 
 F64 = torch.float64
@@ -200,134 +198,6 @@ def test_causal_randn_visible_entries_are_distinct_standard_normal_draws(T):
         ks = torch.maximum(torch.arange(1, n + 1, dtype=F64) / n - cdf, cdf - torch.arange(n, dtype=F64) / n).max()
         assert ks < 1.63 / math.sqrt(n)  # the 1% critical value
         assert abs(x.mean()) < 5 / math.sqrt(n) and abs(x.std() - 1) < 5 / math.sqrt(n)
-
-
-def hashed_eps(seed, B, noise_heads, T, per_sample):
-    """The noise causal_attention_noise_in_kernel adds, as a float32 (1 or B, noise_heads, T, T) tensor."""
-    def index(n, dim):
-        return torch.arange(n, dtype=torch.int32).view([-1 if d == dim else 1 for d in range(4)])
-    return hashed_normal(seed.cpu(), index(B if per_sample else 1, 0), index(noise_heads, 1), index(T, 2), index(T, 3))
-
-
-def test_hashed_normal_is_standard_normal():
-    """~1e6 hashed draws (one seed, all indices of a (4, 4, 250, 250) grid): mean, variance and the fractions
-    below five N(0, 1) quantiles, each within 5 standard errors of its value for n independent N(0, 1) draws,
-    and a KS test at the 1% level."""
-    x = hashed_eps(torch.tensor([12345, -678], dtype=torch.int32), 4, 4, 250, True).double().flatten()
-    n = x.numel()
-    assert n == 1_000_000
-    assert abs(x.mean()) < 5 / math.sqrt(n)
-    assert abs(x.var() - 1) < 5 * math.sqrt(2 / n)  # Var(s^2) = 2 / n for normal draws
-    for p in (0.01, 0.1, 0.5, 0.9, 0.99):
-        below = (x < torch.special.ndtri(torch.tensor(p, dtype=F64))).double().mean()
-        assert abs(below - p) < 5 * math.sqrt(p * (1 - p) / n), p
-    x = x.sort().values
-    cdf = 0.5 * (1 + torch.erf(x / math.sqrt(2)))
-    ks = torch.maximum(torch.arange(1, n + 1, dtype=F64) / n - cdf, cdf - torch.arange(n, dtype=F64) / n).max()
-    assert ks < 1.63 / math.sqrt(n)
-
-
-def test_hashed_normal_is_a_pure_function_of_its_indices():
-    """Same seed and indices: the same numbers (on scalars, as score_mod calls it, too); another seed word,
-    batch, head, query or key index: different numbers everywhere."""
-    seed = torch.tensor([7, -3], dtype=torch.int32)
-    eps = hashed_eps(seed, 3, 4, 40, True)
-    assert torch.equal(eps, hashed_eps(seed.clone(), 3, 4, 40, True))
-    i32 = lambda v: torch.tensor(v, dtype=torch.int32)
-    assert hashed_normal(seed, i32(2), i32(1), i32(30), i32(5)) == eps[2, 1, 30, 5]
-    for other in ([8, -3], [7, -2]):
-        assert (hashed_eps(torch.tensor(other, dtype=torch.int32), 3, 4, 40, True) != eps).all(), other
-    assert (eps[1:] != eps[:-1]).all() and (eps[:, 1:] != eps[:, :-1]).all()
-    assert (eps[:, :, 1:] != eps[:, :, :-1]).all() and (eps[..., 1:] != eps[..., :-1]).all()
-    assert (eps.transpose(-1, -2) != eps).sum() == eps.numel() - 3 * 4 * 40  # only the diagonal is itself
-
-
-NOISE_IN_KERNEL_CASES = [(1, False), (1, True), (4, False), (4, True)]  # (noise heads: v1 1, v2 H, per_sample)
-EAGER_FLEX = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
-
-
-@EAGER_FLEX
-@pytest.mark.parametrize("noise_heads,per_sample", NOISE_IN_KERNEL_CASES)
-def test_noise_in_kernel_equals_causal_attention_with_the_hashed_noise(noise_heads, per_sample):
-    """causal_attention_noise_in_kernel (FlexAttention, eager on the CPU: forward only, so q, k, v do not
-    require grad) equals causal_attention with score_bias = sigma * eps, eps the hash materialised, in
-    float64; its closed-form dsigma (NoiseKernelGradient) equals autograd's through that score_bias, and
-    dmu is 0. v1: one eps for all heads, v2: one per head; per_sample: one per sequence."""
-    torch.manual_seed(0)
-    B, H, T, D = 2, 4, 37, 8
-    q, k, v = (torch.randn(B, H, T, D, dtype=F64) for _ in range(3))
-    mu = torch.randn(noise_heads, dtype=F64, requires_grad=True)
-    sigma = (2 * torch.rand(noise_heads, dtype=F64)).requires_grad_()
-    seed = draw_noise_seed('cpu')
-    y = causal_attention_noise_in_kernel(q, k, v, mu, sigma, seed, per_sample)
-    grad_y = torch.randn_like(y)
-    y.backward(grad_y)
-    sigma_ref = sigma.detach().clone().requires_grad_()
-    eps = hashed_eps(seed, B, noise_heads, T, per_sample).double()
-    ref = causal_attention(q, k, v, score_bias=sigma_ref.view(1, -1, 1, 1) * eps)
-    ref.backward(grad_y)
-    assert rel_err(y, ref) < 1e-12
-    assert rel_err(sigma.grad, sigma_ref.grad) < 1e-10, (sigma.grad, sigma_ref.grad)
-    assert torch.equal(mu.grad, torch.zeros_like(mu))
-    assert rel_err(causal_attention(q, k, v), ref) > 1e-3  # the noise really is in there
-
-
-@EAGER_FLEX
-@pytest.mark.parametrize("noise_heads,per_sample", [(1, False), (4, True)])
-def test_noise_in_kernel_is_causal(noise_heads, per_sample):
-    """Changing the query, key and value of position t changes no output before t (the noise held by
-    the seed), and changes the output at t."""
-    torch.manual_seed(1)
-    B, H, T, D = 2, 4, 20, 8
-    q, k, v = (torch.randn(B, H, T, D, dtype=F64) for _ in range(3))
-    mu, sigma = torch.zeros(noise_heads, dtype=F64), torch.ones(noise_heads, dtype=F64)
-    seed = draw_noise_seed('cpu')
-    with torch.no_grad():
-        ref = causal_attention_noise_in_kernel(q, k, v, mu, sigma, seed, per_sample)
-        for t in (0, 7, T - 1):
-            changed = [x.clone() for x in (q, k, v)]
-            for x in changed:
-                x[:, :, t] += 1
-            out = causal_attention_noise_in_kernel(*changed, mu, sigma, seed, per_sample)
-            assert torch.equal(out[:, :, :t], ref[:, :, :t]), t
-            assert (out[:, :, t] - ref[:, :, t]).abs().min() > 1e-6, t
-
-
-@EAGER_FLEX
-@pytest.mark.parametrize("attn_type,per_sample", [("noiseformer_v1", False), ("noiseformer_v2", True)])
-def test_compiled_layer_takes_the_noise_in_kernel(monkeypatch, attn_type, per_sample):
-    """NoiseFormer's layer compiled whole (aot_eager, fullgraph) with noise_in_kernel allowed on the CPU:
-    the seed drawn inside the graph is eager's after the same manual_seed, and the output and d logvar
-    equal the float64 materialised path's with that seed's hashed eps. Only sigma requires grad
-    (FlexAttention has no backward for q, k, v on the CPU)."""
-    overrides = dict(noise_param='logvar', noise_per_sample=per_sample)
-    model, ref_model = make_model(attn_type, dtype=torch.float32, **overrides), make_model(attn_type, **overrides)
-    attn, ref_attn = model.transformer.h[1].attn.train(), ref_model.transformer.h[1].attn.train()
-    for p in attn.parameters():
-        p.requires_grad_(p is attn.noise_logvar)
-    T = 50
-    x, grad_y = torch.randn(2, T, 32, dtype=F64), torch.randn(2, T, 32, dtype=F64)
-    with monkeypatch.context() as patch:
-        patch.setattr(model_module, "noise_in_kernel", lambda q, k, v, p: torch.compiler.is_compiling())
-        torch.manual_seed(5)
-        y = torch.compile(attn, backend="aot_eager", fullgraph=True)(x.float())
-        y.backward(grad_y.float())
-    torch.manual_seed(5)
-    eps = hashed_eps(draw_noise_seed('cpu'), 2, attn.noise_mu.numel(), T, per_sample).double()
-    monkeypatch.setattr(ref_attn, "draw_noise", lambda *args, **kwargs: eps)
-    ref_attn.materialise_noise = True
-    ref = ref_attn(x)
-    ref.backward(grad_y)
-    assert rel_err(y.detach().double(), ref) < 1e-6
-    assert rel_err(attn.noise_logvar.grad.double(), ref_attn.noise_logvar.grad) < 1e-5
-
-
-def test_noise_in_kernel_only_on_cuda_under_compile(monkeypatch):
-    """The CPU (and eager CUDA, decoding, attention dropout) keep the SDPA path: NoiseFormer on the CPU
-    draws causal_randn exactly as before whatever NOISE_IN_KERNEL says."""
-    q = torch.zeros(1, 1, 4, 16)
-    monkeypatch.setattr(model_module, "NOISE_IN_KERNEL", True)
-    assert not model_module.noise_in_kernel(q, q, q, 0.0)
 
 
 @pytest.mark.parametrize("attn_type", NOISE)
@@ -1119,3 +989,37 @@ def test_input_gradient_equals_naive_float64(attn_type):
     ref = NAIVE[attn_type](attn, x, **kwargs)
     (dx_ref,) = torch.autograd.grad(ref, x, grad_out)
     assert rel_err(dx, dx_ref) < 1e-10
+
+
+def test_fused_cross_entropy_never_reads_back_from_the_device():
+    """The fused loss's forward and backward queue work without waiting for the device (no value is read
+    back to Python, which would stall a GPU every step), and rows without a target (-1) still add nothing:
+    loss and gradients equal F.cross_entropy's in float64 with those rows handed to the op itself."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import model as model_module
+
+    class Calls(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.add(func.name())
+            return func(*args, **(kwargs or {}))
+
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(50, 16, generator=g, dtype=F64, requires_grad=True)
+    w = torch.randn(97, 16, generator=g, dtype=F64, requires_grad=True)
+    targets = torch.randint(0, 97, (50,), generator=g)
+    targets[::3] = -1
+    with Calls() as calls:  # the op's body as its kernel runs it, then its backward through autograd
+        model_module.lm_head_ce_forward(x.detach(), w.detach(), targets, F64, 7, True)
+        loss, _ = model_module._lm_head_ce(x, w, targets, F64, 7, True)
+        grads = torch.autograd.grad(loss, (x, w))
+    assert 'aten::mm' in calls.names  # the mode saw the op's work
+    assert not calls.names & {'aten::_local_scalar_dense', 'aten::nonzero', 'aten::item'}, calls.names
+    ref = F.cross_entropy(x @ w.t(), targets, ignore_index=-1)
+    for new, want in zip((loss, *grads), (ref, *torch.autograd.grad(ref, (x, w)))):
+        assert rel_err(new, want) < 1e-12
+

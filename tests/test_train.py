@@ -20,7 +20,7 @@ import torch
 
 from denoised_gpt.checkpoint import load_checkpoint
 from helpers import (ITER_LINE, ROOT, TINY, TINY_MODEL, VOCAB, eval_losses, iter_losses, make_dataset,
-                     run_script_in_process, run_train, subprocess_env, train_command)
+                     run_script_in_process, run_train, run_train_in_process, subprocess_env, train_command)
 from model import ATTENTION_TYPES, GPTConfig
 
 
@@ -463,3 +463,18 @@ def test_swinging_cpu_steps_get_one_note_naming_omp_num_threads(capsys):
         speed.update(dt, settled=True)
     out = capsys.readouterr().out
     assert out.count('note: step times swing from 100 ms to') == 1 and 'OMP_NUM_THREADS' in out
+
+
+def test_grad_clip_zero_trains_exactly_as_a_clip_that_never_binds(tmp_path):
+    """grad_clip=0 only measures the gradient (no multiply of every gradient by 1): the run, its logged
+    losses and its weights are bit for bit those of a clip threshold no gradient reaches."""
+    data = make_dataset(tmp_path)
+    runs = {}
+    for clip in ('0', '1e30'):
+        out = tmp_path / f'clip{clip}'
+        proc = run_train_in_process(out, data, f'--grad_clip={clip}', '--max_iters=6', '--eval_interval=6')
+        runs[clip] = iter_losses(proc.stdout), load_checkpoint(out)['model']
+    (losses, weights), (ref_losses, ref_weights) = runs['0'], runs['1e30']
+    assert losses == ref_losses and len(losses) == 6
+    for name, w in ref_weights.items():
+        assert torch.equal(weights[name], w), name
