@@ -78,7 +78,7 @@ beta1 = 0.9  # AdamW beta1
 beta2 = 0.95  # AdamW beta2
 grad_clip = 1.0  # gradient clipping (0 = off)
 kl_weight = 5e-6  # loss = cross-entropy + kl_weight * KL (NoiseFormer)
-fused_loss = True  # the fused, chunked lm_head + cross-entropy train.py uses; False: lm_head + F.cross_entropy
+fused_loss = True  # train.py's loss (the fused, chunked one; compiled on CUDA, inductor's); False: lm_head + F.cross_entropy
 # timing
 warmup_iters = 3  # untimed steps first (allocator, kernel selection, compile)
 bench_iters = 5  # timed steps per variant and round; the median over all rounds is reported
@@ -368,7 +368,9 @@ print(f"device {device} ({dtype}): {hardware}; torch {torch.__version__}")
 print(f"model ({size_note}): n_layer {n_layer}, n_head {n_head}, n_embd {n_embd}, block_size {block_size}, "
       f"vocab_size {vocab_size}, bias {bias}; batch_size {batch_size} ({tokens_per_iter:,} tokens/iter), "
       f"{os.path.join('data', dataset) if dataset else 'synthetic tokens'}")
-print(f"step: {'fused lm_head + cross-entropy' if fused_loss else 'lm_head + F.cross_entropy'}, "
+loss_note = "train.py's (fused lm_head + cross-entropy; inductor's compiled on CUDA)" if fused_loss else \
+    'lm_head + F.cross_entropy'
+print(f"step: {loss_note}, "
       f"{' and '.join('compiled' if c else 'eager' for c in compile_modes)} (compile={compile!r})")
 print(f"MFU against {peak / 1e12:.3g} TFLOP/s ({peak_source}); peak memory: {memory_method or 'n/a on this device'}")
 if batches is not None and batches.layout.labels_path:
