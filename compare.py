@@ -41,9 +41,9 @@ final val loss, their mean +- std, and whether every seed agrees in sign; the re
 lower or higher than base only when they all do. On a recall dataset (data/mqar: its meta.json marks
 the answers), eval.py --recall=True --attention_noise=True scores each finished run, and the report adds
 answer accuracy (overall and by number of key-value pairs) and where attention goes (the shares of the
-lookup head's attention, and of the reading layer's output, on the answer and on the irrelevant context,
-docs/eval.md), each with its paired reading against base, a plot of accuracy against pairs and one of
-accuracy, answer shares and context share against filler length.
+lookup head's attention, and of the reading layer's output, on the answer, the other pairs, the query's own
+token, the earlier queries and the filler, docs/eval.md), each with its paired reading against base, a plot
+of accuracy against pairs and one of accuracy, signed answer shares and noise share against filler length.
 """
 
 from configurator import answer_help
@@ -602,19 +602,18 @@ def read_eval_json(path):
 
 def recall_results(run, attention=True):
     """On a recall dataset: {'accuracy', 'accuracy_by_pairs'} from eval.py --recall=True on the run's final
-    checkpoint and, with attention, where its attention goes from --attention_noise=True (its lookup head's
-    answer, noise, other-pairs and context shares, the head; its reading layer's answer and context shares,
-    the layer; and the filler length per example); {} on other datasets. Read from the run's recall.json and
-    attention_noise.json, computed again when ckpt.pt is newer, or when an older eval.py wrote them
-    (recall.json without its dtype: a float32-trained model measured in bfloat16; attention_noise.json
-    without the layer shares)."""
+    checkpoint and, with attention, where its attention goes from --attention_noise=True (the shares of
+    SHARE_PARTS at its lookup head and at its reading layer, which head and layer those are, and the filler
+    length per example); {} on other datasets. Read from the run's recall.json and attention_noise.json,
+    computed again when ckpt.pt is newer, or when an older eval.py wrote them (recall.json without its dtype: a
+    float32-trained model measured in bfloat16; attention_noise.json without the own token's share)."""
     if not is_recall_data(run.config):
         return {}
     measures = {'recall': 'recall.json', **({'attention_noise': 'attention_noise.json'} if attention else {})}
     paths = [os.path.join(run.dir, name) for name in measures.values()]
     if any(not os.path.exists(p) or os.path.getmtime(p) < os.path.getmtime(checkpoint_path(run.dir)) for p in paths) \
             or 'dtype' not in read_eval_json(paths[0]) \
-            or (attention and 'reading_layer' not in read_eval_json(paths[1])):
+            or (attention and 'own' not in read_eval_json(paths[1]).get('reading_layer', {})):
         flags = [f'--{m}=True' for m in measures]
         proc = subprocess.run([sys.executable, EVAL_SCRIPT, f'--out_dir={run.dir}', *flags, '--batch_size=64'],
                               capture_output=True, text=True)
@@ -626,17 +625,18 @@ def recall_results(run, attention=True):
     if attention:
         shares = read_eval_json(paths[1])
         look, layer = shares['lookup'], shares['reading_layer']
-        result.update({f'{part}_share': look[part] for part in ('answer', 'noise', 'pairs', 'context')},
+        result.update({f'{part}_share': look[part] for part in SHARE_PARTS},
                       lookup_head=f"L{look['layer']}h{look['head']}",
-                      **{f'layer_{part}_share': layer[part] for part in ('answer', 'pairs', 'context')},
+                      **{f'layer_{part}_share': layer[part] for part in SHARE_PARTS},
                       reading_layer=f"L{layer['layer']}",
                       filler_length=sum(int(k) * v['answers'] for k, v in shares['by_filler'].items()) / shares['answers'])
     return result
 
 
 # what recall_results adds to a run, summarised over seeds like the val loss
-RECALL_KEYS = ('accuracy', 'answer_share', 'noise_share', 'pairs_share', 'context_share', 'layer_answer_share',
-               'layer_pairs_share', 'layer_context_share', 'filler_length')
+SHARE_PARTS = ('answer', 'signed_answer', 'noise', 'pairs', 'own', 'queries', 'filler')  # attention_noise's PARTS
+RECALL_KEYS = ('accuracy', *(f'{part}_share' for part in SHARE_PARTS),
+               *(f'layer_{part}_share' for part in SHARE_PARTS), 'filler_length')
 
 
 def summarize(results):
@@ -657,7 +657,8 @@ def summarize(results):
     for variant, s in summary.items():
         if variant != s['base'] and s['base'] in summary:
             s['paired_vs_base'] = paired_vs_base(results, variant, s['base'])
-            for key in ('accuracy', 'answer_share', 'context_share', 'layer_answer_share', 'layer_context_share'):
+            for key in ('accuracy', 'signed_answer_share', 'noise_share', 'layer_signed_answer_share',
+                        'layer_noise_share'):
                 if key in s:
                     s[f'{key}_vs_base'] = paired_vs_base(results, variant, s['base'], key=key)
     return summary

@@ -26,9 +26,10 @@ What it measures (any combination in one run; results go to eval_dir as JSON, ta
             query distance (docs/recall.md)
   attention_noise  on a recall dataset: per layer and head, the share of each answer's effective
             attention row (the weights that multiply V) on the answer span (the queried key and its
-            value in the pairs) against the rest, the other pairs and the context after them, as
-            shares of the row's absolute mass; by pairs, filler length and distance. JSON and a
-            heatmap PNG; --compare_to side by side on the same examples
+            value in the pairs), the other pairs, the query's own token, the earlier queries and the
+            filler, as shares of the row's absolute mass (and the answer's signed share); each layer
+            as a whole too; by pairs, filler length and distance. JSON and a heatmap PNG;
+            --compare_to side by side on the same examples
 
 GLUE details: a sentence pair is joined as `first + "\\n" + second` (GPT-2 has no separator token),
 encoded with GPT-2's BPE, and the start is cut if it exceeds block_size so the last token is kept.
@@ -313,20 +314,24 @@ if attention_noise:
         r = seeded(attention_shares, which_model, info['data_dir'], batch_size, device, ctx)
         r.update(file=val_path, attn_type=which_info['attn_type'], checkpoint=which_info['checkpoint'],
                  noise_on=which_info['noise_on'], dtype=dtype, seed=seed)
-        look = r['lookup']
-        best = ', '.join(f"L{b['layer']}h{b['head']} {b['answer']:.3f} / {b['noise']:.3f}" for b in r['best_head'])
-        by_filler = ', '.join(f"{k}: {v['lookup']['answer']:.3f}" for k, v in r['by_filler'].items())
+        look, layer = r['lookup'], r['reading_layer']
+
+        def parts(s):
+            return (f"answer {s['answer']:.3f} (signed {s['signed_answer']:.3f}), other pairs {s['pairs']:.3f}, "
+                    f"own token {s['own']:.3f}, earlier queries {s['queries']:.3f}, filler {s['filler']:.3f}")
+        best = ', '.join(f"L{b['layer']}h{b['head']} {b['answer']:.3f} ({b['signed_answer']:.3f})" for b in r['best_head'])
+        by_filler = ', '.join(f"{k}: {v['lookup']['signed_answer']:.3f}" for k, v in r['by_filler'].items())
         print_result(f"attention shares ({which_info['name']}, {r['answers']:,} answers of {r['examples']:,} "
-                     f"examples, {time.time() - t0:.1f}s): best head per layer, answer / noise = {best}")
-        print_result(f"  lookup head L{look['layer']}h{look['head']}: answer {look['answer']:.3f} (signed "
-                     f"{look['signed_answer']:.3f}), other pairs {look['pairs']:.3f}, context {look['context']:.3f}; "
-                     f"answer by filler length: {by_filler}")
-        layer = r['reading_layer']
-        print_result(f"  reading layer L{layer['layer']} (what each key adds to the layer's output, all heads): "
-                     f"answer {layer['answer']:.3f}, other pairs {layer['pairs']:.3f}, context {layer['context']:.3f}")
+                     f"examples, {time.time() - t0:.1f}s; a share: of the query's attention row, absolute weights; "
+                     f"signed: negative where the row subtracts; noise = other pairs + earlier queries + filler)")
+        print_result(f"  per layer, the head (L layer, h head) with the highest signed answer share: answer (signed) = {best}")
+        print_result(f"  lookup head L{look['layer']}h{look['head']} (the highest signed answer share): {parts(look)}; "
+                     f"noise {look['noise']:.3f}; signed answer by filler length: {by_filler}")
+        print_result(f"  reading layer L{layer['layer']} (all heads, by what each key adds to the layer's output): "
+                     f"{parts(layer)}; noise {layer['noise']:.3f}")
         return r
 
-    label = "share: of the row's absolute weight (heads), of the keys' additions (layer)"
+    label = "share of the row's absolute weight (heads) or of the keys' additions (layer)"
     mine_shares = shares_of(model, info)
     results['attention_noise'] = mine_shares
     write_json('attention_noise.json', mine_shares)

@@ -180,8 +180,8 @@ def plot_accuracy(results, report_dir):
 
 
 def plot_against_filler(results, report_dir):
-    """attention.png: answer accuracy, the lookup head's answer share, the reading layer's, and the reading
-    layer's share on the context (queries and filler: irrelevant to the answer) against the examples' filler
+    """attention.png: answer accuracy, the lookup head's signed answer share, the reading layer's, and the
+    reading layer's share on noise (other pairs, earlier queries and filler) against the examples' filler
     length (the grid points' datasets), one line per attn_type: mean over seeds, bars = min..max. The lines
     are shifted apart sideways a little, so that bars at one length do not hide each other."""
     lines = filler_lines(results)
@@ -189,9 +189,9 @@ def plot_against_filler(results, report_dir):
     shift = 0.012 * ((lengths[-1] - lengths[0]) or 1) if lengths else 0
     fig, axes = plt.subplots(1, 4, figsize=(24, 4.5))
     for ax, key, what in ((axes[0], 'accuracy', 'answer accuracy'),
-                          (axes[1], 'answer_share', "lookup head's attention share on the answer"),
-                          (axes[2], 'layer_answer_share', "reading layer's share on the answer"),
-                          (axes[3], 'layer_context_share', "reading layer's share on the context")):
+                          (axes[1], 'signed_answer_share', "lookup head's signed share on the answer"),
+                          (axes[2], 'layer_signed_answer_share', "reading layer's signed share on the answer"),
+                          (axes[3], 'layer_noise_share', "reading layer's share on noise")):
         for i, (label, line) in enumerate(lines.items()):
             runs = [r for r in line if key in r]
             fillers = sorted({r['filler_length'] for r in runs})
@@ -206,7 +206,7 @@ def plot_against_filler(results, report_dir):
         ax.set_xticks(lengths)
         ax.set_xlabel('filler tokens per example (neither pairs nor queries)')
         ax.set_ylabel(f'{what}\n(mean over seeds, bars = min..max)')
-        ax.set_ylim(0, 1.02 if key != 'layer_context_share' else None)  # the context's share: small, zoomed in
+        ax.set_ylim(0, 1.02 if key != 'layer_noise_share' else None)  # the noise's share: small, zoomed in
         ax.grid(alpha=0.3)
     axes[-1].legend(fontsize=8)
     fig.tight_layout()
@@ -322,46 +322,52 @@ def filler_lines(results):
 
 def attention_lines(summary, results, plots):
     """The report's section on where attention goes (recall data), or [] without it."""
-    shares = {a: s for a, s in summary.items() if 'answer_share' in s}
+    shares = {a: s for a, s in summary.items() if 'signed_answer_share' in s}
     if not shares:
         return []
     lines = ["## Where attention goes: the answer against attention noise (recall)", "",
              "eval.py --attention_noise=True on each run's final checkpoint (docs/eval.md): every answer's "
              "effective attention row (the weights that multiply V), split into the answer (the queried key and "
-             "its value in the pairs), the other pairs and the context after them (queries, filler), as shares of "
-             "the row's absolute mass; noise = other pairs + context = 1 - answer. Each run is read at its lookup "
-             "head, the layer and head with the highest mean answer share over all validation answers (chosen "
-             "among the variant's own heads: DIFF and DINT have half as many as base, so base's best-of-more "
-             "choice favours it slightly). Mean ± sample standard deviation over seeds. Reading: the answer share "
-             "minus base's at the same point, seed by seed, as for the val loss, and likewise the context share "
-             "(the attention on irrelevant context).", "",
-             "| variant | filler tokens | answer share | per seed | lookup head per seed | noise share | "
-             "other pairs | context | reading (answer share) | reading (context share) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "its value in the pairs), the other pairs, the query's own token (it holds the key being asked: part "
+             "of the lookup, not noise), the earlier queries and the filler, as shares of the row's absolute mass; "
+             "noise = other pairs + earlier queries + filler. The signed answer share is the answer's signed "
+             "weight over the same mass: negative where the row subtracts the answer. Each run is read at its "
+             "lookup head, the layer and head with the highest mean signed answer share over all validation "
+             "answers (chosen among the variant's own heads: DIFF and DINT have half as many as base, so base's "
+             "best-of-more choice favours it slightly). Mean ± sample standard deviation over seeds. Reading: "
+             "the signed answer share minus base's at the same point, seed by seed, as for the val loss, and "
+             "likewise the noise share.", "",
+             "| variant | filler tokens | answer share (signed) | signed, per seed | lookup head per seed | noise | "
+             "other pairs | own token | earlier queries | filler | reading (signed answer) | reading (noise) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for variant, s in shares.items():
         heads = ', '.join(r['lookup_head'] for r in results if r['variant'] == variant and 'lookup_head' in r)
-        lines.append(f"| `{variant}` | {s['filler_length']['mean']:g} | {fmt(s['answer_share'], 3)} | "
-                     f"{', '.join(f'{v:.3f}' for v in s['answer_share']['values'])} | {heads} | "
-                     f"{fmt(s['noise_share'], 3)} | {fmt(s['pairs_share'], 3)} | {fmt(s['context_share'], 3)} | "
-                     f"{paired_reading(s, 'answer_share')} | {paired_reading(s, 'context_share')} |")
+        lines.append(f"| `{variant}` | {s['filler_length']['mean']:g} | {fmt(s['answer_share'], 3)} "
+                     f"({fmt(s['signed_answer_share'], 3)}) | "
+                     f"{', '.join(f'{v:.3f}' for v in s['signed_answer_share']['values'])} | {heads} | "
+                     + ' | '.join(fmt(s[f'{part}_share'], 3) for part in ('noise', 'pairs', 'own', 'queries', 'filler'))
+                     + f" | {paired_reading(s, 'signed_answer_share')} | {paired_reading(s, 'noise_share')} |")
     lines += ["", "The layer as a whole: a head's share cannot tell a lookup spread over several heads from attention "
               "on noise, so each layer is also read by the norm of what each key adds to its output (all heads, "
-              "through the values and c_proj; heads that cancel on a key cancel in its share; docs/eval.md). Each "
-              "run is read at its reading layer, the layer with the highest mean answer share.", "",
-              "| variant | filler tokens | layer answer share | per seed | reading layer per seed | other pairs | "
-              "context | reading (layer answer share) | reading (layer context share) |",
-              "|---|---|---|---|---|---|---|---|---|"]
+              "through the values and c_proj; heads that cancel on a key cancel in its share; the signed answer "
+              "share: the answer's additions along the layer's output; docs/eval.md). Each run is read at its "
+              "reading layer, the layer with the highest mean signed answer share.", "",
+              "| variant | filler tokens | layer answer share (signed) | signed, per seed | reading layer per seed | "
+              "noise | other pairs | own token | earlier queries | filler | reading (signed answer) | "
+              "reading (noise) |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for variant, s in shares.items():
-        if 'layer_answer_share' not in s:
+        if 'layer_signed_answer_share' not in s:
             continue
         layers = ', '.join(r['reading_layer'] for r in results if r['variant'] == variant and 'reading_layer' in r)
-        lines.append(f"| `{variant}` | {s['filler_length']['mean']:g} | {fmt(s['layer_answer_share'], 3)} | "
-                     f"{', '.join(f'{v:.3f}' for v in s['layer_answer_share']['values'])} | {layers} | "
-                     f"{fmt(s['layer_pairs_share'], 3)} | {fmt(s['layer_context_share'], 3)} | "
-                     f"{paired_reading(s, 'layer_answer_share')} | {paired_reading(s, 'layer_context_share')} |")
+        lines.append(f"| `{variant}` | {s['filler_length']['mean']:g} | {fmt(s['layer_answer_share'], 3)} "
+                     f"({fmt(s['layer_signed_answer_share'], 3)}) | "
+                     f"{', '.join(f'{v:.3f}' for v in s['layer_signed_answer_share']['values'])} | {layers} | "
+                     + ' | '.join(fmt(s[f'layer_{part}_share'], 3) for part in ('noise', 'pairs', 'own', 'queries', 'filler'))
+                     + f" | {paired_reading(s, 'layer_signed_answer_share')} | {paired_reading(s, 'layer_noise_share')} |")
     lines.append("")
     if 'attention' in plots:
-        lines += [f"![answer accuracy, answer share and context share against filler length]({plots['attention']})", ""]
+        lines += [f"![answer accuracy, signed answer shares and noise share against filler length]({plots['attention']})", ""]
     return lines
 
 

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from denoised_gpt.evaluation.attention_noise import LAYER_PARTS, PARTS, attention_noise, heatmap_panels
+from denoised_gpt.evaluation.attention_noise import PARTS, attention_noise, heatmap_panels
 from denoised_gpt.evaluation.entropy import plot_heatmaps
 from helpers import NO_AUTOCAST, run_script_in_process, tiny_checkpoint, tiny_gpt
 from model import ATTENTION_TYPES, causal_randn
@@ -59,7 +59,7 @@ def peaked_model(attn_type, seed=0):
 
 @torch.no_grad()
 def reference_shares(model, idx, seed):
-    """(layers, heads, PARTS) and (layers, LAYER_PARTS) means over ANSWERS, from naive float64 maps and
+    """(layers, heads, PARTS) and (layers, PARTS) means over ANSWERS, from naive float64 maps and
     values, with explicit loops. The layer inputs come from the model's own blocks; NoiseFormer's noise is
     drawn in the order GPT.attention_maps draws it (the layer's map, then the block's forward)."""
     torch.manual_seed(seed)
@@ -86,32 +86,36 @@ def reference_shares(model, idx, seed):
                      * (1 - lambda_init_for(layer)))
         output = NAIVE[cfg.attn_type](attn, block.ln_1(x), eps, **kwargs)
         sums = torch.zeros(heads, len(PARTS), dtype=torch.float64)
-        layer_sums = torch.zeros(len(LAYER_PARTS), dtype=torch.float64)
+        layer_sums = torch.zeros(len(PARTS), dtype=torch.float64)
         for row, asked in enumerate(ANSWERS):
+            queries = [q for q, _, _ in asked]
             for p, key_at, pairs in asked:
+                def part(j):  # answer, pairs, own, queries, filler: indices into the first five PARTS
+                    if j in (key_at, key_at + 1):
+                        return 0
+                    if j < 2 * pairs:
+                        return 1
+                    return 2 if j == p else 3 if j in queries else 4
                 # what key j adds to the layer's output at p: c_proj (no bias) of the heads' scaled a_pj v_j
                 adds = [attn.c_proj.weight.double() @ torch.cat([scale[row, h, p] * a[row, h, p, j] * v[row, h, j]
                                                                  for h in range(heads)]) for j in range(p + 1)]
                 bias = 0 if attn.c_proj.bias is None else attn.c_proj.bias.double()
                 assert torch.allclose(sum(adds) + bias, output[row, p], rtol=1e-9, atol=1e-12)
-                norms = [float(u.norm()) for u in adds]
-                parts = [sum(n for j, n in enumerate(norms) if j in (key_at, key_at + 1)),
-                         sum(n for j, n in enumerate(norms) if j < 2 * pairs and j not in (key_at, key_at + 1)),
-                         sum(n for j, n in enumerate(norms) if j >= 2 * pairs and j not in (key_at, key_at + 1))]
-                layer_sums += torch.tensor([*parts, parts[1] + parts[2]], dtype=torch.float64) / sum(norms)
+                direction = sum(adds) / sum(adds).norm()
+                parts, total, signed = [0.0] * 5, 0.0, 0.0
+                for j, u in enumerate(adds):
+                    parts[part(j)] += float(u.norm())
+                    total += float(u.norm())
+                    signed += float(u @ direction) if part(j) == 0 else 0.0
+                layer_sums += torch.tensor([*parts, parts[1] + parts[3] + parts[4], signed], dtype=torch.float64) / total
                 for h in range(heads):
-                    total = answer = signed = in_pairs = context = 0.0
+                    parts, total, signed = [0.0] * 5, 0.0, 0.0
                     for j in range(p + 1):
                         w = float(a[row, h, p, j])
+                        parts[part(j)] += abs(w)
                         total += abs(w)
-                        if j in (key_at, key_at + 1):
-                            answer += abs(w)
-                            signed += w
-                        elif j < 2 * pairs:
-                            in_pairs += abs(w)
-                        else:
-                            context += abs(w)
-                    sums[h] += torch.tensor([answer, in_pairs, context, in_pairs + context, signed], dtype=torch.float64) / total
+                        signed += w if part(j) == 0 else 0.0
+                    sums[h] += torch.tensor([*parts, parts[1] + parts[3] + parts[4], signed], dtype=torch.float64) / total
         per_layer.append(sums / sum(map(len, ANSWERS)))
         whole_layer.append(layer_sums / sum(map(len, ANSWERS)))
         x = block(x)
@@ -130,28 +134,33 @@ def test_shares_equal_a_float64_computation_from_the_equations(tmp_path, attn_ty
     assert got.shape == expected.shape
     assert torch.allclose(got, expected, rtol=1e-9, atol=1e-12)
     # the layer as a whole: the norm of what each key adds to the layer's output
-    got_layers = torch.tensor([r['layer_shares'][part] for part in LAYER_PARTS], dtype=torch.float64).T
+    got_layers = torch.tensor([r['layer_shares'][part] for part in PARTS], dtype=torch.float64).T
     assert torch.allclose(got_layers, expected_layers, rtol=1e-9, atol=1e-12)
-    reading = int(expected_layers[:, 0].argmax())
-    assert r['reading_layer'] == pytest.approx(dict(layer=reading, **dict(zip(LAYER_PARTS, expected_layers[reading].tolist()))))
+    signed = PARTS.index('signed_answer')
+    reading = int(expected_layers[:, signed].argmax())
+    assert r['reading_layer'] == pytest.approx(dict(layer=reading, **dict(zip(PARTS, expected_layers[reading].tolist()))))
     # a layer's share is not a mean of its heads' shares: values and c_proj weigh the heads
     assert (got_layers[:, 0] - got[..., 0].mean(-1)).abs().max() > 1e-3
     assert r['answers'] == 5 and r['examples'] == 2
     # the heads' shares differ widely (the maps are far from uniform), so equality says something; DIFF /
-    # DINT maps have negative weight
+    # DINT maps have negative weight; every part has weight somewhere
     assert expected[..., 0].max() - expected[..., 0].min() > 0.05
+    assert (expected[..., :5].amax(dim=(0, 1)) > 1e-3).all() and (expected_layers[:, :5].amax(0) > 1e-3).all()
     if attn_type in ('diff', 'dint', 'dint_lowrank'):
-        assert (expected[..., 4] - expected[..., 0]).abs().max() > 1e-3
-    # the parts split the row's absolute mass, and noise is everything but the answer
-    assert torch.allclose(got[..., :3].sum(-1), torch.ones_like(got[..., 0]))
-    assert torch.allclose(got[..., 3], 1 - got[..., 0])
-    # the best head of each layer, and the lookup head: the highest answer share overall
-    answer = got[..., 0]
+        assert (expected[..., signed] - expected[..., 0]).abs().max() > 1e-3
+    # the five parts split the row's absolute mass; noise is everything but the answer and the own token
+    for shares in (got, got_layers):
+        assert torch.allclose(shares[..., :5].sum(-1), torch.ones_like(shares[..., 0]))
+        assert torch.allclose(shares[..., PARTS.index('noise')], 1 - shares[..., 0] - shares[..., 2])
+        assert (shares[..., signed].abs() <= shares[..., 0] + 1e-12).all()
+    # the best head of each layer, and the lookup head: the highest signed answer share
+    rank = got[..., signed]
     for layer, best in enumerate(r['best_head']):
-        assert best['layer'] == layer and best['head'] == int(answer[layer].argmax())
-    layer, head = divmod(int(answer.argmax()), answer.size(1))
+        assert best['layer'] == layer and best['head'] == int(rank[layer].argmax())
+    layer, head = divmod(int(rank.argmax()), rank.size(1))
     assert (r['lookup']['layer'], r['lookup']['head']) == (layer, head)
     assert r['lookup']['answer'] == pytest.approx(float(expected[layer, head, 0]))
+    assert r['lookup']['signed_answer'] == pytest.approx(float(expected[layer, head, signed]))
     # groups: the first example has 2 pairs and 12 - 6 filler tokens, the second 3 and 12 - 9
     assert {k: v['answers'] for k, v in r['by_pairs'].items()} == {'2': 2, '3': 3}
     assert {k: v['answers'] for k, v in r['by_filler'].items()} == {'3': 3, '6': 2}
@@ -211,14 +220,16 @@ def test_heatmap_shows_each_layer_as_a_whole_beside_the_heads(tmp_path):
     result = attention_noise(model, str(write_examples(tmp_path / 'data', EXAMPLES)), 8, 'cpu', NO_AUTOCAST)
     fig = plot_heatmaps([('out-diff', heatmap_panels(result))], 'share')
     panels = [ax for ax in fig.axes if ax.images]
-    assert [ax.get_title().split('\n')[1].split(' (')[0] for ax in panels] == \
-        ['answer', 'other pairs', 'context', 'layer as a whole']
-    for ax, part in zip(panels[:3], ('answer', 'pairs', 'context')):  # layers x heads
+    assert [ax.get_title().split('\n')[1].split(' (mean')[0] for ax in panels] == \
+        ['answer', 'own token', 'noise (other pairs, earlier queries, filler)', 'layer as a whole']
+    for ax, part in zip(panels[:3], ('answer', 'own', 'noise')):  # layers x heads
         assert ax.images[0].get_array().ravel().tolist() == pytest.approx(sum(result['shares'][part], []))
-    layer_panel = panels[3]  # layers x (answer, other pairs, context), named, with no mean of unlike columns
-    assert [t.get_text() for t in layer_panel.get_xticklabels()] == ['answer', 'other pairs', 'context']
+    layer_panel = panels[3]  # layers x the five parts, named, with no mean of unlike columns
+    columns = ('answer', 'pairs', 'own', 'queries', 'filler')
+    assert [t.get_text() for t in layer_panel.get_xticklabels()] == \
+        ['answer', 'other pairs', 'own token', 'earlier queries', 'filler']
     assert layer_panel.images[0].get_array().ravel().tolist() == pytest.approx(
-        [v for row in zip(*(result['layer_shares'][part] for part in ('answer', 'pairs', 'context'))) for v in row])
+        [v for row in zip(*(result['layer_shares'][part] for part in columns)) for v in row])
     assert layer_panel.get_title() == 'out-diff\nlayer as a whole'
 
 

@@ -366,11 +366,10 @@ def test_compare_sweeps_a_grid_and_reports_accuracy(mqar, tmp_path):
         assert r["accuracy_by_pairs"] == {k: v["accuracy"] for k, v in recall["by_pairs"].items()}
         shares = json.loads((run_dir / "attention_noise.json").read_text())
         lookup, layer = shares["lookup"], shares["reading_layer"]
-        assert (r["answer_share"], r["noise_share"], r["context_share"]) == \
-            (lookup["answer"], lookup["noise"], lookup["context"])
+        parts = ("answer", "signed_answer", "noise", "pairs", "own", "queries", "filler")
+        assert [r[f"{part}_share"] for part in parts] == [lookup[part] for part in parts]
         assert r["lookup_head"] == f"L{lookup['layer']}h{lookup['head']}"
-        assert (r["layer_answer_share"], r["layer_pairs_share"], r["layer_context_share"]) == \
-            (layer["answer"], layer["pairs"], layer["context"])
+        assert [r[f"layer_{part}_share"] for part in parts] == [layer[part] for part in parts]
         assert r["reading_layer"] == f"L{layer['layer']}"
         # 2, 4 and 8 pairs at seq_len 32, 50 examples each: 26, 20 and 8 filler tokens, weighted by answers
         assert r["filler_length"] == pytest.approx((2 * 26 + 4 * 20 + 8 * 8) / 14)
@@ -383,7 +382,7 @@ def test_compare_sweeps_a_grid_and_reports_accuracy(mqar, tmp_path):
         mine = {r["seed"]: r["accuracy"] for r in results["runs"] if r["variant"] == f"linear n_embd={width}"}
         theirs = {r["seed"]: r["accuracy"] for r in results["runs"] if r["variant"] == f"base n_embd={width}"}
         assert linear["accuracy_vs_base"]["differences"] == [mine[1] - theirs[1]]
-        for key in ("answer_share", "context_share", "layer_answer_share", "layer_context_share"):
+        for key in ("signed_answer_share", "noise_share", "layer_signed_answer_share", "layer_noise_share"):
             shares = {r["variant"]: r[key] for r in results["runs"]}
             assert linear[f"{key}_vs_base"]["differences"] == \
                 [shares[f"linear n_embd={width}"] - shares[f"base n_embd={width}"]], key
@@ -396,19 +395,19 @@ def test_compare_sweeps_a_grid_and_reports_accuracy(mqar, tmp_path):
     assert sorted(filler_lines(results["runs"])) == sorted(summary)
     one_width = [r for r in results["runs"] if r["variant"].endswith("n_embd=16")]
     assert sorted(filler_lines(one_width)) == ["base", "linear"]
-    line = next(line for line in report.splitlines() if line.startswith("| `linear n_embd=16` | 14"))
-    assert f"| {summary['linear n_embd=16']['answer_share']['mean']:.3f} |" in line
-    assert line.endswith(f"| {reading(summary['linear n_embd=16']['context_share_vs_base'])} |")
-    line = next(line for line in report.splitlines() if line.startswith("| `linear n_embd=16` | 14")
-                and line.count("|") == 10)  # the layer table's row
-    assert f"| {summary['linear n_embd=16']['layer_answer_share']['mean']:.3f} |" in line
-    assert line.endswith(f"| {reading(summary['linear n_embd=16']['layer_answer_share_vs_base'])} | "
-                         f"{reading(summary['linear n_embd=16']['layer_context_share_vs_base'])} |")
+    head_row, layer_row = [line for line in report.splitlines() if line.startswith("| `linear n_embd=16` | 14")]
+    s = summary['linear n_embd=16']
+    assert f"| {s['answer_share']['mean']:.3f} ({s['signed_answer_share']['mean']:.3f}) |" in head_row
+    assert head_row.endswith(f"| {reading(s['signed_answer_share_vs_base'])} | {reading(s['noise_share_vs_base'])} |")
+    assert f"| {s['layer_answer_share']['mean']:.3f} ({s['layer_signed_answer_share']['mean']:.3f}) |" in layer_row
+    assert layer_row.endswith(f"| {reading(s['layer_signed_answer_share_vs_base'])} | "
+                              f"{reading(s['layer_noise_share_vs_base'])} |")
 
-    # an attention_noise.json without the layer shares is an older eval.py's: measured again
+    # an attention_noise.json without the own token's share is an older eval.py's: measured again
     path = out / "runs" / "base-n_embd16-seed1" / "attention_noise.json"
     kept = json.loads(path.read_text())
-    path.write_text(json.dumps({k: v for k, v in kept.items() if k not in ("layer_shares", "reading_layer")}))
+    older = {part: kept["reading_layer"][part] for part in ("layer", "answer", "pairs")}
+    path.write_text(json.dumps({k: v for k, v in kept.items() if k != "reading_layer"} | {"reading_layer": older}))
     proc = run_script_in_process("compare.py", args + ["--report_only=True"], env=SCRIPT_VARIABLES)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert json.loads(path.read_text())["reading_layer"] == kept["reading_layer"]

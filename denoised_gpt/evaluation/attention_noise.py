@@ -6,32 +6,38 @@ divides between the answer span and everything else.
 The row is the one that multiplies V (GPT.attention_maps): softmax for base, symmetric and NoiseFormer
 (with its noise exactly as evaluation runs it: on, one draw per layer and batch, unless noise_at_eval is
 off), A1 - lambda A2 for DIFF, A1 + lambda (A3 - A2) for DINT and low-rank DINT, linear attention's
-normalised feature-map weights. The query at position p sees keys 0..p, in three parts:
+normalised feature-map weights. The query at position p sees keys 0..p, in five parts:
   answer   the queried key in the pairs and its value (2 tokens): where a lookup must read
   pairs    the other key-value pairs (2N - 2 tokens): relevant context, but the wrong entries
-  context  everything after the pairs up to the query itself: earlier queries and the random filler
-noise = pairs + context, everything but the answer.
+  own      the query's own token, position p: it holds the key being asked, so attending to it is part of
+           the lookup (the key to match), not noise
+  queries  the earlier queries of the example (positions after the pairs where a key was asked before p)
+  filler   everything else after the pairs up to p: the random (or zero) filler tokens
+noise = pairs + queries + filler: what a lookup has no use for.
 
 One normalisation for every variant: a part's share is its *absolute* mass over the row's absolute mass,
 sum_{j in part} |a_pj| / sum_{j <= p} |a_pj|, so the shares are in [0, 1] and add up to 1 even where
 DIFF / DINT maps are negative or rows do not sum to 1. `signed_answer` is the answer span's signed mass
-over the same denominator (in [-1, 1]; equal to the answer share where no weight is negative), so a
-differential map that cancels onto the answer shows as a gap between the two.
+over the same denominator (in [-1, 1]; equal to the answer share where no weight is negative): a
+differential map that subtracts the answer has a large absolute answer share and a negative signed one,
+so heads and layers are ranked by the signed share (the lookup head, the reading layer).
 
 A head's share cannot tell a layer that spreads its lookup over several heads from one that reads noise,
 so each layer is also measured as a whole, by what each key adds to the layer's output (norm-based, as
 Kobayashi et al. 2020, "Attention is not only a weight"): key j adds u_pj = c_proj(the heads' a_pj v_j,
 each times the factor forward applies to its head's output: DIFF / DINT's RMSNorm and (1 - lambda_init)),
 c_proj's bias aside, so that sum_j u_pj is the layer's attention output at p. A part's layer share is
-sum_{j in part} |u_pj| / sum_{j <= p} |u_pj|: heads that cancel on a key cancel in its share.
+sum_{j in part} |u_pj| / sum_{j <= p} |u_pj|: heads that cancel on a key cancel in its share. Its signed
+answer share is the answer's additions along the layer's output, sum_{j in answer} u_pj . o_p / |o_p| over
+the same denominator (o_p = sum_j u_pj): negative where the layer subtracts what the answer would add.
 """
 import numpy as np
 import torch
 
 from denoised_gpt.evaluation.recall import answers, distance_bucket, validation_examples
 
-PARTS = ('answer', 'pairs', 'context', 'noise', 'signed_answer')
-LAYER_PARTS = PARTS[:4]  # a norm has no sign
+PARTS = ('answer', 'pairs', 'own', 'queries', 'filler', 'noise', 'signed_answer')
+RANKED_BY = 'signed_answer'  # the lookup head, each layer's best head and the reading layer
 
 
 def effective_map(maps):
@@ -39,35 +45,43 @@ def effective_map(maps):
     return maps['combined'] if 'combined' in maps else maps['attn']
 
 
-def query_shares(rows, key_at, pairs, at):
-    """rows (Q, heads, T): the effective attention rows of Q queries; key_at, pairs, at (Q,) int tensors: where
-    each one's key stands in the pairs, its example's number of pairs, the query's own position.
-    -> (Q, heads, len(PARTS)) float64, the parts' shares (module docstring); keys after the query count for
-    nothing (a causal map has no weight there)."""
+def query_shares(rows, key_at, pairs, at, asked, signed=None):
+    """rows (Q, heads, T): the (absolute) weights of Q queries' effective attention rows; key_at, pairs, at
+    (Q,) int tensors: where each one's key stands in the pairs, its example's number of pairs, the query's
+    own position; asked (Q, T) bool: where its example's queries stand; signed (Q, heads, T): the signed
+    weights for signed_answer (default: rows). -> (Q, heads, len(PARTS)) float64, the parts' shares (module
+    docstring); keys after the query count for nothing (a causal map has no weight there)."""
     j = torch.arange(rows.size(-1), device=rows.device)
     visible = j <= at[:, None]
     answer = (j >= key_at[:, None]) & (j <= key_at[:, None] + 1)
     in_pairs = (j < 2 * pairs[:, None]) & ~answer
+    own = j == at[:, None]
+    earlier = asked & (j < at[:, None])
+    filler = visible & ~answer & ~in_pairs & ~own & ~earlier
     rows = rows.double() * visible[:, None, :]
+    signed = rows if signed is None else signed.double() * visible[:, None, :]
     mass = rows.abs()
     total = mass.sum(-1).clamp_min(1e-300)
 
     def share(where, of=mass):
         return (of * where[:, None, :]).sum(-1) / total
-    a, p, c = share(answer), share(in_pairs), share(visible & ~answer & ~in_pairs)
-    return torch.stack([a, p, c, p + c, share(answer, of=rows)], dim=-1)
+    a, p, o, q, f = share(answer), share(in_pairs), share(own), share(earlier), share(filler)
+    return torch.stack([a, p, o, q, f, p + q + f, share(answer, of=signed)], dim=-1)
 
 
-def contribution_norms(attn, rows, values):
+def contributions(attn, rows, values):
     """rows (Q, heads, T): effective attention rows of one layer's module attn; values (Q, heads, T, value
-    size): the V of each query's example. -> (Q, T): |u_pj|, the norm of what key j adds to the layer's
-    output at the query (module docstring)."""
+    size): the V of each query's example. -> (|u_pj|, u_pj . o_p / |o_p|), each (Q, T): the norm of what key
+    j adds to the layer's output at the query, and its component along that output (module docstring)."""
     dtype = torch.promote_types(rows.dtype, torch.float32)
     rows, values = rows.to(dtype), values.to(dtype)
     per_key = rows[..., None] * values  # (Q, heads, T, value size)
     per_key = per_key * attn.head_output_scale(per_key.sum(2)).to(dtype)[:, :, None, :]
     weight = attn.c_proj.weight.to(dtype).view(-1, per_key.size(1), per_key.size(-1))  # (C, heads, size)
-    return torch.einsum('qhtd,chd->qtc', per_key, weight).norm(dim=-1)
+    adds = torch.einsum('qhtd,chd->qtc', per_key, weight)  # (Q, T, C)
+    output = adds.sum(1, keepdim=True)
+    along = (adds * output).sum(-1) / output.norm(dim=-1).clamp_min(1e-300)
+    return adds.norm(dim=-1), along
 
 
 @torch.no_grad()
@@ -81,20 +95,23 @@ def attention_noise(model, data_dir, batch_size, device, ctx, split="val"):
     shares, layer_shares, groups = [], [], []  # per answer: (layers, heads, parts), (layers, parts), its groups
     for x, y in batches:
         found = []  # (row, query position, key position, pairs) of every answer in the batch
+        asked_at = torch.zeros(x.shape, dtype=torch.bool)  # where each example's queries stand
         for row in range(len(x)):
             asked = answers(x[row].numpy(), y[row].numpy())
             found += [(row, p, key_at, len(asked)) for p, key_at in asked]
+            asked_at[row, [p for p, _ in asked]] = True
         if not found:  # examples without a labelled answer have nothing to measure
             continue
         b, at, key_at, pairs = (torch.tensor(c, dtype=torch.long) for c in zip(*found))
-        b_on, at_on = b.to(device), at.to(device)
+        b_on, at_on, asked = b.to(device), at.to(device), asked_at[b]
         per_layer, whole_layer = [], []
         with ctx:
             for _, attn, h in model.attention_inputs(x.to(device)):
                 rows = effective_map(attn.attention_maps(h))[b_on, :, at_on, :]
-                per_layer.append(query_shares(rows.cpu(), key_at, pairs, at))
-                norms = contribution_norms(attn, rows, attn.value_heads(h)[b_on])
-                whole_layer.append(query_shares(norms[:, None, :].cpu(), key_at, pairs, at)[:, 0, :len(LAYER_PARTS)])
+                per_layer.append(query_shares(rows.cpu(), key_at, pairs, at, asked))
+                norms, along = contributions(attn, rows, attn.value_heads(h)[b_on])
+                whole_layer.append(query_shares(norms[:, None, :].cpu(), key_at, pairs, at, asked,
+                                                signed=along[:, None, :].cpu())[:, 0])
         shares.append(torch.stack(per_layer, dim=1))  # (Q, layers, heads, parts)
         layer_shares.append(torch.stack(whole_layer, dim=1))  # (Q, layers, layer parts)
         T = x.size(1)
@@ -102,7 +119,8 @@ def attention_noise(model, data_dir, batch_size, device, ctx, split="val"):
     if not shares:
         raise ValueError(f"{data_dir}'s {split} examples hold no labelled answer: nothing to measure")
     shares, layer_shares = torch.cat(shares), torch.cat(layer_shares)
-    result = dict(normalisation='abs', parts=list(PARTS), examples=examples, **summary(shares, layer_shares))
+    result = dict(normalisation='abs', parts=list(PARTS), ranked_by=RANKED_BY, examples=examples,
+                  **summary(shares, layer_shares))
     lookup = (result['lookup']['layer'], result['lookup']['head'])
     reading = result['reading_layer']['layer']
     for name, column, order in (('by_pairs', 0, int), ('by_filler', 1, int),
@@ -116,32 +134,33 @@ def attention_noise(model, data_dir, batch_size, device, ctx, split="val"):
 
 
 def summary(shares, layer_shares, lookup=None, reading=None):
-    """shares (Q, layers, heads, parts), layer_shares (Q, layers, layer parts) -> dict(answers, shares:
-    {part: [[mean per head] per layer]}, best_head: per layer, lookup: the best head overall, or the given
-    (layer, head); layer_shares: {part: [mean per layer]}, reading_layer: the layer with the highest answer
-    share, or the given one)."""
-    mean, layer_mean = shares.mean(0), layer_shares.mean(0)  # (layers, heads, parts), (layers, layer parts)
-    answer = mean[..., PARTS.index('answer')]
+    """shares (Q, layers, heads, parts), layer_shares (Q, layers, parts) -> dict(answers, shares: {part:
+    [[mean per head] per layer]}, best_head: per layer, lookup: the best head overall, or the given (layer,
+    head); layer_shares: {part: [mean per layer]}, reading_layer: the best layer, or the given one). Best:
+    the highest mean signed answer share (RANKED_BY)."""
+    mean, layer_mean = shares.mean(0), layer_shares.mean(0)  # (layers, heads, parts), (layers, parts)
+    rank = mean[..., PARTS.index(RANKED_BY)]
 
     def head(layer, h):
         return dict(layer=int(layer), head=int(h), **{part: float(mean[layer, h, i]) for i, part in enumerate(PARTS)})
     if lookup is None:
-        flat = int(answer.argmax())
-        lookup = divmod(flat, answer.size(1))
+        lookup = divmod(int(rank.argmax()), rank.size(1))
     if reading is None:
-        reading = int(layer_mean[:, LAYER_PARTS.index('answer')].argmax())
+        reading = int(layer_mean[:, PARTS.index(RANKED_BY)].argmax())
     return dict(answers=shares.size(0),
                 shares={part: mean[..., i].tolist() for i, part in enumerate(PARTS)},
-                best_head=[head(layer, int(answer[layer].argmax())) for layer in range(answer.size(0))],
+                best_head=[head(layer, int(rank[layer].argmax())) for layer in range(rank.size(0))],
                 lookup=head(*lookup),
-                layer_shares={part: layer_mean[:, i].tolist() for i, part in enumerate(LAYER_PARTS)},
+                layer_shares={part: layer_mean[:, i].tolist() for i, part in enumerate(PARTS)},
                 reading_layer=dict(layer=reading, **{part: float(layer_mean[reading, i])
-                                                     for i, part in enumerate(LAYER_PARTS)}))
+                                                     for i, part in enumerate(PARTS)}))
 
 
 def heatmap_panels(result):
-    """The panels of the heatmap PNG: the three parts' shares per layer and head, then per layer as a whole."""
+    """The panels of the heatmap PNG: the answer's, the own token's and the noise's (absolute) shares per
+    layer and head, then the five parts per layer as a whole."""
     layer = result['layer_shares']
-    return {'answer': result['shares']['answer'], 'other pairs': result['shares']['pairs'],
-            'context': result['shares']['context'],
-            'layer as a whole': {'answer': layer['answer'], 'other pairs': layer['pairs'], 'context': layer['context']}}
+    return {'answer': result['shares']['answer'], 'own token': result['shares']['own'],
+            'noise (other pairs, earlier queries, filler)': result['shares']['noise'],
+            'layer as a whole': {'answer': layer['answer'], 'other pairs': layer['pairs'], 'own token': layer['own'],
+                                 'earlier queries': layer['queries'], 'filler': layer['filler']}}
