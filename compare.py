@@ -96,6 +96,9 @@ tune = {}  # train.py settings to tune per variant, e.g. {'learning_rate': [1e-3
 tune_seeds = [1]  # seeds for tuning only (never one of seeds): a candidate's score is its mean over them
 tune_metric = 'auto'  # 'val_loss' (lowest final val loss), 'accuracy' (highest answer accuracy, ties by val loss: recall data) or 'auto' (accuracy on recall data, else val_loss)
 tune_at = ''  # one of grid's entries: tune each variant at that point only, and compare it at every point with its choice there ('' tunes at every point)
+# or each variant at the settings an earlier tuning chose for it, without tuning again
+chosen = {}  # every attn_type's train.py settings, e.g. {'base': {'learning_rate': 3e-4}, 'diff': {'learning_rate': 3e-3}}
+chosen_by = ''  # where they were chosen (the earlier study's report), named in this report's protocol
 # -----------------------------------------------------------------------------
 config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str, list, dict))]
 
@@ -182,6 +185,23 @@ if tune:
                 apply_config([base_config, *extra, *args, *candidate_args(settings)], train_defaults)
             except ConfigError as e:
                 fail(f"tune candidate {candidate_label(candidate)}: {e}")
+if chosen:
+    if tune:
+        fail("chosen gives each variant its settings and tune chooses them: give one of the two")
+    if not chosen_by:
+        fail("chosen needs chosen_by: where those settings were chosen (the earlier study's report), for the report")
+    if sorted(chosen) != sorted(attn_types) or not all(isinstance(v, dict) and v for v in chosen.values()):
+        fail(f"chosen={chosen!r} must give every attn_type of attn_types ({', '.join(attn_types)}) a dict of "
+             f"train.py settings, e.g. --chosen=\"{{'base': {{'learning_rate': 3e-4}}}}\"")
+    for attn_type, settings in chosen.items():
+        if set(settings) & set(RESERVED):
+            fail(f"chosen[{attn_type!r}]: {', '.join(sorted(set(settings) & set(RESERVED)))} is compare.py's to set")
+        for args, tag, _ in points:
+            try:
+                apply_config([base_config, *extra, *args, *candidate_args(candidate_settings(settings, point_configs[tag]))],
+                             train_defaults)
+            except ConfigError as e:
+                fail(f"chosen[{attn_type!r}]: {e}")
 if tune_at:
     tune_tag = point_tag(shlex.split(tune_at))
     if not tune:
@@ -754,7 +774,8 @@ def check_report_dir():
 check_report_dir()
 tuning = tune_variants() if tune else {}
 untrainable = {key for key, t in tuning.items() if t['settings'] is None}  # every candidate diverged
-runs = [Run(a, s, point, tuning[(a, tuned_at(point))]['settings'] if tuning else None)
+runs = [Run(a, s, point, tuning[(a, tuned_at(point))]['settings'] if tuning
+            else candidate_settings(chosen[a], point_configs[point[1]]) if chosen else None)
         for point in points for a in attn_types if (a, tuned_at(point)) not in untrainable for s in seeds]
 if not report_only:
     check_settings_unchanged(runs)
@@ -786,7 +807,8 @@ stop_at_val_loss = train_config['stop_at_val_loss']
 protocol = ({'tuned': True, 'tune': tune, 'tune_seeds': tune_seeds, 'metric': sorted({t['metric'] for t in tuning.values()}),
              **({'tuned_at': next(label for _, tag, label in points if tag == tune_tag)} if tune_at else {}),
              **({'stop_at_val_loss': stop_at_val_loss} if stop_at_val_loss else {})}
-            if tune else {'tuned': False, 'settings': {k: train_config[k] for k in SHARED_SETTINGS}})
+            if tune else {'tuned': False, 'settings': {k: train_config[k] for k in SHARED_SETTINGS},
+                          **({'chosen': chosen, 'chosen_by': chosen_by} if chosen else {})})
 check_report_dir()  # again: the study may have run for days
 try:  # each file whole or not at all; a failed write is one line (a full disk, ...)
     os.makedirs(report_dir, exist_ok=True)

@@ -231,10 +231,20 @@ METRIC_WORDS = {'val_loss': "the lowest final val loss",
 
 def protocol_lines(protocol, tuning):
     """The report's first words: how the variants' settings were chosen, and (tuned) every candidate's score."""
+    def named(settings):
+        return ', '.join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in settings.items())
+    if protocol.get('chosen'):
+        own = '; '.join(f"`{a}` {named(v)}" for a, v in protocol['chosen'].items())
+        rates = any('learning_rate' in v for v in protocol['chosen'].values())  # min_lr follows each rate
+        ratio = " (min_lr at the config's ratio to each rate)" if rates else ""
+        shared = {k: v for k, v in protocol['settings'].items()
+                  if not any(k in v for v in protocol['chosen'].values()) and not (rates and k == 'min_lr')}
+        return [f"**Protocol: each variant at the settings an earlier tuning chose for it** ({protocol['chosen_by']}): "
+                f"{own}{ratio}; not tuned again here. The rest the same for every variant ({named(shared)}). "
+                "A difference below holds at these settings.", ""]
     if not protocol['tuned']:
-        named = ', '.join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in protocol['settings'].items())
-        return [f"**Protocol: the same settings for every variant** ({named}); none was tuned for any variant. "
-                "A difference below holds at these settings only: a variant may do better at others (compare.py's "
+        return [f"**Protocol: the same settings for every variant** ({named(protocol['settings'])}); none was tuned "
+                "for any variant. A difference below holds at these settings only: a variant may do better at others (compare.py's "
                 "`tune` trains each variant at its own best first).", ""]
     seeds = ', '.join(map(str, protocol['tune_seeds']))
     metric = ' / '.join(METRIC_WORDS[m] for m in protocol['metric'])

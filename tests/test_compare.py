@@ -432,6 +432,12 @@ def test_compare_runs_from_another_directory(sweep):
     (["--tune={'learning_rate': [1e-3]}", '--grid=--n_embd=64', '--tune_at=--n_embd=32'],
      "tune_at='--n_embd=32' is not one of grid's entries ('--n_embd=64'): give one of them as written"),
     (['--grid=--n_embd=64', '--tune_at=--n_embd=64'], "tune_at='--n_embd=64' names where to tune, but tune is empty"),
+    (["--chosen={'base': {'learning_rate': 1e-3}}", "--tune={'learning_rate': [1e-3]}", '--chosen_by=x'],
+     "chosen gives each variant its settings and tune chooses them: give one of the two"),
+    (["--chosen={'base': {'learning_rate': 1e-3}}", '--attn_types=base'], "chosen needs chosen_by"),
+    (["--chosen={'base': {'learning_rate': 1e-3}}", '--attn_types=base,diff', '--chosen_by=x'],
+     "must give every attn_type of attn_types (base, diff) a dict of train.py settings"),
+    (["--chosen={'base': {'seed': 3}}", '--attn_types=base', '--chosen_by=x'], "chosen['base']: seed is compare.py's"),
 ])
 def test_bad_sweep_settings_are_one_line(args, message, tmp_path):
     proc = run_script_in_process('compare.py', [f'--out_dir={tmp_path / "out"}', *args])
@@ -579,3 +585,25 @@ def test_tuning_ranks_candidates_and_warns_at_the_edge_of_the_range():
         "weight_decay=0 is the smallest value tried: the best may lie below it; extend the range down"]
     assert edge_warnings({'learning_rate': [1e-3, 3e-3, 1e-2], 'compile': [True, False]},
                          {'learning_rate': 3e-3, 'compile': True}) == []
+
+
+def test_chosen_settings_train_each_variant_at_its_own_and_the_report_says_where_they_come_from(sweep):
+    """chosen: no tuning; each variant's runs train at its own rate (min_lr at the config's ratio, as a tuned
+    choice would), and the report's protocol names every variant's settings and where they were chosen."""
+    from denoised_gpt.checkpoint import load_checkpoint
+    tmp, data, _ = sweep
+    out = tmp / 'chosen'
+    proc = compare(sweep_args(out, data, "--chosen={'base': {'learning_rate': 0.01}, 'linear': {'learning_rate': 0.001}}",
+                              '--chosen_by=an earlier report', '--samples=False', attn_types='base,linear', seeds='1'))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert not (out / 'tune').exists()
+    for attn_type, rate in (('base', 0.01), ('linear', 0.001)):
+        config = load_checkpoint(out / 'runs' / f'{attn_type}-seed1', metadata_only=True)['config']
+        assert config['learning_rate'] == rate and config['min_lr'] == pytest.approx(rate / 10)
+    results = json.loads((out / 'report' / 'results.json').read_text())
+    assert results['protocol']['chosen'] == {'base': {'learning_rate': 0.01}, 'linear': {'learning_rate': 0.001}}
+    line = next(line for line in (out / 'report' / 'report.md').read_text().splitlines() if line.startswith('**Protocol'))
+    assert line.startswith("**Protocol: each variant at the settings an earlier tuning chose for it** (an earlier "
+                           "report): `base` learning_rate=0.01; `linear` learning_rate=0.001 (min_lr at the config's "
+                           "ratio to each rate); not tuned again here.")
+    assert "learning_rate=0.003" not in line and "min_lr" not in line.split("not tuned")[1] and "weight_decay=0.1" in line
