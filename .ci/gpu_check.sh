@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checklist in one script, for a short loan of a CUDA machine (nothing can be downloaded there).
+# The GPU checklist in one script, for a short run on a CUDA machine (nothing can be downloaded there).
 #   bash .ci/gpu_check.sh --prepare            # here, once: gpu/ (ignored) gets the data and tokenizer files
 #   bash .ci/gpu_check.sh OUT_DIR [BUDGET_SECONDS]   # there, with gpu/ carried along
 # PARTS picks what runs, in this order (default: all but noise): tests bench compiled profile train sample noise.

@@ -12,7 +12,7 @@
 # 12.16 at lengths 16, 32 and 64; linear attention alone 10.3 of the 31.8). Tuning at
 # lengths 32 and 64 as well would add 50 core-hours (if the filler left the iterations to the target
 # unchanged) to about 170 (if they doubled with the length): that does not fit this CPU, so the rates are
-# tuned at the shortest length only (a lent GPU can tune at every length: --tune_at='').
+# tuned at the shortest length only (a GPU can tune at every length: --tune_at='').
 # Literal assignments only; every key is one of compare.py's settings.
 
 # base the baseline; the four that claim to denoise; symmetric (NoiseFormer without its noise); linear
