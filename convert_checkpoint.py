@@ -19,6 +19,7 @@ import os
 
 from denoised_gpt.checkpoint import CKPT_NAME, CheckpointError, checkpoint_path, load_checkpoint, save_checkpoint
 from denoised_gpt.cli import fail, read_config
+from denoised_gpt.run_dir import lock_out_dir
 from denoised_gpt.sharded_checkpoint import (checkpoint_as_sharded, is_sharded_checkpoint, newest_sharded,
                                              pointer_problem, save_sharded)
 from denoised_gpt.weights import refuse_nonfinite_state
@@ -32,6 +33,12 @@ config_keys = [k for k, v in globals().items() if not k.startswith('_') and isin
 globals().update(read_config(__file__, {k: globals()[k] for k in config_keys}))
 if to not in ('file', 'sharded'):
     fail(f"to={to!r} must be 'file' (sharded checkpoint -> ckpt.pt) or 'sharded' (ckpt.pt -> sharded checkpoint)")
+if not os.path.isdir(out_dir):
+    fail(f"out_dir={out_dir!r} is not a directory: point it at a run's folder")
+try:  # one writer per out_dir: never beside a training run (or another conversion) there
+    out_dir_lock = lock_out_dir(out_dir)
+except ValueError as e:
+    fail(e)
 source = newest_sharded(out_dir) if to == 'file' else os.path.join(out_dir, CKPT_NAME)
 problem = pointer_problem(out_dir) if to == 'file' else None
 if problem:
@@ -39,7 +46,20 @@ if problem:
 if source is None or not (is_sharded_checkpoint(source) if to == 'file' else os.path.isfile(source)):
     kind = 'sharded checkpoint (ckpt.sharded, written by parallel=fsdp runs)' if to == 'file' else CKPT_NAME
     fail(f"{out_dir} holds no {kind} to convert")
+
+
+def iteration(path):
+    try:
+        return load_checkpoint(path, metadata_only=True)['iter_num']
+    except (CheckpointError, OSError, ValueError, KeyError):
+        return '?'
+
+
 newest = checkpoint_path(out_dir)
+if not os.path.samefile(newest, source):  # never an older training state over a newer one
+    fail(f"{newest} is as new as or newer than {source} (iter {iteration(newest)} against {iteration(source)}): "
+         f"converting {source} would put an older state in its place. Convert the newer one "
+         f"(--to={'sharded' if to == 'file' else 'file'}), or move {newest} out of {out_dir} first")
 try:
     checkpoint = load_checkpoint(source, map_location='cpu')
     refuse_nonfinite_state(checkpoint, source)
@@ -51,6 +71,4 @@ except (FileNotFoundError, CheckpointError, ValueError) as e:
     fail(e)
 except OSError as e:  # disk full, no permission: the checkpoints already there are intact
     fail(f"could not write the converted checkpoint in {out_dir} ({e.strerror or e}); the checkpoints there are intact")
-note = "" if os.path.samefile(newest, source) else (
-    f" (note: {newest} is the newer checkpoint in {out_dir}; this converted the older {source})")
-print(f"wrote {written} from {source}, iter {checkpoint['iter_num']}{note}")
+print(f"wrote {written} from {source}, iter {checkpoint['iter_num']}")

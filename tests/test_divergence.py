@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from denoised_gpt.checkpoint import load_checkpoint
+from denoised_gpt.run_dir import LOCK_NAME
 from denoised_gpt.weights import all_finite, nonfinite_optimizer_state, nonfinite_weights
 from helpers import (NO_AUTOCAST, ROOT, TINY, eval_losses, iter_losses, make_dataset, run_script_in_process,
                      save_model_checkpoint, subprocess_env, tiny_checkpoint, tiny_gpt)
@@ -143,16 +144,21 @@ def test_resuming_a_nonfinite_checkpoint_is_refused_in_one_line(tmp_path, data):
         model.transformer.h[0].mlp.c_fc.weight[0, 0] = float('nan')
     optimizer = model.configure_optimizers(0.1, 1e-3, (0.9, 0.99), 'cpu')
     save_model_checkpoint(out, model, optimizer=optimizer.state_dict(), iter_num=3, config={'dataset': str(data)})
-    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    before = files(out)
     for skip in ('stop', 'skip'):  # it used to train on, skipping or stopping at every step
         proc = train(data, out, '--init_from=resume', '--max_iters=6', f'--nonfinite={skip}', expect_rc=2)
         assert proc.stderr.startswith(f"train.py: error: {out / 'ckpt.pt'} holds non-finite weights (NaN or inf)")
         assert len(proc.stderr.strip().splitlines()) == 1
-        assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # refused before out_dir is touched
+        assert files(out) == before  # refused before out_dir is touched
 
 
 def nan_weight(model):
     model.transformer.h[0].mlp.c_fc.weight[0, 0] = float('nan')
+
+
+def files(folder):
+    """What a folder holds, name -> bytes, out_dir's lock aside (it names its last holder)."""
+    return {p.name: p.read_bytes() for p in folder.iterdir() if p.name != LOCK_NAME}
 
 
 @pytest.mark.parametrize('script,args', [
@@ -165,12 +171,12 @@ def test_no_tool_writes_a_new_state_from_a_nonfinite_checkpoint(tmp_path, data, 
     they would write NaN weights again (and grow.py advise resuming them)."""
     out = tmp_path / 'out'
     tiny_checkpoint(out, 'base', data, tweak=nan_weight)
-    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    before = files(out)
     proc = run_script_in_process(script, [f'--out_dir={out}', *(a.format(tmp=tmp_path) for a in args)])
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert proc.stderr == f"{script}: error: {nonfinite_weights(out / 'ckpt.pt')}\n"
     assert [p.name for p in tmp_path.iterdir()] == ['out']  # nothing written beside it
-    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert files(out) == before
 
 
 def test_a_new_run_from_nonfinite_weights_names_the_weights_not_the_learning_rate(tmp_path, data):
@@ -189,13 +195,13 @@ def test_a_nonfinite_optimizer_moment_is_neither_resumed_nor_converted(tmp_path,
     state = torch.load(out / 'ckpt.pt', weights_only=True)
     state['optimizer']['state'][0]['exp_avg_sq'][0] = float('inf')
     torch.save(state, out / 'ckpt.pt')
-    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    before = files(out)
     proc = train(data, out, '--init_from=resume', '--max_iters=6', expect_rc=2)
     assert proc.stderr == f"train.py: error: {nonfinite_optimizer_state(out / 'ckpt.pt')}\n"
     proc = run_script_in_process('convert_checkpoint.py', [f'--out_dir={out}', '--to=sharded'])
     assert proc.returncode == 2 and proc.stderr == (
         f"convert_checkpoint.py: error: {nonfinite_optimizer_state(out / 'ckpt.pt')}\n")
-    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert files(out) == before
     # its weights are finite: the advice, a new run from them, trains
     train(data, tmp_path / 'new', f'--init_from={out}', '--max_iters=2')
 

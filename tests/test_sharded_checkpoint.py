@@ -66,8 +66,10 @@ def test_convert_to_sharded_and_back_changes_nothing_and_the_newer_kind_is_read(
 
     trained_checkpoint(tmp_path, iter_num=9)  # a newer ckpt.pt (an fsdp run resumed in one process, say)
     assert checkpoint_path(tmp_path) == str(tmp_path / 'ckpt.pt') and load_checkpoint(tmp_path)['iter_num'] == 9
-    proc = run_script_in_process('convert_checkpoint.py', [f'--out_dir={tmp_path}'])  # the older, said so
-    assert proc.returncode == 0 and "is the newer checkpoint" in proc.stdout
+    before = (tmp_path / 'ckpt.pt').read_bytes()
+    proc = run_script_in_process('convert_checkpoint.py', [f'--out_dir={tmp_path}'])  # the older over it: refused
+    assert proc.returncode == 2 and "(iter 9 against 7): converting" in proc.stderr and "--to=sharded" in proc.stderr
+    assert (tmp_path / 'ckpt.pt').read_bytes() == before and load_checkpoint(tmp_path)['iter_num'] == 9
 
     empty = tmp_path / 'empty'
     empty.mkdir()
@@ -177,3 +179,22 @@ def test_a_checkpoint_that_does_not_fit_its_own_model_args_is_one_line(tmp_path,
     assert proc.returncode == 2 and proc.stderr.splitlines() == [
         f"train.py: error: checkpoint {path} does not fit its own model_args: its transformer.wte.weight has shape "
         f"(48, 32), the model they describe (64, 32)"], proc.stderr
+
+
+def test_convert_never_writes_beside_a_run_that_holds_the_out_dir(tmp_path):
+    """convert_checkpoint.py takes out_dir's lock as train.py does: while another process holds it (a training
+    run), the conversion is refused in one line and writes nothing."""
+    trained_checkpoint(tmp_path, iter_num=7)
+    holder = subprocess.Popen([sys.executable, '-c', 'import sys; from denoised_gpt.run_dir import lock_out_dir; '
+                               f'lock = lock_out_dir({str(tmp_path)!r}); print("held", flush=True); sys.stdin.read()'],
+                              cwd=ROOT, env=subprocess_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == 'held'
+        before = {name: (tmp_path / name).read_bytes() for name in os.listdir(tmp_path)}  # ckpt.pt and the lock
+        proc = run_script_in_process('convert_checkpoint.py', [f'--out_dir={tmp_path}', '--to=sharded'])
+    finally:
+        holder.communicate('')
+    assert proc.returncode == 2 and "is in use by another run" in proc.stderr, proc.stderr
+    assert {name: (tmp_path / name).read_bytes() for name in os.listdir(tmp_path)} == before
+    proc = run_script_in_process('convert_checkpoint.py', [f'--out_dir={tmp_path}', '--to=sharded'])  # released
+    assert proc.returncode == 0, proc.stderr
