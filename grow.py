@@ -33,7 +33,7 @@ from denoised_gpt.batches import TokenBatches, load_meta
 from denoised_gpt.checkpoint import CheckpointError, checkpoint_path, load_checkpoint, save_checkpoint
 from denoised_gpt.cli import check_ranges, check_writable_folder, fail, read_config
 from denoised_gpt.device import manual_seed, resolve_device, setup, synchronize
-from denoised_gpt.run_dir import peak_memory_mib
+from denoised_gpt.run_dir import lock_out_dir, peak_memory_mib
 from denoised_gpt.weights import refuse_nonfinite_state
 from model import GPT, GPTConfig
 
@@ -173,10 +173,14 @@ def main():
     grown_ckpt.update(model={k: v.cpu() for k, v in grown.state_dict().items()}, optimizer=None,
                       model_args=new_args, config={**train_config, 'qk_head_size': grow_to, 'out_dir': out},
                       grow=report)
-    try:
+    try:  # one writer per folder, as train.py's runs
+        lock = lock_out_dir(out)
+        if os.path.exists(os.path.join(out, 'ckpt.pt')):  # written there since the check at the start
+            raise ValueError(f"{out} already holds a checkpoint; choose another --out or move it away first")
         path = save_checkpoint(grown_ckpt, out)
-    except CheckpointError as e:
+    except (CheckpointError, ValueError) as e:
         fail(e)
+    lock.close()
     print(f"wrote {path}; continue it with: python3 train.py --init_from=resume --out_dir={out}")
 
 

@@ -334,3 +334,22 @@ def test_grow_script_an_out_it_cannot_write_in_is_one_line_before_growing(tmp_pa
                                                               f"with --out", proc.stderr
         assert "growing" not in proc.stdout
     assert os.listdir(tmp_path / 'locked') == []
+
+
+def test_grow_script_never_writes_into_a_folder_another_process_holds(tmp_path):
+    """--out held by another writer (a training run started there, say) when the grown checkpoint is ready:
+    refused in one line, and nothing of grow.py's is written there."""
+    data = make_dataset(tmp_path, n_train=2000, n_val=500)
+    tiny_checkpoint(tmp_path / 'narrow', 'base', data)
+    out = tmp_path / 'grown'
+    holder = subprocess.Popen([sys.executable, '-c', 'import sys; from denoised_gpt.run_dir import lock_out_dir; '
+                               f'lock = lock_out_dir({str(out)!r}); print("held", flush=True); sys.stdin.read()'],
+                              cwd=ROOT, env=subprocess_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == 'held'
+        rc, _, err = run_grow(f"--out_dir={tmp_path / 'narrow'}", '--grow_to=32', '--batches=1', '--batch_size=2',
+                              '--eval_iters=1', '--device=cpu', f'--out={out}')
+    finally:
+        holder.communicate('')
+    assert rc == 2 and "is in use by another run" in err and err.count('\n') == 1, err
+    assert sorted(p.name for p in out.iterdir()) == ['.lock']  # the holder's lock alone
