@@ -66,6 +66,7 @@ from denoised_gpt.checkpoint import checkpoint_path
 from denoised_gpt.cli import (check_inference_source, check_ranges, fail, gpt2_encoding, log, prepare_device,
                               print_result, quiet_ctrl_c, read_config)
 from denoised_gpt.models import load_model, noise_on, trained_dtype
+from denoised_gpt.files import MAX_PROMPT_BYTES, FileError, read_text
 from denoised_gpt.device import autocast_context, manual_seed, torch_dtype
 from model import ATTENTION_TYPES
 
@@ -107,25 +108,24 @@ check_inference_source(init_from)
 # prompts first: a typo in a file name should not cost a model load
 
 
-def read_text(path, what):
+def read_prompts(path, what):
     try:
-        with open(path, encoding='utf-8') as f:
-            return f.read()
+        return read_text(path, MAX_PROMPT_BYTES, what, "give a text file of prompts")
     except FileNotFoundError:
         fail(f"{what} {path!r} not found (relative paths start from {os.getcwd()})")
-    except (OSError, UnicodeDecodeError) as e:
-        fail(f"cannot read {what} {path!r}: {e}")
+    except (OSError, FileError) as e:
+        fail(f"cannot read {what} {path!r}: {e}" if isinstance(e, OSError) else e)
 
 
 if prompts_file:
     if start != "\n":
         fail("give the prompts either with --start or with --prompts_file, not both")
-    prompts = [line for line in read_text(prompts_file, 'prompts_file').splitlines() if line.strip()]
+    prompts = [line for line in read_prompts(prompts_file, 'prompts_file').splitlines() if line.strip()]
     if not prompts:
         fail(f"prompts_file {prompts_file!r} has no prompts: write one prompt per line "
              f"(blank lines are skipped)")
 elif start.startswith('FILE:'):
-    prompts = [read_text(start[5:], 'prompt file (start=FILE:...)')]
+    prompts = [read_prompts(start[5:], 'prompt file (start=FILE:...)')]
     if not prompts[0]:
         fail(f"prompt file {start[5:]!r} is empty")
 else:

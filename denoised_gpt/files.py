@@ -5,9 +5,10 @@ the cause and the fix (never a traceback), and so that a failed write loses noth
 - write_problem: what an OSError on a write means to the user, told apart by errno (a full disk, a read-only
   file system, no permission): the package's one wording of them.
 - write_atomically: a file written whole or not at all, the previous one intact on failure.
-- require_regular_file, read_json, parse_json: what a user may hand over (meta.json, an export's config.json
-  and training_run.json, a run's metrics.jsonl) read without hanging on a FIFO, reading a device for ever, or
-  a RecursionError from JSON nested deeper than Python's parser goes.
+- require_regular_file, read_json, parse_json, read_text: what a user may hand over (meta.json, an export's
+  config.json and training_run.json, a run's metrics.jsonl, a prompts file) read without hanging on a FIFO,
+  reading a device for ever, holding an unbounded file in memory, or a RecursionError from JSON nested deeper
+  than Python's parser goes.
 It imports nothing from the package.
 """
 import contextlib
@@ -17,6 +18,7 @@ import os
 import stat
 
 MAX_JSON_BYTES = 64 << 20  # a JSON file of ours is kilobytes; one larger than this is not one (read whole)
+MAX_PROMPT_BYTES = 16 << 20  # far more text than any block holds: a larger file is not a prompts file
 
 
 class FileError(ValueError):
@@ -101,3 +103,19 @@ def read_json(path, fix):
         return parse_json(data.decode('utf-8'))
     except ValueError as e:  # a UnicodeDecodeError is one too
         raise FileError(f"{path} is not valid JSON ({e}); {fix}") from e
+
+
+def read_text(path, max_bytes, what, fix):
+    """The UTF-8 text of the file at path, read whole. FileError naming `what`, the file, the cause and `fix`
+    for one that is not a regular file, is larger than max_bytes (found by reading at most max_bytes + 1,
+    whatever its size claims) or is not UTF-8; OSError (FileNotFoundError, PermissionError) when it cannot
+    be opened."""
+    require_regular_file(path, fix)
+    with open(path, 'rb') as f:
+        data = f.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise FileError(f"{what} {path} is larger than {max_bytes >> 20} MiB; {fix}")
+    try:
+        return data.decode('utf-8')
+    except UnicodeDecodeError as e:
+        raise FileError(f"{what} {path} is not UTF-8 text ({e}); {fix}") from e

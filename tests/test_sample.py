@@ -424,3 +424,22 @@ def test_a_stdout_that_cannot_take_the_samples_is_one_line(ckpts):
     assert proc.stderr.strip().splitlines()[-1] == ("sample.py: error: cannot write the results to /dev/full: no "
                                                     "space left on device; free some space and run it again")
     assert "Traceback" not in proc.stderr and "Exception ignored" not in proc.stderr
+
+
+def test_a_prompts_file_that_is_no_text_file_is_one_line_before_anything_loads(tmp_path):
+    """--prompts_file (and --start=FILE:) read at most 16 MiB, and nothing that is not a regular file: /dev/zero
+    never ends, a FIFO waits for a writer for ever, a huge (here sparse) file would be held whole."""
+    from denoised_gpt.files import MAX_PROMPT_BYTES
+    fifo = tmp_path / 'fifo'
+    os.mkfifo(fifo)
+    huge = tmp_path / 'huge.txt'
+    with open(huge, 'wb') as f:
+        f.truncate(MAX_PROMPT_BYTES + 1)
+    (tmp_path / 'latin1.txt').write_bytes('caf\xe9\n'.encode('latin-1'))
+    cases = [('--prompts_file=/dev/zero', "it is a device, not a file"), (f'--prompts_file={fifo}', "it is a FIFO"),
+             (f'--prompts_file={huge}', "is larger than 16 MiB"), (f'--start=FILE:{huge}', "is larger than 16 MiB"),
+             (f"--prompts_file={tmp_path / 'latin1.txt'}", "is not UTF-8 text")]
+    for arg, message in cases:
+        proc = run_script_in_process('sample.py', [f"--out_dir={tmp_path / 'no-run'}", arg])
+        assert proc.returncode == 2 and message in proc.stderr, (arg, proc.stderr)
+        assert proc.stderr.count('\n') == 1 and proc.stderr.startswith('sample.py: error: ')
