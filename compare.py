@@ -73,7 +73,7 @@ from denoised_gpt.device import slot_gpus
 from denoised_gpt.evaluation import mean_std
 from denoised_gpt.files import FileError, parse_json, read_json, require_regular_file, write_atomically, write_problem
 from denoised_gpt.training import NOT_RESUMED
-from denoised_gpt.run_dir import METRICS_NAME, dropped_note, lock_out_dir, metrics_rows
+from denoised_gpt.run_dir import METRICS_NAME, bounded_lines, dropped_note, lock_out_dir, metrics_rows
 from denoised_gpt.tuning import (METRICS, candidate_args, candidate_label, candidate_settings, candidate_tag, candidates,
                                  choose, edge_warnings, outranked, score)
 from model import GPT, GPTConfig
@@ -294,7 +294,7 @@ def forget_changes(run):
         lines = list(change_rows(path))
         kept = [line for line, row in lines if row is None or row['run'] != name]
         if len(kept) < len(lines):
-            with open(path + '.tmp', 'w') as f:
+            with open(path + '.tmp', 'wb') as f:
                 f.writelines(kept)
             os.replace(path + '.tmp', path)
 
@@ -328,19 +328,22 @@ def check_settings_unchanged(runs):
 
 
 def change_rows(path):
-    """(line, row) for each line of a CHANGES_NAME file; row None for a line record_change did not write as it
-    is (damaged, edited: the report leaves it out). A file that is not a regular one ends compare.py in one line."""
+    """(line, row) for each line of a CHANGES_NAME file, line as bytes; row None for a line record_change did not
+    write as it is (damaged, edited: the report leaves it out); a line too long to be one is skipped (bounded_lines).
+    A file that is not a regular one ends compare.py in one line."""
     try:
         require_regular_file(path, "remove it (it lists runs continued with changed settings)")
     except FileError as e:
         fail(e)
-    with open(path) as f:
-        for line in f:
+    with open(path, 'rb') as f:
+        for line in bounded_lines(f):
+            if line is None:  # longer than any line record_change writes: left out, never held whole
+                continue
             if not line.strip():
                 continue
             try:
-                row = parse_json(line)
-            except ValueError:
+                row = parse_json(line.decode('utf-8'))
+            except ValueError:  # not JSON, not UTF-8
                 row = None
             ok = isinstance(row, dict) and isinstance(row.get('run'), str) and isinstance(row.get('attn_type'), str) \
                 and 'from_iter' in row and isinstance(row.get('changes'), dict) and all(

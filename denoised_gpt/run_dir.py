@@ -195,7 +195,7 @@ def metrics_rows(path):
     a device would be read for ever, a FIFO would hang. Reads a line at a time, each at most MAX_ROW_BYTES."""
     require_regular_file(path, f"put the run's metrics log there, or {_MOVE_METRICS_AWAY}")
     with open(path, 'rb') as f:
-        for number, data in enumerate(_bounded_lines(f), start=1):
+        for number, data in enumerate(bounded_lines(f), start=1):
             if data is None:
                 yield number, None, None, f"longer than {MAX_ROW_BYTES >> 20} MiB"
                 continue
@@ -211,7 +211,7 @@ def metrics_rows(path):
             yield number, line, None if problem else row, problem
 
 
-def _bounded_lines(f):
+def bounded_lines(f):
     """The lines of the binary file f, each at most MAX_ROW_BYTES long; None for a longer one, whose rest is
     read past, never held whole."""
     while True:

@@ -270,6 +270,8 @@ def test_a_sweep_with_other_settings_is_refused_unless_told_to_continue(sweep):
     # lines compare.py did not write as they are (damaged, edited) are left out of the report, not a traceback
     with open(out / 'settings_changes.jsonl', 'a') as f:
         f.write('{}\n[]\nnot json\n{"run": 5, "attn_type": "base", "from_iter": 1, "changes": {}}\n' + '[' * 100_000 + '\n')
+    with open(out / 'settings_changes.jsonl', 'ab') as f:  # not UTF-8; a line of 2 MiB (beyond any of ours)
+        f.write(b'{"run": "caf\xe9"}\n' + b'7' * (2 << 20) + b'\n')
     proc = compare(args + longer + ['--continue_changed=True', '--report_only=True'])
     assert proc.returncode == 0 and 'Traceback' not in proc.stderr, proc.stdout + proc.stderr
     assert (out / 'report' / 'report.md').read_text().count("from iter") == 1
