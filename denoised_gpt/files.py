@@ -80,6 +80,15 @@ def require_regular_file(path, fix):
         raise FileError(f"cannot read {path}: it is a {file_kind(mode)}, not a file; {fix}")
 
 
+def read_at_most(path, max_bytes, fix):
+    """The bytes of the regular file at path (require_regular_file), or None when it holds more than max_bytes:
+    at most max_bytes + 1 are read, whatever its size claims."""
+    require_regular_file(path, fix)
+    with open(path, 'rb') as f:
+        data = f.read(max_bytes + 1)
+    return data if len(data) <= max_bytes else None
+
+
 def parse_json(text):
     """json.loads, with every failure a ValueError: nesting deeper than Python's parser goes (a
     RecursionError) says 'nested too deeply'."""
@@ -94,10 +103,8 @@ def read_json(path, fix):
     not a regular file, is larger than MAX_JSON_BYTES or is not valid JSON (bad syntax, not UTF-8, an int of
     too many digits, nested too deeply); OSError (FileNotFoundError, PermissionError) when it cannot be
     opened."""
-    require_regular_file(path, fix)
-    with open(path, 'rb') as f:
-        data = f.read(MAX_JSON_BYTES + 1)
-    if len(data) > MAX_JSON_BYTES:
+    data = read_at_most(path, MAX_JSON_BYTES, fix)
+    if data is None:
         raise FileError(f"{path} is larger than {MAX_JSON_BYTES >> 20} MiB, which no JSON file of ours is; {fix}")
     try:
         return parse_json(data.decode('utf-8'))
@@ -110,10 +117,8 @@ def read_text(path, max_bytes, what, fix):
     for one that is not a regular file, is larger than max_bytes (found by reading at most max_bytes + 1,
     whatever its size claims) or is not UTF-8; OSError (FileNotFoundError, PermissionError) when it cannot
     be opened."""
-    require_regular_file(path, fix)
-    with open(path, 'rb') as f:
-        data = f.read(max_bytes + 1)
-    if len(data) > max_bytes:
+    data = read_at_most(path, max_bytes, fix)
+    if data is None:
         raise FileError(f"{what} {path} is larger than {max_bytes >> 20} MiB; {fix}")
     try:
         return data.decode('utf-8')
