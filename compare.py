@@ -71,6 +71,7 @@ from denoised_gpt.checkpoint import CheckpointError, checkpoint_path, load_check
 from denoised_gpt.cli import check_attn_types, fail, read_config
 from denoised_gpt.device import slot_gpus
 from denoised_gpt.evaluation import mean_std
+from denoised_gpt.evaluation.attention_noise import PARTS as SHARE_PARTS
 from denoised_gpt.files import FileError, parse_json, read_json, require_regular_file, write_atomically, write_problem
 from denoised_gpt.training import NOT_RESUMED
 from denoised_gpt.run_dir import METRICS_NAME, bounded_lines, dropped_note, lock_out_dir, metrics_rows
@@ -657,7 +658,6 @@ def recall_results(run, attention=True):
 
 
 # what recall_results adds to a run, summarised over seeds like the val loss
-SHARE_PARTS = ('answer', 'signed_answer', 'noise', 'pairs', 'own', 'queries', 'filler')  # attention_noise's PARTS
 RECALL_KEYS = ('accuracy', *(f'{part}_share' for part in SHARE_PARTS),
                *(f'layer_{part}_share' for part in SHARE_PARTS), 'filler_length')
 

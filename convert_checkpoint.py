@@ -33,12 +33,6 @@ config_keys = [k for k, v in globals().items() if not k.startswith('_') and isin
 globals().update(read_config(__file__, {k: globals()[k] for k in config_keys}))
 if to not in ('file', 'sharded'):
     fail(f"to={to!r} must be 'file' (sharded checkpoint -> ckpt.pt) or 'sharded' (ckpt.pt -> sharded checkpoint)")
-if not os.path.isdir(out_dir):
-    fail(f"out_dir={out_dir!r} is not a directory: point it at a run's folder")
-try:  # one writer per out_dir: never beside a training run (or another conversion) there
-    out_dir_lock = lock_out_dir(out_dir)
-except ValueError as e:
-    fail(e)
 source = newest_sharded(out_dir) if to == 'file' else os.path.join(out_dir, CKPT_NAME)
 problem = pointer_problem(out_dir) if to == 'file' else None
 if problem:
@@ -46,6 +40,10 @@ if problem:
 if source is None or not (is_sharded_checkpoint(source) if to == 'file' else os.path.isfile(source)):
     kind = 'sharded checkpoint (ckpt.sharded, written by parallel=fsdp runs)' if to == 'file' else CKPT_NAME
     fail(f"{out_dir} holds no {kind} to convert")
+try:  # one writer per out_dir: never beside a training run (or another conversion) there
+    out_dir_lock = lock_out_dir(out_dir)
+except ValueError as e:
+    fail(e)
 
 
 def iteration(path):

@@ -113,8 +113,10 @@ def read_prompts(path, what):
         return read_text(path, MAX_PROMPT_BYTES, what, "give a text file of prompts")
     except FileNotFoundError:
         fail(f"{what} {path!r} not found (relative paths start from {os.getcwd()})")
-    except (OSError, FileError) as e:
-        fail(f"cannot read {what} {path!r}: {e}" if isinstance(e, OSError) else e)
+    except FileError as e:
+        fail(e)
+    except OSError as e:
+        fail(f"cannot read {what} {path!r}: {e}")
 
 
 if prompts_file:
