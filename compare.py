@@ -10,7 +10,8 @@ Tuning (`tune`, e.g. {'learning_rate': [1e-3, 3e-3, 1e-2]}; denoised_gpt/tuning.
 candidate (each combination of the values) is trained for every variant on `tune_seeds`, in
 out_dir/tune/<attn_type>[-<point>]-<candidate>-seed<seed>; each variant's best candidate by final val
 loss (on recall data: answer accuracy, ties by val loss) is chosen, a candidate that diverged ranking
-last; then the comparison below runs each variant at its own choice. A learning rate tuned alone takes
+last; then the comparison below runs each variant at its own choice. A setting's values may differ by
+variant: {'learning_rate': {'base': [4e-3, 8e-3], 'diff': [5e-4, 1e-3]}} (a list for every attn_type). A learning rate tuned alone takes
 min_lr along at base_config's ratio. With train.py's stop_at_val_loss, a run ends at its first
 evaluation at or below it, and a candidate that reaches it on every tuning seed ranks above the others,
 the sooner the better. With a `grid`, each variant is tuned at every point, or only at `tune_at` (one
@@ -44,6 +45,10 @@ answer accuracy (overall and by number of key-value pairs) and where attention g
 lookup head's attention, and of the reading layer's output, on the answer, the other pairs, the query's own
 token, the earlier queries and the filler, docs/eval.md), each with its paired reading against base, a plot
 of accuracy against pairs and one of accuracy, signed answer shares and noise share against filler length.
+With `retrieval` (text data), eval.py --retrieval=True reads each compared run (a span of random tokens
+written twice into the validation text, docs/eval.md), and the report adds copy accuracy by distance and
+where attention goes while copying (the copy head's and the reading layer's shares on the source, the rest
+of the span, the own token and the text), each paired with base seed by seed, and a plot against distance.
 """
 
 from configurator import answer_help
@@ -72,11 +77,12 @@ from denoised_gpt.cli import check_attn_types, fail, read_config
 from denoised_gpt.device import slot_gpus
 from denoised_gpt.evaluation import mean_std
 from denoised_gpt.evaluation.attention_noise import PARTS as SHARE_PARTS
+from denoised_gpt.evaluation.retrieval import PARTS as RETRIEVAL_PARTS
 from denoised_gpt.files import FileError, parse_json, read_json, require_regular_file, write_atomically, write_problem
 from denoised_gpt.training import NOT_RESUMED
 from denoised_gpt.run_dir import METRICS_NAME, bounded_lines, dropped_note, lock_out_dir, metrics_rows
 from denoised_gpt.tuning import (METRICS, candidate_args, candidate_label, candidate_settings, candidate_tag, candidates,
-                                 choose, edge_warnings, outranked, score)
+                                 choose, edge_warnings, outranked, score, variant_tune)
 from model import GPT, GPTConfig
 
 # -----------------------------------------------------------------------------
@@ -88,12 +94,13 @@ grid = []  # settings to sweep besides attn_type and seed: each entry is one poi
 out_dir = 'out-compare'  # runs in out_dir/runs/<attn_type>-seed<seed>/, the report in out_dir/report/
 nproc = 1  # processes per run; more than 1 launches train.py with torchrun --standalone
 jobs = 1  # runs trained at the same time, each with its share of the CPU cores (CUDA: nproc GPUs, shared if few)
+retrieval = False  # text data: read each compared run with eval.py --retrieval=True (copy accuracy and attention, by distance)
 samples = True  # put one sample per variant (sample.py on its first seed's checkpoint) in the report
 sample_tokens = 200  # new tokens in each sample
 report_only = False  # only write the report from the runs already in out_dir
 continue_changed = False  # continue runs that were trained with other settings than this sweep's (the report says so)
 # tuning: each variant compared at its own best settings ({} compares every variant at the same settings)
-tune = {}  # train.py settings to tune per variant, e.g. {'learning_rate': [1e-3, 3e-3, 1e-2]}: every combination is a candidate, trained on tune_seeds
+tune = {}  # train.py settings to tune per variant, e.g. {'learning_rate': [1e-3, 3e-3, 1e-2]}: every combination is a candidate, trained on tune_seeds; a value may be {attn_type: [values]}
 tune_seeds = [1]  # seeds for tuning only (never one of seeds): a candidate's score is its mean over them
 tune_metric = 'auto'  # 'val_loss' (lowest final val loss), 'accuracy' (highest answer accuracy, ties by val loss: recall data) or 'auto' (accuracy on recall data, else val_loss)
 tune_at = ''  # one of grid's entries: tune each variant at that point only, and compare it at every point with its choice there ('' tunes at every point)
@@ -167,10 +174,16 @@ def is_recall_data(config):
 
 
 if tune:
-    if (not all(isinstance(k, str) and isinstance(v, list) and v for k, v in tune.items())
-            or any(len(set(map(repr, v))) != len(v) for v in tune.values())):
+    def distinct_values(values):
+        return isinstance(values, list) and values and len(set(map(repr, values))) == len(values)
+    if not all(isinstance(k, str) and distinct_values(v) for k, v in tune.items() if not isinstance(v, dict)):
         fail(f"tune={tune!r} must map train.py settings to lists of distinct values to try, e.g. "
              f"--tune=\"{{'learning_rate': [1e-3, 3e-3, 1e-2]}}\"")
+    for key, per_variant in tune.items():
+        if isinstance(per_variant, dict) and (sorted(per_variant) != sorted(attn_types)
+                                              or not all(map(distinct_values, per_variant.values()))):
+            fail(f"tune[{key!r}] gives values per variant: it must map every attn_type of attn_types "
+                 f"({', '.join(attn_types)}) to a list of distinct values, e.g. {{'base': [4e-3, 8e-3], ...}}")
     if set(tune) & set(RESERVED):
         fail(f"tune: {', '.join(sorted(set(tune) & set(RESERVED)))} cannot be tuned (compare.py sets them per run)")
     if (not tune_seeds or not all(isinstance(s, int) and s >= 0 for s in tune_seeds)
@@ -179,7 +192,8 @@ if tune:
     if set(tune_seeds) & set(seeds):
         fail(f"tune_seeds and seeds share {sorted(set(tune_seeds) & set(seeds))}: the comparison must not reuse "
              f"the runs its settings were chosen on; choose other tune_seeds")
-    for candidate in candidates(tune):  # every candidate's settings checked now, at every point
+    every_candidate = {candidate_label(c): c for a in attn_types for c in candidates(variant_tune(tune, a))}
+    for candidate in every_candidate.values():  # every candidate's settings checked now, at every point
         for args, tag, _ in points:
             settings = candidate_settings(candidate, point_configs[tag])
             try:
@@ -216,6 +230,9 @@ if missing:  # how runs are scored (answer accuracy or val loss) is read from th
          f"prepare.py), or run from the folder where it was prepared")
 if tune_metric not in ('auto', *METRICS):
     fail(f"tune_metric={tune_metric!r} must be one of 'auto', {', '.join(map(repr, METRICS))}")
+if retrieval and any(is_recall_data(c) for c in point_configs.values()):
+    fail("retrieval probes models trained on text: on a recall dataset compare.py reads every run with eval.py "
+         "--recall and --attention_noise already; leave retrieval out")
 if tune and tune_metric == 'accuracy' and not all(is_recall_data(c) for c in point_configs.values()):
     fail("tune_metric='accuracy' needs a recall dataset (data/mqar), whose answers eval.py scores; use 'val_loss'")
 
@@ -616,6 +633,7 @@ def run_results(run):
         'curve': [{k: r[k] for k in ('iter', 'val_loss', 'train_loss', 'time')} for r in evals],
         'learned': [{k: v for k, v in r.items() if isinstance(v, list)} | {'iter': r['iter']} for r in evals],
         **recall_results(run),
+        **retrieval_results(run),
     }
 
 
@@ -657,6 +675,32 @@ def recall_results(run, attention=True):
     return result
 
 
+def retrieval_results(run):
+    """With retrieval: from eval.py --retrieval=True on the run's checkpoint (its retrieval.json, computed again
+    when ckpt.pt is newer), the copy accuracy overall and by distance, and the shares of RETRIEVAL_PARTS at the
+    copy head and the reading layer, overall and by distance (each a 'copy_...' key: summarize takes them all);
+    {} without it."""
+    if not retrieval:
+        return {}
+    path = os.path.join(run.dir, 'retrieval.json')
+    if not os.path.exists(path) or os.path.getmtime(path) < os.path.getmtime(checkpoint_path(run.dir)):
+        proc = subprocess.run([sys.executable, EVAL_SCRIPT, f'--out_dir={run.dir}', '--retrieval=True',
+                               '--batch_size=16'], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise CheckpointError(f"eval.py --retrieval=True failed: {proc.stderr.strip().splitlines()[-1:]}")
+    probe = read_eval_json(path)
+    head, layer = probe['copy_head'], probe['reading_layer']
+    result = {'copy_accuracy': probe['accuracy'], 'copy_chance': probe['chance'],
+              'copy_head': f"L{head['layer']}h{head['head']}", 'copy_reading_layer': f"L{layer['layer']}",
+              **{f'copy_{part}_share': head[part] for part in RETRIEVAL_PARTS},
+              **{f'copy_layer_{part}_share': layer[part] for part in RETRIEVAL_PARTS}}
+    for d, at in probe['by_distance'].items():
+        result[f'copy_accuracy@{d}'] = at['accuracy']
+        result.update({f'copy_{part}_share@{d}': at['copy_head'][part] for part in RETRIEVAL_PARTS})
+        result.update({f'copy_layer_{part}_share@{d}': at['reading_layer'][part] for part in RETRIEVAL_PARTS})
+    return result
+
+
 # what recall_results adds to a run, summarised over seeds like the val loss
 RECALL_KEYS = ('accuracy', *(f'{part}_share' for part in SHARE_PARTS),
                *(f'layer_{part}_share' for part in SHARE_PARTS), 'filler_length')
@@ -673,6 +717,8 @@ def summarize(results):
             values = [r[key] for r in rs if r.get(key) is not None]
             if key not in RECALL_KEYS or values:
                 s[key] = mean_std(values)
+        for key in (k for k, v in rs[0].items() if k.startswith('copy_') and isinstance(v, float)):
+            s[key] = mean_std(r[key] for r in rs if key in r)
         if 'accuracy_by_pairs' in rs[0]:
             s['accuracy_by_pairs'] = {k: mean_std(r['accuracy_by_pairs'][k] for r in rs)
                                       for k in rs[0]['accuracy_by_pairs']}
@@ -683,6 +729,9 @@ def summarize(results):
             for key in ('accuracy', 'signed_answer_share', 'noise_share', 'layer_signed_answer_share',
                         'layer_noise_share'):
                 if key in s:
+                    s[f'{key}_vs_base'] = paired_vs_base(results, variant, s['base'], key=key)
+            for key in [k for k in s if k.startswith('copy_') and k != 'copy_chance']:
+                if all(key in r for r in results if r['variant'] in (variant, s['base'])):
                     s[f'{key}_vs_base'] = paired_vs_base(results, variant, s['base'], key=key)
     return summary
 
@@ -698,9 +747,9 @@ def tune_variants():
     point tag): its tuning record}:
     every candidate's settings, per-seed results and score, the chosen candidate and its settings (None
     when every candidate diverged) and the edge-of-range warnings."""
-    options = candidates(tune)
+    options = {a: candidates(variant_tune(tune, a)) for a in attn_types}
     table = {(a, point[1]): [[Run(a, s, point, candidate_settings(c, point_configs[point[1]]), 'tune', candidate_tag(c))
-                              for s in tune_seeds] for c in options]
+                              for s in tune_seeds] for c in options[a]]
              for point in points if tuned_at(point) == point[1] for a in attn_types}
     every = [run for rows in table.values() for seed_runs in rows for run in seed_runs]
     if not report_only:
@@ -719,7 +768,7 @@ def tune_variants():
     for (attn_type, tag), rows in table.items():
         metric = rows[0][0].metric
         entries = []
-        for candidate, seed_runs in zip(options, rows):
+        for candidate, seed_runs in zip(options[attn_type], rows):
             per_seed = [None if diverged(run) else tuning_result(run, metric, run.dir in out) for run in seed_runs]
             entries.append({'label': candidate_label(candidate), 'candidate': candidate,
                             'settings': seed_runs[0].settings, 'seeds': list(tune_seeds), 'per_seed': per_seed,
@@ -732,7 +781,7 @@ def tune_variants():
             'attn_type': attn_type, 'variant': rows[0][0].variant, 'metric': metric, 'candidates': entries,
             'chosen': None if best is None else entries[best]['label'],
             'settings': None if best is None else entries[best]['settings'],
-            'warnings': [] if best is None else edge_warnings(tune, options[best])}
+            'warnings': [] if best is None else edge_warnings(variant_tune(tune, attn_type), options[attn_type][best])}
     return tuning
 
 

@@ -7,6 +7,7 @@ $ python eval.py --out_dir=out-owt-dint --lm_eval=hellaswag,lambada_openai,arc_e
 $ python eval.py --out_dir=out-owt-dint_lowrank --entropy=True --compare_to=out-owt-base
 $ python eval.py --out_dir=out-mqar --recall=True --val_loss=True
 $ python eval.py --out_dir=out-mqar-diff --attention_noise=True --compare_to=out-mqar
+$ python eval.py --out_dir=out-shakespeare-char --retrieval=True
 $ python eval.py --init_from=hf-owt-dint --val_loss=True   # a folder written by export_hf.py
 
 What it measures (any combination in one run; results go to eval_dir as JSON, tables to stdout):
@@ -30,6 +31,12 @@ What it measures (any combination in one run; results go to eval_dir as JSON, ta
             filler, as shares of the row's absolute mass (and the answer's signed share); each layer
             as a whole too; by pairs, filler length and distance. JSON and a heatmap PNG;
             --compare_to side by side on the same examples
+  retrieval on the model's own validation text, a span of retrieval_span random tokens written twice
+            with D tokens of text between: copy accuracy over the second copy and, at each copy
+            position, the effective attention row's share on the source (the earlier occurrence and
+            the token to copy), the rest of the span, the query's own token and the text, per layer
+            and head and per layer as a whole, by distance D. Char-level and GPT-2 BPE models alike.
+            JSON and a heatmap PNG; --compare_to on the same examples
 
 GLUE details: a sentence pair is joined as `first + "\\n" + second` (GPT-2 has no separator token),
 encoded with GPT-2's BPE, and the start is cut if it exceeds block_size so the last token is kept.
@@ -95,17 +102,23 @@ max_gen_toks = 256  # generate_until tasks: the most tokens generated per reques
 # recall
 recall = False  # answer accuracy over a recall dataset's validation examples (data/mqar), by pairs and distance
 attention_noise = False  # recall dataset: each answer's attention share on its key and value vs the rest, per layer and head
+# retrieval probe (any model trained on text)
+retrieval = False  # copy accuracy on a span repeated in the validation text, and where attention goes while copying
+retrieval_span = 10  # tokens in the repeated span
+retrieval_distances = []  # tokens of text between the two copies, e.g. 8,32,96 (default: 5 values up to the block_size)
+retrieval_examples = 64  # examples per distance
 # -----------------------------------------------------------------------------
 config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str, list, type(None)))]
 
 globals().update(read_config(__file__, {k: globals()[k] for k in config_keys}, optional_bools=('noise_at_eval',)))
-if not (val_loss or entropy or glue or lm_eval or recall or attention_noise):
+if not (val_loss or entropy or glue or lm_eval or recall or attention_noise or retrieval):
     fail("nothing to evaluate: pass one or more of --val_loss=True, --entropy=True, --glue=all (or a list "
-         "of tasks), --lm_eval=TASK[,TASK], --recall=True, --attention_noise=True")
+         "of tasks), --lm_eval=TASK[,TASK], --recall=True, --attention_noise=True, --retrieval=True")
 check_inference_source(init_from)
 try:
     check_ranges({k: globals()[k] for k in config_keys}, seeds=('seed',),
-                 at_least_one=('batch_size', 'entropy_batches', 'glue_epochs', 'glue_noise_draws', 'max_gen_toks'))
+                 at_least_one=('batch_size', 'entropy_batches', 'glue_epochs', 'glue_noise_draws', 'max_gen_toks',
+                               'retrieval_examples'))
 except ValueError as e:
     fail(e)
 for key in ('entropy_block_size', 'glue_batch_size', 'glue_max_examples', 'lm_eval_limit'):
@@ -116,8 +129,11 @@ if not all(type(s) is int and 0 <= s < 2 ** 63 for s in seed_list):
     fail(f"seeds={seeds!r} must be non-negative integers, e.g. --seeds=0,1,2")
 if not seed_list:
     fail("seeds is empty: give at least one probe seed, e.g. --seeds=0")
-if compare_to and not (entropy or attention_noise):
-    fail("compare_to compares attention entropy or attention shares: add --entropy=True or --attention_noise=True")
+if not all(type(d) is int and d >= 1 for d in retrieval_distances):
+    fail(f"retrieval_distances={retrieval_distances!r} must be positive integers, e.g. --retrieval_distances=8,32,96")
+if compare_to and not (entropy or attention_noise or retrieval):
+    fail("compare_to compares attention entropy or attention shares: add --entropy=True, --attention_noise=True "
+         "or --retrieval=True")
 if glue:
     from denoised_gpt.evaluation import glue as glue_eval
     try:
@@ -236,11 +252,11 @@ if glue:
     needs_gpt2_vocabulary("GLUE")
 if lm_eval:
     needs_gpt2_vocabulary("lm_eval")
-if val_loss or entropy or recall or attention_noise:
+if val_loss or entropy or recall or attention_noise or retrieval:
     val_path = val_bin(info)
     if not os.path.isfile(val_path):
         fail(f"{val_path} not found: run that dataset's prepare.py first, or pass --dataset=<name>")
-if val_loss or recall or attention_noise:  # they read the whole file: an id the model has no embedding for is said now
+if val_loss or recall or attention_noise or retrieval:  # they read the whole file: an id the model has no embedding for is said now
     try:
         check_token_ids(val_path, model.config.vocab_size)
     except ValueError as e:
@@ -261,6 +277,24 @@ if entropy:
     if compare_to:
         val_bin(other_info)
         other_data = entropy_data(other_model, other_info, f"compare_to's model ({other_info['checkpoint']})")
+
+
+def write_shares(name, mine, measure, panels):
+    """name.json and name.png (heatmaps: panels(result)) of this model's attention shares and, with compare_to,
+    of the other model's, measured by measure(model, info) on the same examples, beside them."""
+    from denoised_gpt.evaluation.entropy import file_name_part, plot_heatmaps
+    # the colour bar: a head's share is of its row's absolute weights, a layer's of what each key adds to it
+    label = "share (heads: |weight|; layer: additions)"
+    write_json(f'{name}.json', mine)
+    write_png(f'{name}.png', plot_heatmaps([(info['name'], panels(mine))], label))
+    if compare_to:
+        other_model.to(device)
+        theirs = measure(other_model, other_info)
+        other_model.cpu()
+        other = file_name_part(other_info['name'])
+        write_json(f'{name}_{other}.json', theirs)
+        write_png(f'{name}_vs_{other}.png', plot_heatmaps([(info['name'], panels(mine)),
+                                                           (other_info['name'], panels(theirs))], label))
 
 
 def seeded(measure, *args, **kwargs):
@@ -306,7 +340,6 @@ if recall:
 
 if attention_noise:
     from denoised_gpt.evaluation.attention_noise import attention_noise as attention_shares, heatmap_panels
-    from denoised_gpt.evaluation.entropy import file_name_part, plot_heatmaps
 
     def shares_of(which_model, which_info):
         """which_model's shares on this checkpoint's dataset: a compared model sees the same examples."""
@@ -331,19 +364,52 @@ if attention_noise:
                      f"{parts(layer)}; noise {layer['noise']:.3f}")
         return r
 
-    label = "share of the row's absolute weight (heads) or of the keys' additions (layer)"
-    mine_shares = shares_of(model, info)
-    results['attention_noise'] = mine_shares
-    write_json('attention_noise.json', mine_shares)
-    write_png('attention_noise.png', plot_heatmaps([(info['name'], heatmap_panels(mine_shares))], label))
-    if compare_to:
-        other_model.to(device)
-        theirs_shares = shares_of(other_model, other_info)
-        other_model.cpu()
-        write_json(f"attention_noise_{file_name_part(other_info['name'])}.json", theirs_shares)
-        write_png(f"attention_noise_vs_{file_name_part(other_info['name'])}.png",
-                  plot_heatmaps([(info['name'], heatmap_panels(mine_shares)),
-                                 (other_info['name'], heatmap_panels(theirs_shares))], label))
+    results['attention_noise'] = shares_of(model, info)
+    write_shares('attention_noise', results['attention_noise'], shares_of, heatmap_panels)
+
+# -----------------------------------------------------------------------------
+# the retrieval probe: copying a span repeated in the validation text
+
+if retrieval:
+    from denoised_gpt.evaluation.retrieval import heatmap_panels as probe_panels, retrieval as retrieval_probe
+
+    def probe(which_model, which_info):
+        """which_model's copy accuracy and attention parts on this checkpoint's validation text: a compared
+        model sees the same examples (it must have the same vocabulary)."""
+        if which_model.config.vocab_size != model.config.vocab_size:
+            fail(f"compare_to's model has {which_model.config.vocab_size} token ids, this one "
+                 f"{model.config.vocab_size}: the probe compares models on the same tokens")
+        t0 = time.time()
+        r = seeded(retrieval_probe, which_model, val_path, batch_size, device, ctx, span=retrieval_span,
+                   distances=retrieval_distances, per_distance=retrieval_examples, seed=seed,
+                   length=min(model.config.block_size, which_model.config.block_size))
+        r.update(file=val_path, attn_type=which_info['attn_type'], checkpoint=which_info['checkpoint'],
+                 noise_on=which_info['noise_on'], dtype=dtype, seed=seed)
+        by = r['by_distance']
+
+        def parts(s):
+            return (f"source {s['source']:.3f} (signed {s['signed_source']:.3f}), span {s['span']:.3f}, "
+                    f"own {s['own']:.3f}, text {s['text']:.3f}")
+        print_result(f"retrieval probe ({which_info['name']}): a span of {r['span']} random tokens written twice in "
+                     f"{r['length']}-token windows of {val_path}, D tokens of text between; {r['examples']:,} "
+                     f"examples, {r['copies']:,} copy targets, {time.time() - t0:.1f}s")
+        print_result(f"  copy accuracy {r['accuracy']:.4f} (chance about {r['chance']:.4f}: 1 in the "
+                     f"{r['candidates']} token ids of the file); by distance D: "
+                     + ", ".join(f"{d}: {v['accuracy']:.4f}" for d, v in by.items()))
+        head, layer = r['copy_head'], r['reading_layer']
+        print_result(f"  copy head L{head['layer']}h{head['head']} (layer {head['layer']}, head {head['head']}: the "
+                     f"highest signed source share; source = the earlier occurrence and the token to copy), "
+                     f"share of its attention row by distance:")
+        for d, v in by.items():
+            print_result(f"    D={d}: {parts(v['copy_head'])}")
+        print_result(f"  reading layer L{layer['layer']} (all heads, by what each key adds to the layer's output), "
+                     f"by distance:")
+        for d, v in by.items():
+            print_result(f"    D={d}: {parts(v['reading_layer'])}")
+        return r
+
+    results['retrieval'] = probe(model, info)
+    write_shares('retrieval', results['retrieval'], probe, probe_panels)
 
 # -----------------------------------------------------------------------------
 # attention entropy

@@ -128,6 +128,8 @@ def write_plots(results, report_dir):
         written['accuracy'] = plot_accuracy(results, report_dir)
     if any('answer_share' in r for r in results):
         written['attention'] = plot_against_filler(results, report_dir)
+    if any('copy_accuracy' in r for r in results):
+        written['retrieval'] = plot_retrieval(results, report_dir)
 
     learners = {a: runs[0] for a, runs in variants.items() if any(len(p) > 1 for p in runs[0]['learned'])}
     if learners:
@@ -214,6 +216,98 @@ def plot_against_filler(results, report_dir):
     return 'attention.png'
 
 
+def distances(run):
+    """The retrieval probe's distances in a run's results (its 'copy_accuracy@D' keys), in order."""
+    return sorted(int(k.split('@')[1]) for k in run if k.startswith('copy_accuracy@'))
+
+
+def plot_retrieval(results, report_dir):
+    """retrieval.png: copy accuracy, the copy head's signed source share and the reading layer's share on noise
+    (the rest of the span and the text) against the distance between the two copies, one line per variant: mean
+    over seeds, bars = min..max, shifted apart sideways a little."""
+    variants = {v: [r for r in runs if 'copy_accuracy' in r] for v, runs in by_variant(results).items()}
+    variants = {v: runs for v, runs in variants.items() if runs}
+    fig, axes = plt.subplots(1, 3, figsize=(18, 4.5))
+    for ax, key, what in ((axes[0], 'copy_accuracy', 'copy accuracy'),
+                          (axes[1], 'copy_signed_source_share', "copy head's signed share on the source"),
+                          (axes[2], 'copy_layer_noise_share', "reading layer's share on noise")):
+        for i, (variant, runs) in enumerate(variants.items()):
+            ds = distances(runs[0])
+            table = [[r[f'{key}@{d}'] for r in runs] for d in ds]
+            mean = [sum(v) / len(v) for v in table]
+            x = [d * (1 + 0.03 * (i - (len(variants) - 1) / 2)) for d in ds]
+            ax.errorbar(x, mean, yerr=[[m - min(v) for m, v in zip(mean, table)], [max(v) - m for m, v in zip(mean, table)]],
+                        color=f'C{i % 10}', marker='o', markersize=4, capsize=3, label=variant)
+        if key == 'copy_accuracy':
+            chance = next(iter(variants.values()))[0]['copy_chance']
+            ax.axhline(chance, color='grey', linestyle=':', linewidth=1, label=f'chance ({chance:.3f})')
+        ax.set_xscale('log', base=2)
+        ax.set_xlabel('tokens of text between the two copies')
+        ax.set_ylabel(f'{what}\n(mean over seeds, bars = min..max)')
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    save_png(fig, os.path.join(report_dir, 'retrieval.png'))
+    return 'retrieval.png'
+
+
+def retrieval_lines(summary, results, plots):
+    """The report's section on the retrieval probe (compare.py's retrieval), or [] without it."""
+    probed = {v: s for v, s in summary.items() if 'copy_accuracy' in s}
+    if not probed:
+        return []
+    first = next(r for r in results if 'copy_accuracy' in r)
+    ds = distances(first)
+    lines = ["## Copying a span from the text (retrieval probe)", "",
+             "eval.py --retrieval=True on each run's checkpoint (docs/eval.md): windows of the validation text with a "
+             "span of random tokens written twice, D tokens of text between (the same examples for every run); copy "
+             "accuracy is the share of the second copy's tokens (after its first) that the most likely next token "
+             f"gets right; chance is about {first['copy_chance']:.4f} (1 over the token ids of the file). Mean ± sample "
+             "standard deviation over seeds; reading: minus base's, seed by seed, as for the val loss.", "",
+             "| variant | copy accuracy | per seed | " + " | ".join(f"D={d}" for d in ds) + " | reading |",
+             "|---|---|---|" + "---|" * len(ds) + "---|"]
+    for variant, s in probed.items():
+        lines.append(f"| `{variant}` | {fmt(s['copy_accuracy'], 3)} | "
+                     f"{', '.join(f'{v:.3f}' for v in s['copy_accuracy']['values'])} | "
+                     + " | ".join(fmt(s[f'copy_accuracy@{d}'], 3) for d in ds)
+                     + f" | {paired_reading(s, 'copy_accuracy')} |")
+    paired = {v: s for v, s in probed.items() if 'copy_accuracy_vs_base' in s}
+    if paired:
+        lines += ["", "Copy accuracy minus base's at each distance, seed by seed (mean ± std; * every seed the same "
+                  "sign):", "", "| variant | " + " | ".join(f"D={d}" for d in ds) + " |", "|---|" + "---|" * len(ds)]
+        for variant, s in paired.items():
+            cells = []
+            for d in ds:
+                p = s.get(f'copy_accuracy@{d}_vs_base')
+                cells.append('' if not p or p['mean'] is None else f"{p['mean']:+.3f}"
+                             + (f" ± {p['std']:.3f}" if p['std'] is not None else '') + ('*' if p['same_sign'] else ''))
+            lines.append(f"| `{variant}` | " + " | ".join(cells) + " |")
+    for where, prefix, what, chosen in (
+            ('copy head', 'copy_', "the layer and head with the highest mean signed source share over every distance "
+             "(among the variant's own heads)", 'copy_head'),
+            ('reading layer', 'copy_layer_', "the layer whose output takes the most signed source share, by what "
+             "each key adds to it (all heads, through the values and c_proj)", 'copy_reading_layer')):
+        lines += ["", f"Where attention goes while copying, at each run's {where}: {what}. Shares of the absolute "
+                  "mass: the source (the earlier occurrence of the query's token and the token to copy), the rest of "
+                  "the span, the query's own token, the text; noise = span + text; signed: negative where it "
+                  "subtracts. Over every distance, and the noise share at each distance.", "",
+                  f"| variant | {where} per seed | source (signed) | span | own token | text | noise | "
+                  + " | ".join(f"noise D={d}" for d in ds) + " | reading (signed source) | reading (noise) |",
+                  "|---|---|---|---|---|---|---|" + "---|" * len(ds) + "---|---|"]
+        for variant, s in probed.items():
+            heads = ', '.join(r[chosen] for r in results if r['variant'] == variant and chosen in r)
+            lines.append(f"| `{variant}` | {heads} | {fmt(s[f'{prefix}source_share'], 3)} "
+                         f"({fmt(s[f'{prefix}signed_source_share'], 3)}) | "
+                         + " | ".join(fmt(s[f'{prefix}{part}_share'], 3) for part in ('span', 'own', 'text', 'noise'))
+                         + " | " + " | ".join(fmt(s[f'{prefix}noise_share@{d}'], 3) for d in ds)
+                         + f" | {paired_reading(s, f'{prefix}signed_source_share')} | "
+                           f"{paired_reading(s, f'{prefix}noise_share')} |")
+    lines.append("")
+    if 'retrieval' in plots:
+        lines += [f"![copy accuracy, signed source share and noise share against distance]({plots['retrieval']})", ""]
+    return lines
+
+
 def paired_reading(summary, key):
     """reading() of a variant's key against base (summarize's f'{key}_vs_base'); '' for base itself."""
     return reading(summary[f'{key}_vs_base']) if f'{key}_vs_base' in summary else ''
@@ -259,12 +353,22 @@ def protocol_lines(protocol, tuning):
              + (f" (the one chosen at `{protocol['tuned_at']}`) at every point of the grid: at the other points it "
                 "was not tuned, and may do better at other settings there." if where else "."),
              "", "## Tuning", ""]
-    labels = [c['label'] for c in tuning[0]['candidates']]
+    # every candidate any variant tried: tune's order when they all tried the same, else the order of the
+    # values (a variant's own values, blank elsewhere)
+    tried = {c['label']: c['candidate'] for t in tuning for c in t['candidates']}
+    labels = list(tried)
+    if any(len(t['candidates']) < len(labels) for t in tuning):
+        labels.sort(key=lambda label: [(0, v, '') if isinstance(v, (int, float)) else (1, 0, str(v))
+                                       for v in tried[label].values()])
     lines += ["| variant | " + " | ".join(f"`{label}`" for label in labels) + " | chosen |",
               "|---|" + "---|" * len(labels) + "---|"]
     for t in tuning:
         cells = []
-        for c in t['candidates']:
+        own = {c['label']: c for c in t['candidates']}
+        for c in (own.get(label) for label in labels):
+            if c is None:
+                cells.append('')
+                continue
             cell = 'diverged' if c['diverged'] else (
                 f"{c['accuracy']:.3f} (val {c['val_loss']:.4f})" if t['metric'] == 'accuracy' else f"{c['val_loss']:.4f}")
             if c.get('reached'):
@@ -275,6 +379,8 @@ def protocol_lines(protocol, tuning):
         lines.append(f"| `{t['variant']}` | " + " | ".join(cells) + f" | {t['chosen'] or 'none: every candidate diverged'} |")
     lines += ["", "Each cell: the candidate's " + ("answer accuracy (and final val loss)" if 'accuracy' in protocol['metric']
               else "final val loss") + ", the mean over the tuning seeds; bold: chosen."
+              + (" Blank: not one of that variant's candidates (each variant tried values around its own)."
+                 if any(len(t['candidates']) < len(labels) for t in tuning) else '')
               + (f" \"at iter n\": every tuning seed stopped at stop_at_val_loss={protocol['stop_at_val_loss']:g}, at n "
                  "iterations on average; such a candidate ranks above every one that did not, the sooner the better. "
                  "\"out-ranked at iter n\": stopped there, not having reached it, once another candidate had reached it "
@@ -451,6 +557,7 @@ def write_report(report_dir, summary, results, failures, samples, plots, setup):
         if 'accuracy' in plots:
             lines += [f"![answer accuracy against the number of key-value pairs]({plots['accuracy']})", ""]
     lines += attention_lines(summary, results, plots)
+    lines += retrieval_lines(summary, results, plots)
     if setup.get('changes'):
         lines += ["## Settings changed during the sweep", "",
                   "These runs were continued (compare.py --continue_changed=True) with other settings than they "

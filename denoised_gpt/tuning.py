@@ -22,6 +22,12 @@ def candidates(tune):
     return [dict(zip(keys, values)) for values in itertools.product(*(tune[k] for k in keys))]
 
 
+def variant_tune(tune, attn_type):
+    """The {key: [values]} that `tune` gives attn_type: a key whose values are given per variant
+    ({attn_type: [values]}) takes that variant's list."""
+    return {key: values[attn_type] if isinstance(values, dict) else values for key, values in tune.items()}
+
+
 def candidate_settings(candidate, config):
     """The train.py settings a candidate gives a run whose other settings are `config`. A learning rate
     tuned without min_lr takes min_lr along at the config's ratio (nanoGPT's min_lr = learning_rate / 10):

@@ -9,8 +9,8 @@ import torch
 from denoised_gpt.evaluation.attention_noise import PARTS, attention_noise, heatmap_panels
 from denoised_gpt.evaluation.entropy import plot_heatmaps
 from helpers import NO_AUTOCAST, run_script_in_process, tiny_checkpoint, tiny_gpt
-from model import ATTENTION_TYPES, causal_randn
-from naive_attention import NAIVE, NAIVE_MAPS, RMS_EPS, lambda_init_for
+from model import ATTENTION_TYPES
+from naive_attention import naive_part_shares
 
 T = 12
 # Two handmade examples (T + 1 tokens: the model reads the first T) and their answers, by construction:
@@ -39,9 +39,9 @@ def write_examples(data_dir, examples):
     return data_dir
 
 
-def peaked_model(attn_type, seed=0):
+def peaked_model(attn_type, seed=0, block_size=T):
     """A tiny float64 model whose maps are far from uniform (and, for DIFF / DINT, have negative entries)."""
-    model = tiny_gpt(attn_type, seed, block_size=T, vocab_size=64, n_head=4, lowrank_rank=4).double().eval()
+    model = tiny_gpt(attn_type, seed, block_size=block_size, vocab_size=64, n_head=4, lowrank_rank=4).double().eval()
     with torch.no_grad():
         for block in model.transformer.h:
             attn = block.attn
@@ -57,69 +57,22 @@ def peaked_model(attn_type, seed=0):
     return model
 
 
-@torch.no_grad()
 def reference_shares(model, idx, seed):
-    """(layers, heads, PARTS) and (layers, PARTS) means over ANSWERS, from naive float64 maps and
-    values, with explicit loops. The layer inputs come from the model's own blocks; NoiseFormer's noise is
-    drawn in the order GPT.attention_maps draws it (the layer's map, then the block's forward)."""
-    torch.manual_seed(seed)
-    cfg = model.config
-    x = model.transformer.wte(idx) + model.transformer.wpe(torch.arange(T))
-    per_layer, whole_layer = [], []
-    for layer, block in enumerate(model.transformer.h):
-        attn = block.attn
-        eps, kwargs = None, {}
-        if hasattr(attn, 'noise_mu'):
-            eps = causal_randn((1, attn.noise_mu.numel(), T, T), dtype=torch.float64)
-        if hasattr(attn, 'lambda_q1'):
-            kwargs['layer_index'] = layer
-        if cfg.attn_type == 'dint_lowrank':
-            kwargs['score_divisor'] = cfg.lowrank_score_divisor
-        a, v = NAIVE_MAPS[cfg.attn_type](attn, block.ln_1(x), eps, **kwargs)
-        heads = a.size(1)
-        # the factor each head's output A V is multiplied by before c_proj: the differential heads' RMSNorm
-        # and (1 - lambda_init), 1 for the others
-        y = a @ v
-        scale = torch.ones_like(y)
-        if hasattr(attn, 'head_norm'):
-            scale = (attn.head_norm.weight.double() / torch.sqrt((y * y).mean(-1, keepdim=True) + RMS_EPS)
-                     * (1 - lambda_init_for(layer)))
-        output = NAIVE[cfg.attn_type](attn, block.ln_1(x), eps, **kwargs)
-        sums = torch.zeros(heads, len(PARTS), dtype=torch.float64)
-        layer_sums = torch.zeros(len(PARTS), dtype=torch.float64)
-        for row, asked in enumerate(ANSWERS):
-            queries = [q for q, _, _ in asked]
-            for p, key_at, pairs in asked:
-                def part(j):  # answer, pairs, own, queries, filler: indices into the first five PARTS
-                    if j in (key_at, key_at + 1):
-                        return 0
-                    if j < 2 * pairs:
-                        return 1
-                    return 2 if j == p else 3 if j in queries else 4
-                # what key j adds to the layer's output at p: c_proj (no bias) of the heads' scaled a_pj v_j
-                adds = [attn.c_proj.weight.double() @ torch.cat([scale[row, h, p] * a[row, h, p, j] * v[row, h, j]
-                                                                 for h in range(heads)]) for j in range(p + 1)]
-                bias = 0 if attn.c_proj.bias is None else attn.c_proj.bias.double()
-                assert torch.allclose(sum(adds) + bias, output[row, p], rtol=1e-9, atol=1e-12)
-                direction = sum(adds) / sum(adds).norm()
-                parts, total, signed = [0.0] * 5, 0.0, 0.0
-                for j, u in enumerate(adds):
-                    parts[part(j)] += float(u.norm())
-                    total += float(u.norm())
-                    signed += float(u @ direction) if part(j) == 0 else 0.0
-                layer_sums += torch.tensor([*parts, parts[1] + parts[3] + parts[4], signed], dtype=torch.float64) / total
-                for h in range(heads):
-                    parts, total, signed = [0.0] * 5, 0.0, 0.0
-                    for j in range(p + 1):
-                        w = float(a[row, h, p, j])
-                        parts[part(j)] += abs(w)
-                        total += abs(w)
-                        signed += w if part(j) == 0 else 0.0
-                    sums[h] += torch.tensor([*parts, parts[1] + parts[3] + parts[4], signed], dtype=torch.float64) / total
-        per_layer.append(sums / sum(map(len, ANSWERS)))
-        whole_layer.append(layer_sums / sum(map(len, ANSWERS)))
-        x = block(x)
-    return torch.stack(per_layer), torch.stack(whole_layer)  # (layers, heads, parts), (layers, layer parts)
+    """(layers, heads, PARTS) and (layers, PARTS) means over ANSWERS, with explicit float64 loops
+    (naive_part_shares)."""
+    queries = []
+    for row, asked in enumerate(ANSWERS):
+        asked_at = [q for q, _, _ in asked]
+        for p, key_at, pairs in asked:
+            def part(j, p=p, key_at=key_at, pairs=pairs, asked_at=asked_at):
+                # answer, pairs, own, queries, filler: indices into the first five PARTS
+                if j in (key_at, key_at + 1):
+                    return 0
+                if j < 2 * pairs:
+                    return 1
+                return 2 if j == p else 3 if j in asked_at else 4
+            queries.append((row, p, part))
+    return naive_part_shares(model, idx, seed, queries, parts=5)
 
 
 @pytest.mark.parametrize('attn_type', list(ATTENTION_TYPES))

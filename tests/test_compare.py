@@ -424,6 +424,7 @@ def test_compare_runs_from_another_directory(sweep):
     (["--tune={'seed': [1, 2]}"], "tune: seed cannot be tuned"),
     (["--tune={'learning_rat': [1e-3, 1e-2]}"], "tune candidate learning_rat=0.001: command line argument"),
     (["--tune={'learning_rate': 1e-3}"], "must map train.py settings to lists of distinct values"),
+    (["--tune={'learning_rate': {'base': [1e-3]}}"], "tune['learning_rate'] gives values per variant: it must map every"),
     (["--tune={'learning_rate': [1e-3]}", '--tune_metric=acc'], "tune_metric='acc' must be one of"),
     (['--nproc=99999999999'], "nproc=99999999999 must be between 1 and this machine's"),
     (['--jobs=99999'], "jobs=99999 runs of nproc=1 processes must fit this machine's"),
@@ -555,6 +556,38 @@ def test_an_untuned_report_says_every_variant_used_the_same_settings(sweep):
     line = next(line for line in report.splitlines() if line.startswith('**Protocol'))
     assert line.startswith("**Protocol: the same settings for every variant** (learning_rate=0.003, min_lr=0.0003,")
     assert "none was tuned for any variant" in line
+
+
+def test_values_tuned_per_variant_and_the_retrieval_probe_reach_the_report(sweep):
+    """Each variant tries its own rates (the table leaves the others' blank), and with retrieval every compared
+    run's eval.py --retrieval result is in results.json, paired with base seed by seed, and in the report."""
+    tmp, data, _ = sweep
+    out = tmp / 'probed'
+    tune = "{'learning_rate': {'base': [1e-06, 0.01], 'linear': [0.01, 0.003]}}"
+    proc = compare(sweep_args(out, data, f'--tune={tune}', '--tune_seeds=5', '--samples=False', '--retrieval=True',
+                              attn_types='base,linear'))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert sorted(p.name for p in (out / 'tune').iterdir()) == [
+        'base-learning_rate0.01-seed5', 'base-learning_rate1e-06-seed5',
+        'linear-learning_rate0.003-seed5', 'linear-learning_rate0.01-seed5']
+    results = json.loads((out / 'report' / 'results.json').read_text())
+    assert [[c['label'] for c in t['candidates']] for t in results['tuning']] == [
+        ['learning_rate=1e-06', 'learning_rate=0.01'], ['learning_rate=0.01', 'learning_rate=0.003']]
+    report = (out / 'report' / 'report.md').read_text()
+    assert "| variant | `learning_rate=1e-06` | `learning_rate=0.003` | `learning_rate=0.01` | chosen |" in report
+    base, linear = results['tuning']
+    assert f"| `base` | {base['candidates'][0]['val_loss']:.4f} |  | " in report  # 0.003 was not base's to try
+    assert f"| `linear` |  | " in report and "Blank: not one of that variant's candidates" in report
+    runs = {(r['attn_type'], r['seed']): r for r in results['runs']}
+    for (attn_type, seed), r in runs.items():
+        probe = json.loads((out / 'runs' / f'{attn_type}-seed{seed}' / 'retrieval.json').read_text())
+        assert r['copy_accuracy'] == probe['accuracy'] and probe['distances'] == [1, 2, 5, 11]  # block_size 32
+        assert r['copy_layer_noise_share@11'] == probe['by_distance']['11']['reading_layer']['noise']
+    paired = results['summary']['linear']['copy_accuracy@5_vs_base']
+    assert paired['differences'] == [runs[('linear', s)]['copy_accuracy@5'] - runs[('base', s)]['copy_accuracy@5']
+                                     for s in (1, 2)]
+    assert "## Copying a span from the text (retrieval probe)" in report and "| D=1 | D=2 | D=5 | D=11 |" in report
+    assert (out / 'report' / 'retrieval.png').read_bytes()[:4] == b'\x89PNG'
 
 
 def test_tuning_ranks_candidates_and_warns_at_the_edge_of_the_range():

@@ -37,7 +37,7 @@ import torch
 from denoised_gpt.evaluation.recall import answers, distance_bucket, validation_examples
 
 PARTS = ('answer', 'pairs', 'own', 'queries', 'filler', 'noise', 'signed_answer')
-RANKED_BY = 'signed_answer'  # the lookup head, each layer's best head and the reading layer
+RANKED_BY = PARTS[-1]  # the lookup head, each layer's best head and the reading layer (summary ranks by the last part)
 
 
 def effective_map(maps):
@@ -45,28 +45,46 @@ def effective_map(maps):
     return maps['combined'] if 'combined' in maps else maps['attn']
 
 
-def query_shares(rows, key_at, pairs, at, asked, signed=None):
-    """rows (Q, heads, T): the (absolute) weights of Q queries' effective attention rows; key_at, pairs, at
-    (Q,) int tensors: where each one's key stands in the pairs, its example's number of pairs, the query's
-    own position; asked (Q, T) bool: where its example's queries stand; signed (Q, heads, T): the signed
-    weights for signed_answer (default: rows). -> (Q, heads, len(PARTS)) float64, the parts' shares (module
-    docstring); keys after the query count for nothing (a causal map has no weight there)."""
-    j = torch.arange(rows.size(-1), device=rows.device)
-    visible = j <= at[:, None]
+def recall_parts(T, key_at, pairs, at, asked):
+    """The (Q, T) bool masks of answer, pairs, own, queries and filler (module docstring), in that order."""
+    j = torch.arange(T)
     answer = (j >= key_at[:, None]) & (j <= key_at[:, None] + 1)
     in_pairs = (j < 2 * pairs[:, None]) & ~answer
     own = j == at[:, None]
     earlier = asked & (j < at[:, None])
-    filler = visible & ~answer & ~in_pairs & ~own & ~earlier
-    rows = rows.double() * visible[:, None, :]
-    signed = rows if signed is None else signed.double() * visible[:, None, :]
+    filler = (j <= at[:, None]) & ~answer & ~in_pairs & ~own & ~earlier
+    return [answer, in_pairs, own, earlier, filler]
+
+
+def part_shares(rows, masks, signed=None):
+    """rows (Q, heads, T): attention rows (or per-key norms); masks: the parts as (Q, T) bool masks, disjoint,
+    together every key up to the query, the first one the part a lookup reads (the answer, or a copy's source),
+    the third the query's own token. -> (Q, heads, len(masks) + 2) float64: each part's share of the row's
+    absolute mass, then noise (every part but the first and the third), then the first part's signed share
+    (signed weights: default rows)."""
+    visible = torch.stack(masks).any(0)[:, None, :]
+    rows = rows.double() * visible
+    signed = rows if signed is None else signed.double() * visible
     mass = rows.abs()
     total = mass.sum(-1).clamp_min(1e-300)
+    shares = [(mass * where[:, None, :]).sum(-1) / total for where in masks]
+    noise = sum(s for i, s in enumerate(shares) if i not in (0, 2))
+    return torch.stack([*shares, noise, (signed * masks[0][:, None, :]).sum(-1) / total], dim=-1)
 
-    def share(where, of=mass):
-        return (of * where[:, None, :]).sum(-1) / total
-    a, p, o, q, f = share(answer), share(in_pairs), share(own), share(earlier), share(filler)
-    return torch.stack([a, p, o, q, f, p + q + f, share(answer, of=signed)], dim=-1)
+
+def layer_part_shares(model, x, b, at, masks, device, ctx):
+    """The part_shares of Q queries, at every layer: x (B, T) token ids; b, at (Q,) each query's row of x and
+    position; masks: its parts (part_shares). -> ((Q, layers, heads, parts) per head, (Q, layers, parts) the
+    layer as a whole, by what each key adds to its output)."""
+    b_on, at_on = b.to(device), at.to(device)
+    per_layer, whole_layer = [], []
+    with ctx:
+        for _, attn, h in model.attention_inputs(x.to(device)):
+            rows = effective_map(attn.attention_maps(h))[b_on, :, at_on, :]
+            per_layer.append(part_shares(rows.cpu(), masks))
+            norms, along = contributions(attn, rows, attn.value_heads(h)[b_on])
+            whole_layer.append(part_shares(norms[:, None, :].cpu(), masks, signed=along[:, None, :].cpu())[:, 0])
+    return torch.stack(per_layer, dim=1), torch.stack(whole_layer, dim=1)
 
 
 def contributions(attn, rows, values):
@@ -103,17 +121,10 @@ def attention_noise(model, data_dir, batch_size, device, ctx, split="val"):
         if not found:  # examples without a labelled answer have nothing to measure
             continue
         b, at, key_at, pairs = (torch.tensor(c, dtype=torch.long) for c in zip(*found))
-        b_on, at_on, asked = b.to(device), at.to(device), asked_at[b]
-        per_layer, whole_layer = [], []
-        with ctx:
-            for _, attn, h in model.attention_inputs(x.to(device)):
-                rows = effective_map(attn.attention_maps(h))[b_on, :, at_on, :]
-                per_layer.append(query_shares(rows.cpu(), key_at, pairs, at, asked))
-                norms, along = contributions(attn, rows, attn.value_heads(h)[b_on])
-                whole_layer.append(query_shares(norms[:, None, :].cpu(), key_at, pairs, at, asked,
-                                                signed=along[:, None, :].cpu())[:, 0])
-        shares.append(torch.stack(per_layer, dim=1))  # (Q, layers, heads, parts)
-        layer_shares.append(torch.stack(whole_layer, dim=1))  # (Q, layers, layer parts)
+        per_head, whole = layer_part_shares(model, x, b, at, recall_parts(x.size(1), key_at, pairs, at, asked_at[b]),
+                                            device, ctx)
+        shares.append(per_head)  # (Q, layers, heads, parts)
+        layer_shares.append(whole)  # (Q, layers, layer parts)
         T = x.size(1)
         groups += [(int(n), T - 3 * int(n), distance_bucket(int(p - k))) for n, p, k in zip(pairs, at, key_at)]
     if not shares:
@@ -133,27 +144,26 @@ def attention_noise(model, data_dir, batch_size, device, ctx, split="val"):
     return result
 
 
-def summary(shares, layer_shares, lookup=None, reading=None):
-    """shares (Q, layers, heads, parts), layer_shares (Q, layers, parts) -> dict(answers, shares: {part:
-    [[mean per head] per layer]}, best_head: per layer, lookup: the best head overall, or the given (layer,
+def summary(shares, layer_shares, lookup=None, reading=None, parts=PARTS, counted='answers', best='lookup'):
+    """shares (Q, layers, heads, parts), layer_shares (Q, layers, parts) -> dict({counted}: Q, shares: {part:
+    [[mean per head] per layer]}, best_head: per layer, {best}: the best head overall, or the given (layer,
     head); layer_shares: {part: [mean per layer]}, reading_layer: the best layer, or the given one). Best:
-    the highest mean signed answer share (RANKED_BY)."""
+    the highest mean of the last part, the signed share of the part a lookup reads (part_shares)."""
     mean, layer_mean = shares.mean(0), layer_shares.mean(0)  # (layers, heads, parts), (layers, parts)
-    rank = mean[..., PARTS.index(RANKED_BY)]
+    rank = mean[..., -1]
 
     def head(layer, h):
-        return dict(layer=int(layer), head=int(h), **{part: float(mean[layer, h, i]) for i, part in enumerate(PARTS)})
+        return dict(layer=int(layer), head=int(h), **{part: float(mean[layer, h, i]) for i, part in enumerate(parts)})
     if lookup is None:
         lookup = divmod(int(rank.argmax()), rank.size(1))
     if reading is None:
-        reading = int(layer_mean[:, PARTS.index(RANKED_BY)].argmax())
-    return dict(answers=shares.size(0),
-                shares={part: mean[..., i].tolist() for i, part in enumerate(PARTS)},
-                best_head=[head(layer, int(rank[layer].argmax())) for layer in range(rank.size(0))],
-                lookup=head(*lookup),
-                layer_shares={part: layer_mean[:, i].tolist() for i, part in enumerate(PARTS)},
-                reading_layer=dict(layer=reading, **{part: float(layer_mean[reading, i])
-                                                     for i, part in enumerate(PARTS)}))
+        reading = int(layer_mean[:, -1].argmax())
+    return {counted: shares.size(0),
+            'shares': {part: mean[..., i].tolist() for i, part in enumerate(parts)},
+            'best_head': [head(layer, int(rank[layer].argmax())) for layer in range(rank.size(0))],
+            best: head(*lookup),
+            'layer_shares': {part: layer_mean[:, i].tolist() for i, part in enumerate(parts)},
+            'reading_layer': dict(layer=reading, **{part: float(layer_mean[reading, i]) for i, part in enumerate(parts)})}
 
 
 def heatmap_panels(result):
