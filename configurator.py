@@ -154,8 +154,15 @@ def help_text(script, defaults):
 
 def _read_config_file(path):
     """The names a config file assigns, from executing it in an empty namespace."""
+    if os.path.exists(path) and not os.path.isfile(path):  # read before the check: a FIFO would hang
+        what = 'a folder' if os.path.isdir(path) else 'not a regular file (a FIFO, socket or device)'
+        raise ConfigError(f"config file {path} is {what}: give a config file such as config/train_shakespeare_char.py")
     if not os.path.isfile(path):
-        hint = " (overrides need two dashes: --key=value)" if '=' in path else ""
+        folder = os.path.dirname(path) or '.'
+        names = sorted(n for n in os.listdir(folder) if n.endswith('.py')) if os.path.isdir(folder) else []
+        close = difflib.get_close_matches(os.path.basename(path), names, n=1, cutoff=0.6)
+        hint = (" (overrides need two dashes: --key=value)" if '=' in path
+                else f" (did you mean {os.path.join(os.path.dirname(path), close[0])}?)" if close else "")
         raise ConfigError(f"config file {path} not found{hint}")
     with open(path) as f:
         source = f.read()

@@ -402,7 +402,8 @@ def render_prompt(i, prompt, prompt_ids, completions):
 # run generation
 
 encoded = [encode(p) for p in prompts]  # every prompt checked before any output
-log(f"{model_sentence(str, str)}; device {device} ({dtype})")
+log(f"{model_sentence(str, str)}; device {device} ({dtype})"
+    + ("; NoiseFormer attention noise on, as in the paper (--noise_at_eval=False turns it off)" if noise_on(model) else ""))
 if header() is not None:
     print_result(header())
 generating = 0.0  # seconds spent in model.generate, for the tokens/s line at the end

@@ -10,8 +10,8 @@ $ torchrun --standalone --nproc_per_node=8 train.py config/noiseformer_v2.py
 With FSDP2 instead (weights, gradients and AdamW state sharded over the ranks, for models whose
 training state does not fit one device): the same command with --parallel=fsdp.
 
-Across 2 nodes (8 devices each): on the first (master) node, with IP 123.456.123.456:
-$ torchrun --nproc_per_node=8 --nnodes=2 --node_rank=0 --master_addr=123.456.123.456 --master_port=1234 train.py
+Across 2 nodes (8 devices each): on the first (master) node, with IP address 10.0.0.1:
+$ torchrun --nproc_per_node=8 --nnodes=2 --node_rank=0 --master_addr=10.0.0.1 --master_port=1234 train.py
 and on the worker node the same with --node_rank=1.
 (If your cluster does not have an Infiniband interconnect, prepend NCCL_IB_DISABLE=1.)
 
@@ -452,6 +452,10 @@ if master_process and decay_lr and max_iters < warmup_iters:
     print(f"note: max_iters={max_iters} ends during the warmup (warmup_iters={warmup_iters}): the learning "
           f"rate only reaches {get_lr(max_iters, learning_rate, warmup_iters, lr_decay_iters, min_lr):.3g} "
           f"of learning_rate={learning_rate:g}")
+elif master_process and decay_lr and max_iters < lr_decay_iters:
+    print(f"note: max_iters={max_iters} ends before lr_decay_iters={lr_decay_iters}: the learning rate decays only "
+          f"to {get_lr(max_iters, learning_rate, warmup_iters, lr_decay_iters, min_lr):.3g} (min_lr={min_lr:g}); "
+          f"pass --lr_decay_iters={max_iters} to decay over this run")
 
 
 def log_row(row):
@@ -651,7 +655,7 @@ if master_process and not eval_only:
     keeps_best = always_save_checkpoint and bool(best_iter) and not stop_request.signal
     print(checkpoint_note(checkpoint_path(out_dir), saved_iter, saved_val_loss, best_iter, best_val_loss, iter_num,
                           keeps_best))
-    print(next_step(out_dir, lora=trainable == 'lora'))
+    print(next_step(out_dir, lora=trainable == 'lora', meta=meta))
 if wandb_log and master_process:
     wandb.finish()
 if master_process:

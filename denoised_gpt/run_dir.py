@@ -292,12 +292,16 @@ def checkpoint_note(path, saved_iter, saved_val_loss, best_iter, best_val_loss, 
     return f"checkpoint: {path} holds {held}; {best}{hint}"
 
 
-def next_step(out_dir, lora):
+def next_step(out_dir, lora, meta=None):
     """The run's last line: what to do with its checkpoint. lora: a LoRA run's, whose adapters sample.py and
-    eval.py read only once merged into a plain checkpoint."""
+    eval.py read only once merged into a plain checkpoint; meta: its dataset's meta.json, whose token ids
+    may be no text to sample (a recall dataset's: eval.py scores its answers)."""
     if lora:
         return (f"merge its LoRA adapters (for sample.py, eval.py) with: python3 train.py --out_dir={out_dir} "
                 f"--merge_lora=True")
+    if meta and meta.get('labels'):
+        return (f"score its answers with: python3 eval.py --out_dir={out_dir} --recall=True (its data is token ids, "
+                f"not text: sample.py has nothing to print)")
     return f"sample from it with: python3 sample.py --out_dir={out_dir}"
 
 

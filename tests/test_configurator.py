@@ -2,6 +2,7 @@
 checked; and every config file the project ships is valid for train.py."""
 import ast
 import dataclasses
+import os
 import runpy
 
 import pytest
@@ -100,8 +101,17 @@ def test_values_with_equals_signs_and_string_keys_keep_what_was_typed():
 def test_malformed_arguments_and_files(tmp_path):
     with pytest.raises(ConfigError, match="--key=value"):
         apply_config(['--compile'], DEFAULTS)
-    with pytest.raises(ConfigError, match="not found"):
+    with pytest.raises(ConfigError, match="not found") as missing:
         apply_config([str(tmp_path / 'missing.py')], DEFAULTS)
+    assert 'did you mean' not in str(missing.value)
+    (tmp_path / 'train_shakespeare_char.py').write_text("batch_size = 4\n")
+    with pytest.raises(ConfigError, match=f"did you mean {tmp_path / 'train_shakespeare_char.py'}"):
+        apply_config([str(tmp_path / 'train_shakespear_char.py')], DEFAULTS)  # a letter short
+    with pytest.raises(ConfigError, match="is a folder: give a config file"):
+        apply_config([str(tmp_path)], DEFAULTS)
+    os.mkfifo(tmp_path / 'fifo.py')  # refused before it is opened: opening it would wait for a writer
+    with pytest.raises(ConfigError, match=r"is not a regular file \(a FIFO"):
+        apply_config([str(tmp_path / 'fifo.py')], DEFAULTS)
     with pytest.raises(ConfigError, match="need two dashes"):
         apply_config(['batch_size=3'], DEFAULTS)
     cfg = write(tmp_path, "batch_size = 4\nn_layer = (\n")

@@ -312,6 +312,9 @@ def test_train_then_eval_recall(mqar, tmp_path):
     proc = run_script_in_process("train.py", [TINY, f"--dataset={mqar}", f"--out_dir={out}", "--max_iters=4",
                                               "--eval_interval=4"])
     assert proc.returncode == 0, proc.stderr
+    # its last line points at what works on token ids: eval.py's recall, not sample.py
+    assert proc.stdout.strip().splitlines()[-1].startswith(f"score its answers with: python3 eval.py --out_dir={out} "
+                                                            "--recall=True")
     wrong = run_script_in_process("train.py", [TINY, f"--dataset={mqar}", f"--out_dir={tmp_path / 'no'}",
                                                "--block_size=24"])
     assert wrong.returncode == 2 and "set block_size=32 (now 24)" in wrong.stderr

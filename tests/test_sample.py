@@ -248,6 +248,9 @@ def test_noise_on_by_default_and_off_on_request(runs, reference):
     off = [json.loads(line) for line in output(runs, 'noise_off').splitlines()]
     assert all(r['noise_on'] for r in reference) and not any(r['noise_on'] for r in off)
     assert completions_by_prompt(off) != completions_by_prompt(reference)
+    # every format says so, the plain text one (no header: nanoGPT's output) on stderr
+    assert "NoiseFormer attention noise on, as in the paper" in runs['text'].stderr
+    assert "noise on" not in runs['noise_off'].stderr
 
 
 @pytest.mark.parametrize("problem, expected", [

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from denoised_gpt.checkpoint import load_checkpoint
+from denoised_gpt.lr_schedule import get_lr
 from helpers import (ITER_LINE, ROOT, TINY, TINY_MODEL, VOCAB, eval_losses, iter_losses, make_dataset,
                      run_script_in_process, run_train, run_train_in_process, subprocess_env, train_command)
 from model import ATTENTION_TYPES, GPTConfig
@@ -259,6 +260,7 @@ def test_resume_continues_the_checkpoints_run_settings(tmp_path):
     assert "tokens per iteration will be: 64" in second
     assert "learning_rate: checkpoint 0.003, this run 0.001" in second
     assert "max_iters: checkpoint 2, this run 4" in second
+    assert "ends before lr_decay_iters" not in first + second  # ends in the warmup: said above instead
     ckpt = load_checkpoint(out)
     assert ckpt['iter_num'] == 4
     assert (ckpt['config']['batch_size'], ckpt['config']['dataset'], ckpt['config']['learning_rate']) == (2, str(data), 0.001)
@@ -267,7 +269,11 @@ def test_resume_continues_the_checkpoints_run_settings(tmp_path):
 def test_scratch_run_keeps_another_runs_checkpoint_aside(tmp_path):
     data = make_dataset(tmp_path)
     out = tmp_path / 'out'
-    train_in_process(*tiny_args(tmp_path, data), '--max_iters=10', '--eval_interval=5')
+    first = train_in_process(*tiny_args(tmp_path, data), '--max_iters=10', '--eval_interval=5').stdout
+    # config_tiny's schedule decays over 20 iterations: a run of 10 is told how far its rate gets
+    reached = get_lr(10, 3e-3, 5, 20, 3e-4)
+    assert (f"note: max_iters=10 ends before lr_decay_iters=20: the learning rate decays only to {reached:.3g} "
+            "(min_lr=0.0003); pass --lr_decay_iters=10 to decay over this run") in first
     before = {name: (out / name).read_bytes() for name in ('ckpt.pt', 'ckpt.prev.pt', 'metrics.jsonl')}
     # the same command again (or a short test run with the same out_dir): the first run is not lost
     stdout = train_in_process(*tiny_args(tmp_path, data), '--max_iters=2', '--eval_interval=5').stdout
