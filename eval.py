@@ -330,7 +330,8 @@ if recall:
     r.update(file=val_path, noise_on=info['noise_on'], dtype=dtype)
     print_result(f"answer accuracy {r['accuracy']:.4f} over {r['answers']:,} answers of {r['examples']:,} validation "
                  f"examples ({time.time() - t0:.1f}s)")
-    print_result("  by key-value pairs: " + ", ".join(f"{k}: {v['accuracy']:.4f}" for k, v in r['by_pairs'].items()))
+    print_result("  by key-value pairs N (a guess among the example's N values scores 1/N): "
+                 + ", ".join(f"{k}: {v['accuracy']:.4f}" for k, v in r['by_pairs'].items()))
     print_result("  by query distance:  " + ", ".join(f"{k}: {v['accuracy']:.4f}" for k, v in r['by_distance'].items()))
     results['recall'] = r
     write_json('recall.json', r)

@@ -184,6 +184,7 @@ def test_heatmap_shows_each_layer_as_a_whole_beside_the_heads(tmp_path):
     assert layer_panel.images[0].get_array().ravel().tolist() == pytest.approx(
         [v for row in zip(*(result['layer_shares'][part] for part in columns)) for v in row])
     assert layer_panel.get_title() == 'out-diff\nlayer as a whole'
+    assert layer_panel.get_xlabel() == 'part (all heads together)' and panels[0].get_xlabel() == 'head'
 
 
 def test_eval_script_refuses_attention_noise_on_data_without_answers(tmp_path):

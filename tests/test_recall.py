@@ -326,7 +326,7 @@ def test_train_then_eval_recall(mqar, tmp_path):
     val = json.loads((out / "val_loss.json").read_text())
     assert recall["answers"] == val["tokens"] == 700
     assert f"answer accuracy {recall['accuracy']:.4f} over 700 answers of 150 validation examples" in proc.stdout
-    assert "by key-value pairs: 2: " in proc.stdout
+    assert "by key-value pairs N (a guess among the example's N values scores 1/N): 2: " in proc.stdout
     sample = run_script_in_process("sample.py", [f"--out_dir={out}", "--max_new_tokens=2"])
     assert sample.returncode == 2 and "holds token ids with no text (mqar)" in sample.stderr
     # a dataset without marked answers has no accuracy to give

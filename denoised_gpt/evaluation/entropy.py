@@ -81,6 +81,7 @@ def plot_heatmaps(results, colour_label, path=None):
         if columns:
             ax.set_title(f"{label}\n{name}", fontsize=8)
             ax.set_xticks(range(len(columns)), columns, fontsize=7)
+            ax.set_xlabel('part (all heads together)', fontsize=8)
         else:
             mean = sum(map(sum, layers)) / sum(map(len, layers))
             ax.set_title(f"{label}\n{name} (mean {mean:.3f})", fontsize=8)
