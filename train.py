@@ -605,6 +605,12 @@ while True:
         cause = (f" (the KL term, kl_weight x kl = {kl_term:.3g}, swamps the cross-entropy, {ce_mean:.4g})"
                  if swamped else "")
         advice = restart_advice(out_dir, saved_iter, 'kl_weight' if swamped else 'learning_rate')
+        if local_iter_num == 0 and not swamped and not math.isfinite(ce_mean):
+            # no update has been made in this run yet: the step size cannot be the cause
+            cause = (" in the first forward, before any update, so not from the learning rate: a setting that shapes "
+                     "the model (e.g. noise_init_std, lowrank_score_divisor, qk_head_size) or batches without a "
+                     "target make it")
+            advice = "Change that setting, or check the data's labels, and start again"
         if nonfinite == 'stop':
             stop_diverged(f"stopping at iter {iter_num}: non-finite loss or gradient{cause} (nonfinite='stop'). "
                           f"{advice}, or set --nonfinite=skip to skip such steps.")

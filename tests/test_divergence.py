@@ -213,3 +213,14 @@ def test_a_kl_term_that_swamps_the_loss_is_named_as_the_cause_not_the_learning_r
     last = proc.stderr.strip().splitlines()[-1]
     assert "(the KL term, kl_weight x kl = " in last and "swamps the cross-entropy" in last
     assert "start the run again with a lower kl_weight" in last and "learning_rate" not in last
+
+
+def test_a_first_forward_that_is_not_finite_is_not_blamed_on_the_learning_rate(tmp_path, data):
+    """Noise a trillion trillion times the scores' size makes the very first loss NaN: no update was made, so the
+    advice names the model's settings and the data, not the step size."""
+    proc = train(data, tmp_path / 'out', '--attn_type=noiseformer_v2', '--noise_init_std=1e300', '--max_iters=4',
+                 expect_rc=3)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "stopping at iter 0: non-finite loss or gradient in the first forward, before any update, so not from " \
+           "the learning rate" in last
+    assert "noise_init_std" in last and "lower learning_rate" not in last
