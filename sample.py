@@ -64,7 +64,7 @@ import torch
 from denoised_gpt.batches import load_meta, read_meta_pkl
 from denoised_gpt.checkpoint import checkpoint_path
 from denoised_gpt.cli import (check_inference_source, check_ranges, fail, gpt2_encoding, log, prepare_device,
-                              print_result, quiet_ctrl_c, read_config)
+                              print_result, quiet_ctrl_c, read_config, refused_allocation)
 from denoised_gpt.models import load_model, noise_on, trained_dtype
 from denoised_gpt.files import MAX_PROMPT_BYTES, FileError, read_text
 from denoised_gpt.device import autocast_context, manual_seed, torch_dtype
@@ -412,11 +412,17 @@ for i, (prompt, prompt_ids) in enumerate(zip(prompts, encoded)):
         log(f"prompt {i + 1} has {len(prompt_ids)} tokens, more than block_size={model.config.block_size}: "
             f"only its last {model.config.block_size} tokens condition the samples")
     # the prompt's num_samples completions as one batch (row j = sample j), seeded for this prompt only
-    x = torch.tensor(prompt_ids, dtype=torch.long, device=device).repeat(num_samples, 1)
     manual_seed(seed + i)
     t0 = time.perf_counter()
-    with torch.no_grad(), ctx:
-        y = model.generate(x, max_new_tokens, temperature=temperature, top_k=top_k or None, use_cache=kv_cache)
+    try:
+        x = torch.tensor(prompt_ids, dtype=torch.long, device=device).repeat(num_samples, 1)
+        with torch.no_grad(), ctx:
+            y = model.generate(x, max_new_tokens, temperature=temperature, top_k=top_k or None, use_cache=kv_cache)
+    except (MemoryError, RuntimeError) as e:  # num_samples or max_new_tokens too large for the machine
+        if refused_allocation(e) is None:
+            raise
+        fail(f"cannot generate num_samples={num_samples} x max_new_tokens={max_new_tokens} tokens at once: "
+             f"{refused_allocation(e)}; ask for fewer")
     new_tokens = y[:, len(prompt_ids):].tolist()  # .tolist() waits for the device: the timing is complete
     generating += time.perf_counter() - t0
     completions = [decode_pieces(row) for row in new_tokens]

@@ -42,7 +42,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from denoised_gpt.batches import TokenBatches, TokenIdError, check_token_files, load_meta
 from denoised_gpt.checkpoint import CheckpointError, capture_rng_state, checkpoint_path
-from denoised_gpt.cli import fail, read_config
+from denoised_gpt.cli import fail, read_config, refused_allocation
 from denoised_gpt.device import (autocast_context, compile_model, ddp_backend, ddp_device_ids, device_type,
                                  fused_optimizer, grad_scaler, manual_seed, mark_step, peak_flops, resolve_compile,
                                  resolve_device, resolve_dtype, setup)
@@ -280,6 +280,11 @@ try:
         apply_trainable(model, trainable, lora_rank, lora_alpha, lora_dropout, lora_targets)
 except (ValueError, FileNotFoundError, CheckpointError) as e:
     fail(e)
+except (MemoryError, RuntimeError) as e:  # sizes the machine cannot hold: one line, not the allocator's traceback
+    if refused_allocation(e) is None:
+        raise
+    fail(f"cannot allocate the model (n_layer={n_layer}, n_embd={n_embd}, block_size={block_size}, "
+         f"vocab_size={model_args.get('vocab_size')}): {refused_allocation(e)}; choose smaller sizes")
 if master_process:
     print(f"number of parameters: {model.get_num_params() / 1e6:.2f}M ({model.config.attn_type}); "
           f"{trainable_summary(model)}")

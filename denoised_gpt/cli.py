@@ -104,6 +104,16 @@ def check_attn_types(names, all_allowed=False):
                          f"{choose} {', '.join(ATTENTION_TYPES)}")
 
 
+def refused_allocation(error):
+    """The allocator's words when error is its refusal (MemoryError, torch's OutOfMemoryError, the CPU
+    allocator's RuntimeError), else None: a size setting too large for the machine, said in one line."""
+    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    if isinstance(error, MemoryError) or type(error).__name__ == 'OutOfMemoryError' or (
+            isinstance(error, RuntimeError) and "can't allocate memory" in text):
+        return text[text.find('DefaultCPUAllocator'):] if 'DefaultCPUAllocator' in text else text[:300]
+    return None
+
+
 def check_ranges(config, at_least_one=(), non_negative=(), unit_interval=(), positive=(), seeds=()):
     """Numeric settings that cannot work: ValueError naming the first one. Every float must be finite
     too (a typed 1e309 is inf); seeds are non-negative integers below 2**63 (torch's generators)."""

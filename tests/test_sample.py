@@ -127,6 +127,7 @@ def runs(ckpts):
         'latex': [noisy, prompts, "--format=latex"],
         'noise_off': [noisy, prompts, "--format=jsonl", "--noise_at_eval=False"],
         'noise_flag_on_base': [base, "--noise_at_eval=False"],
+        'absurd': [base, "--num_samples=99999999999", "--max_new_tokens=2"],
         'missing': [base, f"--prompts_file={root / 'nope.txt'}"],
         'empty': [base, f"--prompts_file={root / 'empty.txt'}"],
         'no_checkpoint': [f"--out_dir={root / 'no-ckpt'}"],
@@ -446,3 +447,11 @@ def test_a_prompts_file_that_is_no_text_file_is_one_line_before_anything_loads(t
         proc = run_script_in_process('sample.py', [f"--out_dir={tmp_path / 'no-run'}", arg])
         assert proc.returncode == 2 and message in proc.stderr, (arg, proc.stderr)
         assert proc.stderr.count('\n') == 1 and proc.stderr.startswith('sample.py: error: ')
+
+
+def test_more_samples_than_memory_holds_is_one_line(runs):
+    proc = runs['absurd']
+    assert proc.returncode == 2 and 'Traceback' not in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("sample.py: error: cannot generate num_samples=99999999999 x max_new_tokens=2 tokens "
+                           "at once: ") and last.endswith("; ask for fewer")

@@ -484,3 +484,12 @@ def test_grad_clip_zero_trains_exactly_as_a_clip_that_never_binds(tmp_path):
     assert losses == ref_losses and len(losses) == 6
     for name, w in ref_weights.items():
         assert torch.equal(weights[name], w), name
+
+
+def test_a_model_larger_than_memory_is_one_line(tmp_path):
+    data = make_dataset(tmp_path)
+    proc = train_in_process(*tiny_args(tmp_path, data), '--block_size=99999999999', '--max_iters=1', expect_rc=2)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("train.py: error: cannot allocate the model (n_layer=2, n_embd=32, "
+                           "block_size=99999999999, vocab_size=") and last.endswith("; choose smaller sizes")
+    assert 'Traceback' not in proc.stderr and not (tmp_path / 'out' / 'ckpt.pt').exists()
