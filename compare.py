@@ -83,10 +83,10 @@ from denoised_gpt.training import NOT_RESUMED
 from denoised_gpt.run_dir import METRICS_NAME, bounded_lines, dropped_note, lock_out_dir, metrics_rows
 from denoised_gpt.tuning import (METRICS, candidate_args, candidate_label, candidate_settings, candidate_tag, candidates,
                                  choose, edge_warnings, outranked, score, variant_tune)
-from model import GPT, GPTConfig
+from model import ATTENTION_TYPES, GPT, GPTConfig
 
 # -----------------------------------------------------------------------------
-attn_types = ['base', 'symmetric', 'noiseformer_v1', 'noiseformer_v2', 'diff', 'dint', 'dint_lowrank', 'linear']  # variants to train
+attn_types = []  # variants to train, e.g. ['base', 'diff'] ([]: every attn_type model.py registers)
 seeds = [1337, 1338]  # one run per variant and seed: train.py's seed sets initial weights, data order and noise
 base_config = 'config/train_shakespeare_char.py'  # the train.py config file every run starts from
 overrides = ''  # extra train.py settings for every run, e.g. '--max_iters=500 --eval_interval=100'
@@ -111,6 +111,7 @@ chosen_by = ''  # where they were chosen (the earlier study's report), named in 
 config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str, list, dict))]
 
 globals().update(read_config(__file__, {k: globals()[k] for k in config_keys}))
+attn_types = attn_types or list(ATTENTION_TYPES)
 try:
     check_attn_types(attn_types)
 except ValueError as e:
