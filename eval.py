@@ -302,7 +302,7 @@ def seeded(measure, *args, **kwargs):
     manual_seed(seed)
     try:
         return measure(*args, **kwargs)
-    except ValueError as e:
+    except (ValueError, NotImplementedError) as e:  # NotImplementedError: a variant without attention_maps
         fail(e)
 
 
@@ -423,8 +423,8 @@ if entropy:
         batches = (data.get_batch()[0] for _ in range(entropy_batches))
         try:
             ent = attention_entropy(which_model, batches, ctx)
-        except TokenIdError as e:  # a file too large to scan up front is checked batch by batch
-            fail(e)
+        except (TokenIdError, NotImplementedError) as e:  # a file too large to scan up front is checked batch by
+            fail(e)  # batch; a variant without attention_maps
         return dict(entropy=ent, layer_mean=entropy_summary(ent), block_size=data.block_size,
                     batches=entropy_batches, batch_size=batch_size, seed=seed, attn_type=which_info['attn_type'],
                     checkpoint=which_info['checkpoint'], noise_on=which_info['noise_on'])

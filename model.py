@@ -143,7 +143,8 @@ class AttentionBase(nn.Module):
     def attention_maps(self, x):
         """Analysis only (eval.py --entropy): {name: (B, heads, T, T) attention matrix} for the
         layer input x (after ln_1). Each variant says which maps it has; training never calls this."""
-        raise NotImplementedError(f"{type(self).__name__} has no attention_maps")
+        raise NotImplementedError(f"{type(self).__name__} has no attention_maps: define them in model.py (the "
+                                  f"weights that multiply V) to measure where its attention goes")
 
     def value_heads(self, x):
         """Analysis only: V split into the heads of attention_maps' maps, (B, heads, T, value size).

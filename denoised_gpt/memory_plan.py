@@ -95,7 +95,9 @@ def attention_activations(config):
     """(bytes per token, bytes per layer and batch) one attention layer keeps for the backward."""
     formula = _closest(ATTENTION_ACTIVATIONS, config)
     if formula is None:
-        raise KeyError(f"no activation formula for {ATTENTION_TYPES[config.attn_type].__name__}")
+        raise ValueError(f"no activation formula for {ATTENTION_TYPES[config.attn_type].__name__}: add one to "
+                         f"ATTENTION_ACTIVATIONS in denoised_gpt/memory_plan.py (what its forward keeps for the "
+                         f"backward)")
     return formula(config)
 
 
@@ -220,7 +222,7 @@ def plan_row(config, parallelism, checkpointing, world_size, usable_fraction=0.9
 
 def plan(attn_types, sizes, block_size, vocab_size, bias, world_size, usable_fraction=0.9, micro_steps=1):
     """Rows for every size x attn_type x (ddp, fsdp) x (checkpointing off, on); a size the attn_type
-    cannot take gives one row with 'not_possible' (GPTConfig's reason)."""
+    cannot take, or a variant without an activation formula, gives one row with 'not_possible' (the reason)."""
     rows = []
     for size_name, (n_layer, n_head, n_embd) in sizes.items():
         for attn_type in attn_types:
@@ -231,6 +233,11 @@ def plan(attn_types, sizes, block_size, vocab_size, bias, world_size, usable_fra
                 rows.append({'size': size_name, 'attn_type': attn_type, 'not_possible': str(e)})
                 continue
             counts = count_parameters(config)
+            try:
+                attention_activations(config)
+            except ValueError as e:  # a variant the plan has no formula for: a row that says so
+                rows.append({'size': size_name, 'attn_type': attn_type, 'not_possible': str(e)})
+                continue
             for parallelism in ('ddp', 'fsdp'):
                 for checkpointing in (False, True):
                     row = plan_row(config, parallelism, checkpointing, world_size, usable_fraction, counts,

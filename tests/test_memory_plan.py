@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from denoised_gpt.device import cpu_tensor_peak
-from denoised_gpt.memory_plan import activation_bytes, matmul_weight_count, plan_row
-from model import ATTENTION_TYPES, GPT, GPTConfig
+from denoised_gpt.memory_plan import activation_bytes, format_plan, matmul_weight_count, plan, plan_row
+from model import ATTENTION_TYPES, GPT, AttentionBase, GPTConfig
 
 # small, but with every term of the estimate present: T a multiple of linear attention's chunk (64)
 SIZE = dict(n_layer=3, n_head=4, n_embd=64, block_size=128, vocab_size=256, bias=False)
@@ -60,3 +60,16 @@ def test_checkpointing_and_fsdp_shrink_what_they_should():
         fits = row['largest_micro_batch']
         assert 0 < fits['40'] < fits['80'] < fits['96']
     assert ddp_ckpt['largest_micro_batch']['80'] > 3 * ddp['largest_micro_batch']['80']
+
+
+def test_a_variant_the_plan_has_no_formula_for_gets_a_row_that_says_so(monkeypatch):
+    """A new attention class registered in model.py (not derived from a planned one): bench.py --plan lists the
+    other variants and says what the plan needs for it, instead of stopping."""
+    class Unplanned(AttentionBase):
+        def forward(self, x, cache=None):
+            return self.c_proj(x)
+    monkeypatch.setitem(ATTENTION_TYPES, 'unplanned', Unplanned)
+    rows = plan(['base', 'unplanned'], {'gpt2': (12, 12, 768)}, 1024, 50304, True, 8)
+    assert [r['attn_type'] for r in rows] == ['base'] * 4 + ['unplanned']
+    assert rows[-1]['not_possible'].startswith("no activation formula for Unplanned: add one to ATTENTION_ACTIVATIONS")
+    assert 'no activation formula for Unplanned' in format_plan(rows, 8, 0.9)

@@ -222,3 +222,20 @@ def test_eval_script_says_what_is_wrong_with_the_probe_settings(tmp_path):
         assert r.returncode == 2 and 'Traceback' not in r.stderr, r.stderr
         assert message in r.stderr.strip().splitlines()[-1]
     assert not (tmp_path / 'out' / 'retrieval.json').exists()
+
+
+def test_a_variant_without_attention_maps_is_one_line(tmp_path, monkeypatch):
+    """A new attention class registered in model.py trains and samples; eval.py's attention measures say what it
+    lacks instead of a traceback."""
+    from model import AttentionBase
+
+    class Unmapped(AttentionBase):
+        def forward(self, x, cache=None):
+            return self.c_proj(x)
+    monkeypatch.setitem(ATTENTION_TYPES, 'unmapped', Unmapped)
+    data = write_text(tmp_path / 'data', text_tokens(n=200))
+    tiny_checkpoint(tmp_path / 'out', 'unmapped', data, block_size=32, vocab_size=64)
+    for measure in ('--retrieval=True', '--entropy=True'):
+        r = run_script_in_process('eval.py', [f"--out_dir={tmp_path / 'out'}", measure, '--device=cpu'])
+        assert r.returncode == 2 and 'Traceback' not in r.stderr, r.stderr
+        assert "Unmapped has no attention_maps: define them in model.py" in r.stderr.strip().splitlines()[-1]
