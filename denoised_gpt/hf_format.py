@@ -85,6 +85,9 @@ def check_hf_dir(hf_dir, overwrite):
     if not os.path.isfile(os.path.join(hf_dir, 'config.json')) or os.path.exists(os.path.join(hf_dir, CKPT_NAME)):
         raise ValueError(f"hf_dir={hf_dir!r} holds something other than an exported model (no config.json, or a "
                          f"training checkpoint): overwrite only replaces an earlier export; choose another folder")
+    if not os.path.isfile(os.path.join(hf_dir, RUN_FILE)):  # every export writes it: another model's folder
+        raise ValueError(f"hf_dir={hf_dir!r} holds a model export_hf.py did not write (no {RUN_FILE}): overwrite "
+                         f"only replaces an earlier export, never another model's files; choose another folder")
 
 
 def gpt2_incompatibility(config):

@@ -316,6 +316,16 @@ def test_refused_overwrite_leaves_the_folder_untouched_and_a_failed_export_leave
     refused = run_script_in_process('export_hf.py', [f'--out_dir={out_dir}', f'--hf_dir={other}', '--overwrite=True'])
     assert refused.returncode == 2 and "holds something other than an exported model" in refused.stderr
     assert [p.name for p in other.iterdir()] == ['mine.txt']
+    # another model's Hugging Face folder (config.json and weight shards, no training_run.json): never touched
+    theirs = tmp_path / 'theirs'
+    theirs.mkdir()
+    for name, data in (('config.json', b'{"model_type": "llama"}'), ('model-00001-of-00002.safetensors', b'w1'),
+                       ('model-00002-of-00002.safetensors', b'w2'), ('model.safetensors.index.json', b'{}')):
+        (theirs / name).write_bytes(data)
+    files_before = {p.name: p.read_bytes() for p in theirs.iterdir()}
+    refused = run_script_in_process('export_hf.py', [f'--out_dir={out_dir}', f'--hf_dir={theirs}', '--overwrite=True'])
+    assert refused.returncode == 2 and "holds a model export_hf.py did not write (no training_run.json)" in refused.stderr
+    assert {p.name: p.read_bytes() for p in theirs.iterdir()} == files_before
     replaced = run_script_in_process('export_hf.py', [f'--out_dir={exported["dint"][1]}', f'--hf_dir={folder}',
                                                       '--overwrite=True'])
     assert replaced.returncode == 0 and json.loads((folder / 'config.json').read_text())['attn_type'] == 'dint'
@@ -327,7 +337,7 @@ def test_refused_overwrite_leaves_the_folder_untouched_and_a_failed_export_leave
     monkeypatch.setattr(hf_format, 'write_tokenizer', broken)
     with pytest.raises(OSError):
         export(load_checkpoint(out_dir), str(tmp_path / 'half'))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ['hf', 'notes']  # no hf_dir, no temporary folder
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['hf', 'notes', 'theirs']  # no hf_dir, no temporary folder
 
 
 def test_a_bad_out_dir_fails_in_one_line(tmp_path):
