@@ -507,9 +507,10 @@ def train(run, slot, progress, should_stop=lambda: False):
 
 running = set()  # the train.py processes (or their torchrun) now running
 stopping = threading.Event()  # set once a stop signal is being passed on to them
-# SIGTERM (`kill`, a scheduler's preemption) stops the sweep as Ctrl-C does; SIGINT too where the shell that
-# started compare.py in the background set it to be ignored (train.py, eval.py and sample.py do the same)
-for stop_signal in (signal.SIGINT, signal.SIGTERM):
+# SIGTERM (`kill`, a scheduler's preemption) and SIGHUP (the terminal or ssh session closed) stop the sweep as
+# Ctrl-C does, its runs checkpointed (they die with compare.py otherwise: PR_SET_PDEATHSIG); SIGINT too where
+# the shell that started compare.py in the background set it to be ignored (train.py does the same)
+for stop_signal in (signal.SIGINT, signal.SIGTERM, *([signal.SIGHUP] if hasattr(signal, 'SIGHUP') else [])):
     signal.signal(stop_signal, signal.default_int_handler)
 
 
@@ -603,7 +604,8 @@ def train_all(runs, rivals=None):
                     proc.send_signal(signal.SIGTERM)
             pool.shutdown(wait=True, cancel_futures=True)
             progress.bar.close()
-            print("\ninterrupted: run the same command again to continue the sweep", file=sys.stderr)
+            with contextlib.suppress(OSError):  # after SIGHUP the terminal may be gone
+                print("\ninterrupted: run the same command again to continue the sweep", file=sys.stderr)
             sys.exit(130)
     progress.bar.close()
     return failures

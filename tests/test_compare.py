@@ -193,10 +193,10 @@ def test_killed_sweep_started_again_gives_the_same_numbers(sweep):
     assert [s['loss'] for s in steps_a] == [s['loss'] for s in steps_b]
 
 
-@pytest.mark.parametrize('sig, to_a_thread', [(signal.SIGTERM, False), (signal.SIGINT, True)],
-                         ids=['SIGTERM', 'SIGINT-to-a-thread'])
+@pytest.mark.parametrize('sig, to_a_thread', [(signal.SIGTERM, False), (signal.SIGHUP, False), (signal.SIGINT, True)],
+                         ids=['SIGTERM', 'SIGHUP', 'SIGINT-to-a-thread'])
 def test_a_signal_to_compare_alone_checkpoints_its_runs_and_ends(sweep, sig, to_a_thread):
-    """SIGINT or SIGTERM sent to compare.py's process only (not its process group, as Ctrl-C would): its
+    """SIGINT, SIGTERM or SIGHUP sent to compare.py's process only (not its process group, as Ctrl-C would): its
     train.py gets SIGTERM, saves and exits, and compare.py exits 130 soon, not after the run's 10^6
     iterations; the run is resumable from where it stopped. The kernel may hand a signal sent to the process
     to any of its threads: to_a_thread sends it by thread id to one that is not the main one (Linux gives a
