@@ -138,8 +138,11 @@ def help_text(script, defaults):
            '', 'settings (default, meaning):']
     previous_end = 0
     for node in tree.body:
-        if not (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)
-                and node.targets[0].id in defaults):
+        if not (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)):
+            continue
+        if node.targets[0].id == 'config_keys':
+            break  # the settings end there (script_defaults); what follows may assign a key again
+        if node.targets[0].id not in defaults:
             continue
         key = node.targets[0].id
         for line_no in range(max(previous_end + 1, node.lineno - 3), node.lineno):  # a heading just above
