@@ -178,3 +178,35 @@ def test_job_slots_get_their_own_gpus_where_there_are_enough_and_share_them_wher
     assert [device.slot_gpus(s, 2, 8) for s in range(4)] == [[0, 1], [2, 3], [4, 5], [6, 7]]  # 4 jobs x 2 ranks
     assert [device.slot_gpus(s, 1, 1) for s in range(8)] == [[0]] * 8  # 8 small runs on the one GPU
     assert [device.slot_gpus(s, 1, 2) for s in range(4)] == [[0], [1], [0], [1]]
+
+
+# ----------------------------------------------------------------------------- CPU threads on a busy machine
+
+def test_idle_cores_are_read_from_the_kernels_counters():
+    """Between two reads of /proc/stat, 150 of 200 ticks idle (idle + iowait) on a 2-core machine: 1.5 cores."""
+    snapshots = iter(["cpu  100 0 100 700 100 0 0 0 0 0\ncpu0 1 0 0 0 0 0 0 0\ncpu1 1 0 0 0 0 0 0 0\nintr 5\n",
+                      "cpu  130 0 120 820 130 0 0 0 0 0\ncpu0 1 0 0 0 0 0 0 0\ncpu1 1 0 0 0 0 0 0 0\nintr 9\n"])
+    assert device.idle_cores(0, read_stat=lambda: next(snapshots)) == pytest.approx(1.5)
+
+    def missing():
+        raise OSError("no /proc here")
+    assert device.idle_cores(0, read_stat=missing) is None
+
+
+@pytest.fixture
+def two_threads(monkeypatch):
+    monkeypatch.delenv('OMP_NUM_THREADS', raising=False)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_a_busy_cpu_gets_as_many_threads_as_it_has_idle_cores(two_threads, monkeypatch):
+    note = device.choose_cpu_threads(idle=0.3)
+    assert torch.get_num_threads() == 1
+    assert note == "CPU: 0.3 of 2 cores idle, so torch uses 1 thread (set OMP_NUM_THREADS to choose)"
+    torch.set_num_threads(2)
+    assert device.choose_cpu_threads(idle=1.7) is None and torch.get_num_threads() == 2  # idle enough: unchanged
+    monkeypatch.setenv('OMP_NUM_THREADS', '2')  # the user's choice wins
+    assert device.choose_cpu_threads(idle=0.0) is None and torch.get_num_threads() == 2
