@@ -396,18 +396,24 @@ runs = [(a, c) for a in variants for c in compile_modes]  # (attn_type, compiled
 # past the recompile limit (8 by default) dynamo would silently run the rest eager
 torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 2 * len(variants))  # Gaudi: torch 2.6
 step_times = {run: [] for run in runs}
+round_medians = {run: [] for run in runs}  # each round's median step: how far the rounds agree
 first_step = {}  # seconds of a run's first step in the first round: the cold compile when compiled
 peak_memory = {run: None for run in runs}
 num_params = {}
 flops_per_iter = {}  # estimate_mfu at 1 s/iter against 1 FLOP/s = the FLOPs of one iteration
 gen_times = {a: {True: [], False: []} for a in variants}
+t_start = time.perf_counter()
 for r in range(rounds):
+    if r == 1:  # the first round, cold compiles and all, says how long the rest will take
+        print(f"  round 1 took {time.perf_counter() - t_start:.0f} s: {rounds - 1} more to go, about "
+              f"{(rounds - 1) * (time.perf_counter() - t_start - sum(first_step.values())):.0f} s", flush=True)
     for i, (a, c) in enumerate(runs):
         label = f"{a}{' compiled' if c else ''}"
         print(f"  round {r + 1}/{rounds}, {i + 1}/{len(runs)} {label}: ", end='', flush=True)
         t_run = time.perf_counter()
         times, first, mem, n_params, model = train_steps(a, c)
         step_times[a, c] += times
+        round_medians[a, c].append(statistics.median(times))
         first_step.setdefault((a, c), first)
         num_params[a] = n_params
         flops_per_iter[a] = model.estimate_mfu(batch_size, 1.0, 1.0)
@@ -429,7 +435,9 @@ for a, c in runs:
                         ms_per_iter_min=min(step_times[a, c]) * 1000, tokens_per_s=tokens_per_iter / (ms / 1000),
                         mfu=flops_per_iter[a] / (ms / 1000) / peak, peak_memory_bytes=peak_memory[a, c],
                         first_step_s=first_step[a, c], ratio_to_base=ms / base_ms if base_ms else None,
-                        ratio_to_eager=ms / eager_ms if eager_ms else None))
+                        ratio_to_eager=ms / eager_ms if eager_ms else None,
+                        round_ms=[t * 1000 for t in round_medians[a, c]],
+                        round_spread=(max(round_medians[a, c]) - min(round_medians[a, c])) / (ms / 1000)))
     if generate and c == compile_modes[0]:
         cached, uncached = (statistics.median(gen_times[a][c]) for c in (True, False))
         results[-1].update(gen_tokens_per_s_cache=max_new_tokens / cached,
@@ -444,13 +452,27 @@ def fmt_ratio(x):
     return f"{x:.2f}x" if x is not None else '-'
 
 
+MAX_ROUND_SPREAD = 0.25  # rounds whose medians differ by more than this share of the median: not a measurement
+both = len(compile_modes) > 1  # 'vs eager' only says something when a variant ran both ways
 print()
 print(f"{'attn_type':<16}{'compile':>8}{'params':>9}{'ms/iter':>10}{'tokens/s':>10}{'MFU':>8}{'peak mem':>11}"
-      f"{'1st step':>10}{'vs base':>9}{'vs eager':>10}")
+      f"{'1st step':>10}{'vs base':>9}" + (f"{'vs eager':>10}" if both else ''))
 for r in results:
     print(f"{r['attn_type']:<16}{'yes' if r['compile'] else 'no':>8}{r['params'] / 1e6:>8.2f}M{r['ms_per_iter']:>10.1f}"
           f"{r['tokens_per_s']:>10,.0f}{r['mfu'] * 100:>7.1f}%{fmt_bytes(r['peak_memory_bytes']):>11}"
-          f"{r['first_step_s']:>9.1f}s{fmt_ratio(r['ratio_to_base']):>9}{fmt_ratio(r['ratio_to_eager']):>10}")
+          f"{r['first_step_s']:>9.1f}s{fmt_ratio(r['ratio_to_base']):>9}"
+          + (f"{fmt_ratio(r['ratio_to_eager']):>10}" if both else ''))
+unsteady = [r for r in results if r['round_spread'] > MAX_ROUND_SPREAD]
+if unsteady:
+    worst = max(unsteady, key=lambda r: r['round_spread'])
+    print(f"\nwarning: the rounds disagree: {worst['attn_type']} took "
+          f"{' / '.join(f'{t:.0f}' for t in worst['round_ms'])} ms per step in its {rounds} rounds (spread "
+          f"{worst['round_spread']:.0%} of the median; {len(unsteady)} of {len(results)} runs above "
+          f"{MAX_ROUND_SPREAD:.0%}): something else is using the device, and the ratios above are not to be "
+          f"trusted. Measure on an idle machine" + (", with OMP_NUM_THREADS=1," if kind == 'cpu' else '')
+          + " or with more --rounds")
+elif rounds > 1:
+    print(f"\nthe rounds agree: every run's round medians within {MAX_ROUND_SPREAD:.0%} of its median")
 if 'base' not in variants:
     print("\n(add base to --attn_types for the 'vs base' column)")
 if generate:
