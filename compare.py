@@ -78,6 +78,7 @@ from denoised_gpt.device import slot_gpus
 from denoised_gpt.evaluation import mean_std
 from denoised_gpt.evaluation.attention_noise import PARTS as SHARE_PARTS
 from denoised_gpt.evaluation.retrieval import PARTS as RETRIEVAL_PARTS
+from denoised_gpt.extras import require as require_extra
 from denoised_gpt.files import FileError, parse_json, read_json, require_regular_file, write_atomically, write_problem
 from denoised_gpt.training import NOT_RESUMED
 from denoised_gpt.run_dir import METRICS_NAME, bounded_lines, dropped_note, lock_out_dir, metrics_rows
@@ -114,6 +115,7 @@ globals().update(read_config(__file__, {k: globals()[k] for k in config_keys}))
 attn_types = attn_types or list(ATTENTION_TYPES)
 try:
     check_attn_types(attn_types)
+    require_extra('matplotlib', "compare.py's report (its plots)")  # said now, not after the training
 except ValueError as e:
     fail(e)
 if not seeds or not all(isinstance(s, int) and s >= 0 for s in seeds) or len(set(seeds)) != len(seeds):

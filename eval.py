@@ -58,6 +58,7 @@ from denoised_gpt.batches import ExampleLayout, TokenBatches, TokenIdError, chec
 from denoised_gpt.checkpoint import CheckpointError, checkpoint_path, load_checkpoint
 from denoised_gpt.cli import (check_inference_source, check_ranges, check_writable_folder, fail, gpt2_encoding, log,
                               prepare_device, print_result, quiet_ctrl_c, read_config)
+from denoised_gpt.extras import require as require_extra
 from denoised_gpt.files import FileError, write_atomically
 from denoised_gpt.models import load_model, noise_on, trained_dtype
 from denoised_gpt.device import autocast_context, manual_seed
@@ -134,6 +135,13 @@ if not all(type(d) is int and d >= 1 for d in retrieval_distances):
 if compare_to and not (entropy or attention_noise or retrieval):
     fail("compare_to compares attention entropy or attention shares: add --entropy=True, --attention_noise=True "
          "or --retrieval=True")
+try:  # what the light install leaves out, said before any work
+    if entropy or attention_noise or retrieval:
+        require_extra('matplotlib', "--entropy, --attention_noise and --retrieval (their heatmaps)")
+    if lm_eval:
+        require_extra('lm_eval', "--lm_eval")
+except ValueError as e:
+    fail(e)
 if glue:
     from denoised_gpt.evaluation import glue as glue_eval
     try:

@@ -28,6 +28,7 @@ import os
 
 from denoised_gpt.checkpoint import CheckpointError, checkpoint_path, load_checkpoint
 from denoised_gpt.cli import fail, log, read_config
+from denoised_gpt.extras import require as require_extra
 from denoised_gpt.files import write_problem
 from denoised_gpt.hf_format import check_hf_dir, export
 from denoised_gpt.weights import refuse_nonfinite_state
@@ -48,6 +49,8 @@ if dataset and not os.path.isdir(os.path.join('data', dataset)):
     fail(f"dataset={dataset!r}: no folder {os.path.join('data', dataset)}; pass the data folder the model was "
          f"trained on (a name under data/, or a path), or leave dataset out to use the checkpoint's")
 try:
+    for module in ('transformers', 'safetensors'):
+        require_extra(module, "export_hf.py")
     check_hf_dir(hf_dir, overwrite)  # before the checkpoint is read
     checkpoint = load_checkpoint(out_dir, map_location='cpu', model_only=True)
     refuse_nonfinite_state(checkpoint, checkpoint_path(out_dir), weights_only=True)

@@ -43,6 +43,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from denoised_gpt.batches import TokenBatches, TokenIdError, check_token_files, load_meta
 from denoised_gpt.checkpoint import CheckpointError, capture_rng_state, checkpoint_path
 from denoised_gpt.cli import fail, read_config, refused_allocation
+from denoised_gpt.extras import require as require_extra
 from denoised_gpt.device import (autocast_context, compile_model, ddp_backend, ddp_device_ids, device_type,
                                  fused_optimizer, grad_scaler, manual_seed, mark_step, peak_flops, resolve_compile,
                                  resolve_device, resolve_dtype, setup)
@@ -146,6 +147,8 @@ try:
     check_training_settings(config, given)
     device = resolve_device(device)
     check_parallel(parallel, trainable, compile, device, resolve_dtype(dtype, device))
+    if trainable == 'lora' or merge_lora:
+        require_extra('peft', "trainable='lora'" if trainable == 'lora' else "merge_lora")
 except ValueError as e:
     fail(e)
 

@@ -30,6 +30,7 @@ import torch
 from denoised_gpt.batches import load_meta, read_meta_pkl
 from denoised_gpt.checkpoint import CKPT_NAME
 from denoised_gpt.checkpoint_base import train_state_problem
+from denoised_gpt.extras import require
 from denoised_gpt.files import read_json
 
 OP_NAMESPACE = 'denoised_gpt'  # model.py's custom op: torch.ops.denoised_gpt.lm_head_cross_entropy
@@ -517,6 +518,7 @@ def read_exported(path):
     as a checkpoint dict like load_checkpoint's: model (GPT's state_dict, lm_head.weight = wte again),
     model_args, and iter_num, best_val_loss, config from training_run.json; no optimizer state.
     ValueError / FileNotFoundError for a folder that is not one."""
+    require('safetensors', f"reading {path} (an exported folder)")
     from safetensors.torch import load_file
     from model import GPTConfig
     config = _read_json(os.path.join(path, 'config.json'))

@@ -15,6 +15,7 @@ import urllib.parse
 
 from denoised_gpt.checkpoint import CheckpointError, checkpoint_path, load_checkpoint
 from denoised_gpt.checkpoint_base import short_reason, untrusted_file_error
+from denoised_gpt.extras import INSTALL
 from denoised_gpt.finetune import model_from_checkpoint, start_model_args
 from denoised_gpt.hf_format import MODEL_TYPE, exported_model_type, exported_run, read_exported
 from denoised_gpt.weights import all_finite, model_with_weights, nonfinite_weights, refuse_nonfinite_state
@@ -114,7 +115,8 @@ def load_gpt2(name, override_args):
     try:
         return GPT.from_pretrained(name, override_args)
     except ImportError as e:
-        raise ValueError(f"init_from={name!r} needs the transformers package: pip install transformers") from e
+        raise ValueError(f"init_from={name!r} needs transformers, which the light install (requirements.txt) "
+                         f"leaves out: {INSTALL}") from e
     except OSError as e:  # offline, or a name the hub does not know
         where = "not in the local cache, and the Hugging Face hub is offline or unreachable" if offline else \
             f"could not be fetched from the Hugging Face hub ({str(e).strip().splitlines()[0][:200]})"
