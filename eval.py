@@ -137,7 +137,7 @@ if compare_to and not (entropy or attention_noise or retrieval):
          "or --retrieval=True")
 try:  # what the light install leaves out, said before any work
     if entropy or attention_noise or retrieval:
-        require_extra('matplotlib', "--entropy, --attention_noise and --retrieval (their heatmaps)")
+        require_extra('matplotlib', "drawing the heatmaps of --entropy, --attention_noise and --retrieval")
     if lm_eval:
         require_extra('lm_eval', "--lm_eval")
 except ValueError as e:

@@ -38,7 +38,7 @@ def test_eval_heatmaps_without_matplotlib(tmp_path, monkeypatch, measure):
     tiny_checkpoint(tmp_path / 'out', 'base', data)
     hide(monkeypatch, 'matplotlib')
     proc = run_script_in_process('eval.py', [f"--out_dir={tmp_path / 'out'}", measure, '--device=cpu'])
-    one_line_refusal(proc, 'eval.py', "--entropy, --attention_noise and --retrieval (their heatmaps)", 'matplotlib')
+    one_line_refusal(proc, 'eval.py', "drawing the heatmaps of --entropy, --attention_noise and --retrieval", 'matplotlib')
     assert not list((tmp_path / 'out').glob('*.json'))  # refused before any work
 
 
