@@ -382,6 +382,9 @@ if attention_noise:
 if retrieval:
     from denoised_gpt.evaluation.retrieval import heatmap_panels as probe_panels, retrieval as retrieval_probe
 
+    # windows both models take, so that a compared model sees the very same examples
+    probe_length = min(model.config.block_size, *([other_model.config.block_size] if compare_to else []))
+
     def probe(which_model, which_info):
         """which_model's copy accuracy and attention parts on this checkpoint's validation text: a compared
         model sees the same examples (it must have the same vocabulary)."""
@@ -391,7 +394,7 @@ if retrieval:
         t0 = time.time()
         r = seeded(retrieval_probe, which_model, val_path, batch_size, device, ctx, span=retrieval_span,
                    distances=retrieval_distances, per_distance=retrieval_examples, seed=seed,
-                   length=min(model.config.block_size, which_model.config.block_size))
+                   length=probe_length)
         r.update(file=val_path, attn_type=which_info['attn_type'], checkpoint=which_info['checkpoint'],
                  noise_on=which_info['noise_on'], dtype=dtype, seed=seed)
         by = r['by_distance']

@@ -239,3 +239,17 @@ def test_a_variant_without_attention_maps_is_one_line(tmp_path, monkeypatch):
         r = run_script_in_process('eval.py', [f"--out_dir={tmp_path / 'out'}", measure, '--device=cpu'])
         assert r.returncode == 2 and 'Traceback' not in r.stderr, r.stderr
         assert "Unmapped has no attention_maps: define them in model.py" in r.stderr.strip().splitlines()[-1]
+
+
+def test_a_compared_model_with_a_shorter_block_sees_the_same_windows(tmp_path):
+    data = write_text(tmp_path / 'data', text_tokens(n=1000))
+    tiny_checkpoint(tmp_path / 'out-long', 'base', data, block_size=32, vocab_size=64)
+    tiny_checkpoint(tmp_path / 'out-short', 'diff', data, seed=1, block_size=20, vocab_size=64)
+    r = run_script_in_process('eval.py', [f"--out_dir={tmp_path / 'out-long'}", '--retrieval=True', '--device=cpu',
+                                          '--retrieval_examples=2', '--retrieval_span=3',
+                                          f"--compare_to={tmp_path / 'out-short'}"])
+    assert r.returncode == 0, r.stderr
+    mine = json.loads((tmp_path / 'out-long' / 'retrieval.json').read_text())
+    theirs = json.loads((tmp_path / 'out-long' / 'retrieval_out-short.json').read_text())
+    assert mine['length'] == theirs['length'] == 20 and mine['distances'] == theirs['distances'] == \
+        default_distances(20, 3)
