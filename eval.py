@@ -383,7 +383,7 @@ if retrieval:
     from denoised_gpt.evaluation.retrieval import heatmap_panels as probe_panels, retrieval as retrieval_probe
 
     # windows both models take, so that a compared model sees the very same examples
-    probe_length = min(model.config.block_size, *([other_model.config.block_size] if compare_to else []))
+    probe_length = min([model.config.block_size] + ([other_model.config.block_size] if compare_to else []))
 
     def probe(which_model, which_info):
         """which_model's copy accuracy and attention parts on this checkpoint's validation text: a compared
