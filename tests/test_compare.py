@@ -558,36 +558,37 @@ def test_an_untuned_report_says_every_variant_used_the_same_settings(sweep):
     assert "none was tuned for any variant" in line
 
 
-def test_values_tuned_per_variant_and_the_retrieval_probe_reach_the_report(sweep):
-    """Each variant tries its own rates (the table leaves the others' blank), and with retrieval every compared
-    run's eval.py --retrieval result is in results.json, paired with base seed by seed, and in the report."""
-    tmp, data, _ = sweep
-    out = tmp / 'probed'
-    tune = "{'learning_rate': {'base': [1e-06, 0.01], 'linear': [0.01, 0.003]}}"
-    proc = compare(sweep_args(out, data, f'--tune={tune}', '--tune_seeds=5', '--samples=False', '--retrieval=True',
-                              attn_types='base,linear'))
+def test_values_tuned_per_variant_and_the_retrieval_probe_reach_the_report(tuned_sweep, tmp_path):
+    """The tuned sweep's runs read again (--report_only, nothing trained) as if each variant had tried its own
+    rates: the table leaves the others' blank. With retrieval every compared run's eval.py --retrieval result is
+    in results.json, paired with base seed by seed, and in the report."""
+    import shutil
+    out, args, _ = tuned_sweep
+    copy = tmp_path / 'probed'
+    shutil.copytree(out, copy)
+    args = [a for a in args if not a.startswith(('--tune=', '--out_dir='))]
+    tune = "{'learning_rate': {'base': [1e-06, 0.01], 'linear': [0.01, 1e+30]}}"
+    proc = compare([*args, f'--out_dir={copy}', f'--tune={tune}', '--report_only=True', '--retrieval=True'])
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert sorted(p.name for p in (out / 'tune').iterdir()) == [
-        'base-learning_rate0.01-seed5', 'base-learning_rate1e-06-seed5',
-        'linear-learning_rate0.003-seed5', 'linear-learning_rate0.01-seed5']
-    results = json.loads((out / 'report' / 'results.json').read_text())
+    results = json.loads((copy / 'report' / 'results.json').read_text())
     assert [[c['label'] for c in t['candidates']] for t in results['tuning']] == [
-        ['learning_rate=1e-06', 'learning_rate=0.01'], ['learning_rate=0.01', 'learning_rate=0.003']]
-    report = (out / 'report' / 'report.md').read_text()
-    assert "| variant | `learning_rate=1e-06` | `learning_rate=0.003` | `learning_rate=0.01` | chosen |" in report
+        ['learning_rate=1e-06', 'learning_rate=0.01'], ['learning_rate=0.01', 'learning_rate=1e+30']]
+    report = (copy / 'report' / 'report.md').read_text()
+    assert "| variant | `learning_rate=1e-06` | `learning_rate=0.01` | `learning_rate=1e+30` | chosen |" in report
     base, linear = results['tuning']
-    assert f"| `base` | {base['candidates'][0]['val_loss']:.4f} |  | " in report  # 0.003 was not base's to try
-    assert f"| `linear` |  | " in report and "Blank: not one of that variant's candidates" in report
-    runs = {(r['attn_type'], r['seed']): r for r in results['runs']}
-    for (attn_type, seed), r in runs.items():
-        probe = json.loads((out / 'runs' / f'{attn_type}-seed{seed}' / 'retrieval.json').read_text())
+    assert "Blank: not one of that variant's candidates" in report
+    assert f"| `linear` |  | **{linear['candidates'][0]['val_loss']:.4f}** | diverged |" in report
+    assert f"| `base` | {base['candidates'][0]['val_loss']:.4f} | **{base['candidates'][1]['val_loss']:.4f}** |  |" \
+        in report  # 1e+30 was not base's to try
+    runs = {r['attn_type']: r for r in results['runs']}
+    for attn_type, r in runs.items():
+        probe = json.loads((copy / 'runs' / f'{attn_type}-seed1' / 'retrieval.json').read_text())
         assert r['copy_accuracy'] == probe['accuracy'] and probe['distances'] == [1, 2, 5, 11]  # block_size 32
         assert r['copy_layer_noise_share@11'] == probe['by_distance']['11']['reading_layer']['noise']
     paired = results['summary']['linear']['copy_accuracy@5_vs_base']
-    assert paired['differences'] == [runs[('linear', s)]['copy_accuracy@5'] - runs[('base', s)]['copy_accuracy@5']
-                                     for s in (1, 2)]
+    assert paired['differences'] == [runs['linear']['copy_accuracy@5'] - runs['base']['copy_accuracy@5']]
     assert "## Copying a span from the text (retrieval probe)" in report and "| D=1 | D=2 | D=5 | D=11 |" in report
-    assert (out / 'report' / 'retrieval.png').read_bytes()[:4] == b'\x89PNG'
+    assert (copy / 'report' / 'retrieval.png').read_bytes()[:4] == b'\x89PNG'
 
 
 def test_tuning_ranks_candidates_and_warns_at_the_edge_of_the_range():
