@@ -112,7 +112,11 @@ def idle_cores(interval=0.1, read_stat=None):
     it), from the kernel's CPU counters (/proc/stat, Linux); None where there are none to read."""
     def counters():
         try:
-            text = read_stat() if read_stat else open('/proc/stat').read()
+            if read_stat:
+                text = read_stat()
+            else:
+                with open('/proc/stat') as f:
+                    text = f.read()
         except OSError:
             return None
         lines = text.splitlines()
