@@ -310,8 +310,8 @@ def seeded(measure, *args, **kwargs):
     manual_seed(seed)
     try:
         return measure(*args, **kwargs)
-    except (ValueError, NotImplementedError) as e:  # NotImplementedError: a variant without attention_maps
-        fail(e)
+    except (ValueError, FileNotFoundError, NotImplementedError) as e:  # a dataset's missing file (its labels);
+        fail(e)  # a variant without attention_maps
 
 
 # -----------------------------------------------------------------------------

@@ -40,9 +40,13 @@ def _permission_denied(path):
                       f"and search (x) access to its folders (chmod/chown), or run as the user who prepared it")
 
 
-def _missing_data_hint(data_dir):
-    """What to run so that data_dir gets its train.bin/val.bin: the dataset's own prepare.py when
-    it has one (data/<name>/prepare.py), else what such a folder needs."""
+def _missing_data_hint(data_dir, path=None):
+    """What to run so that data_dir gets its train.bin/val.bin (or the labels file `path` of a recall
+    dataset): the dataset's own prepare.py when it has one (data/<name>/prepare.py), else what such a folder
+    needs."""
+    if path is not None and path.endswith("_labels.bin"):
+        return (f"{data_dir}'s meta.json marks labelled answers, which its prepare.py writes beside the tokens "
+                f"(e.g. python3 data/mqar/prepare.py --out_dir={data_dir}): prepare the dataset again")
     script = os.path.join(data_dir, "prepare.py")
     if os.path.isfile(script):
         return f"run python3 {script} first (it writes train.bin and val.bin there)"
@@ -57,7 +61,7 @@ def _token_file_size(data_dir, path):
     try:
         st = os.stat(path)
     except FileNotFoundError:
-        raise FileNotFoundError(f"{path} not found: {_missing_data_hint(data_dir)}") from None
+        raise FileNotFoundError(f"{path} not found: {_missing_data_hint(data_dir, path)}") from None
     except NotADirectoryError:
         raise ValueError(f"cannot read {path}: {data_dir} is not a folder; set the `dataset` key to the folder "
                          f"holding train.bin and val.bin") from None

@@ -423,3 +423,18 @@ def test_compare_sweeps_a_grid_and_reports_accuracy(mqar, tmp_path):
     proc = run_script_in_process("compare.py", args + ["--report_only=True"], env=SCRIPT_VARIABLES)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert json.loads(path.read_text()) == kept
+
+
+def test_eval_on_a_recall_dataset_without_its_labels_is_one_line(mqar, tmp_path):
+    """val_labels.bin gone (a copy made by hand, an interrupted transfer): every measure that reads the answers
+    says which file is missing and how to get it, not a traceback."""
+    import shutil
+    data = tmp_path / 'data'
+    shutil.copytree(mqar, data)
+    tiny_checkpoint(tmp_path / 'out', 'base', data, block_size=32, vocab_size=64)
+    (data / 'val_labels.bin').unlink()
+    for measure in ('--recall=True', '--val_loss=True', '--attention_noise=True'):
+        proc = run_script_in_process("eval.py", [f"--out_dir={tmp_path / 'out'}", measure, '--device=cpu'])
+        assert proc.returncode == 2 and 'Traceback' not in proc.stderr, proc.stderr
+        assert proc.stderr.strip().splitlines()[-1].startswith(
+            f"eval.py: error: {data / 'val_labels.bin'} not found: {data}'s meta.json marks labelled answers")
