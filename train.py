@@ -55,8 +55,8 @@ from denoised_gpt.parallel import (broadcast_from_rank0, check_parallel, learned
 from denoised_gpt.run_dir import (StopRequest, checkpoint_note, log_metrics, next_step, peak_memory_mib,
                                   prepare_out_dir, restart_advice, start_wandb, wandb_learned_values)
 from denoised_gpt.training import (MODEL_KEYS, StepSpeed, batch_seed, check_training_settings, checkpoint_reason,
-                                   compile_training_step, load_resumed, resume_training_state, resumed_model_args,
-                                   save_training_state)
+                                   compile_training_step, divergence_cause, load_resumed, resume_training_state,
+                                   resumed_model_args, save_training_state, schedule_note)
 from denoised_gpt.weights import all_finite, empty_model, model_with_weights, optimizer_tensors
 from model import GPT, GPTConfig
 
@@ -456,14 +456,9 @@ if wandb_log and master_process:
     wandb = start_wandb(wandb_project, wandb_run_name, config, out_dir)
 speed = StepSpeed(raw_model, batch_size * gradient_accumulation_steps, peak_flops(device, dtype),
                   on_cpu=device_type(device) == 'cpu') if master_process else None
-if master_process and decay_lr and max_iters < warmup_iters:
-    print(f"note: max_iters={max_iters} ends during the warmup (warmup_iters={warmup_iters}): the learning "
-          f"rate only reaches {get_lr(max_iters, learning_rate, warmup_iters, lr_decay_iters, min_lr):.3g} "
-          f"of learning_rate={learning_rate:g}")
-elif master_process and decay_lr and max_iters < lr_decay_iters:
-    print(f"note: max_iters={max_iters} ends before lr_decay_iters={lr_decay_iters}: the learning rate decays only "
-          f"to {get_lr(max_iters, learning_rate, warmup_iters, lr_decay_iters, min_lr):.3g} (min_lr={min_lr:g}); "
-          f"pass --lr_decay_iters={max_iters} to decay over this run")
+if master_process and decay_lr and (note := schedule_note(max_iters, learning_rate, warmup_iters, lr_decay_iters,
+                                                          min_lr)):
+    print(note)
 
 
 def log_row(row):
@@ -607,18 +602,7 @@ while True:
             print(f"rank {ddp_rank}: non-finite loss or gradient at iter {iter_num} "
                   f"(loss {loss_sum.item() / gradient_accumulation_steps}, grad norm {grad_norm.item()})",
                   file=sys.stderr)
-        # a KL term that swamps the cross-entropy (or overflows) is kl_weight's doing, not the step size's
-        kl_term = kl_weight * kl_mean
-        swamped = math.isfinite(ce_mean) and math.isfinite(kl_mean) and not kl_term < 1e3 * ce_mean
-        cause = (f" (the KL term, kl_weight x kl = {kl_term:.3g}, swamps the cross-entropy, {ce_mean:.4g})"
-                 if swamped else "")
-        advice = restart_advice(out_dir, saved_iter, 'kl_weight' if swamped else 'learning_rate')
-        if local_iter_num == 0 and not swamped and not math.isfinite(ce_mean):
-            # no update has been made in this run yet: the step size cannot be the cause
-            cause = (" in the first forward, before any update, so not from the learning rate: a setting that shapes "
-                     "the model (e.g. noise_init_std, lowrank_score_divisor, qk_head_size) or batches without a "
-                     "target make it")
-            advice = "Change that setting, or check the data's labels, and start again"
+        cause, advice = divergence_cause(ce_mean, kl_mean, kl_weight, local_iter_num == 0, out_dir, saved_iter)
         if nonfinite == 'stop':
             stop_diverged(f"stopping at iter {iter_num}: non-finite loss or gradient{cause} (nonfinite='stop'). "
                           f"{advice}, or set --nonfinite=skip to skip such steps.")

@@ -3,6 +3,7 @@ takes from its checkpoint, when and how its state is saved, the seeds its batche
 from, the compile warm-up and the speed it logs. train.py's own helpers: the top of the package with
 cli.py, whose checks they use."""
 import dataclasses
+import math
 import os
 import statistics
 import time
@@ -15,8 +16,9 @@ from denoised_gpt.checkpoint import (checkpoint_path, load_checkpoint, optimizer
 from denoised_gpt.cli import check_ranges
 from denoised_gpt.device import device_type, mark_step
 from denoised_gpt.finetune import LORA_KEYS, check_finetune_settings
-from denoised_gpt.lr_schedule import check_schedule
+from denoised_gpt.lr_schedule import check_schedule, get_lr
 from denoised_gpt.models import is_checkpoint
+from denoised_gpt.run_dir import restart_advice
 from denoised_gpt.sharded_checkpoint import (is_sharded_checkpoint, load_sharded_state, model_and_optimizer_state,
                                              save_sharded)
 from denoised_gpt.weights import (all_finite, nonfinite_optimizer_state, nonfinite_weights, optimizer_tensors,
@@ -166,6 +168,34 @@ def checkpoint_reason(iter_num, val_loss, improved, done, stop, saved_iter, alwa
     if done and (always_save_checkpoint or not os.path.exists(checkpoint_path(out_dir))):
         return "end of training"
     return None
+
+
+def schedule_note(max_iters, learning_rate, warmup_iters, lr_decay_iters, min_lr):
+    """A note when the run ends before the decaying schedule does (in the warmup, or before lr_decay_iters),
+    with the rate it reaches; None when the schedule runs its course."""
+    reached = get_lr(max_iters, learning_rate, warmup_iters, lr_decay_iters, min_lr)
+    if max_iters < warmup_iters:
+        return (f"note: max_iters={max_iters} ends during the warmup (warmup_iters={warmup_iters}): the learning "
+                f"rate only reaches {reached:.3g} of learning_rate={learning_rate:g}")
+    if max_iters < lr_decay_iters:
+        return (f"note: max_iters={max_iters} ends before lr_decay_iters={lr_decay_iters}: the learning rate decays "
+                f"only to {reached:.3g} (min_lr={min_lr:g}); pass --lr_decay_iters={max_iters} to decay over this run")
+    return None
+
+
+def divergence_cause(ce_mean, kl_mean, kl_weight, first_step, out_dir, saved_iter):
+    """(cause, advice) for a non-finite loss or gradient: a KL term that swamps the cross-entropy (or overflows)
+    is kl_weight's doing; a first forward that is not finite, before any update, is no step size's; else the
+    learning rate. advice names the checkpoint to resume from (restart_advice)."""
+    kl_term = kl_weight * kl_mean
+    if math.isfinite(ce_mean) and math.isfinite(kl_mean) and not kl_term < 1e3 * ce_mean:
+        return (f" (the KL term, kl_weight x kl = {kl_term:.3g}, swamps the cross-entropy, {ce_mean:.4g})",
+                restart_advice(out_dir, saved_iter, 'kl_weight'))
+    if first_step and not math.isfinite(ce_mean):
+        return (" in the first forward, before any update, so not from the learning rate: a setting that shapes the "
+                "model (e.g. noise_init_std, lowrank_score_divisor, qk_head_size) or batches without a target make it",
+                "Change that setting, or check the data's labels, and start again")
+    return "", restart_advice(out_dir, saved_iter, 'learning_rate')
 
 
 def batch_seed(seed, *key):
