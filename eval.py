@@ -384,13 +384,13 @@ if retrieval:
 
     # windows both models take, so that a compared model sees the very same examples
     probe_length = min([model.config.block_size] + ([other_model.config.block_size] if compare_to else []))
+    if compare_to and other_model.config.vocab_size != model.config.vocab_size:  # before anything is measured
+        fail(f"compare_to's model has {other_model.config.vocab_size} token ids, this one {model.config.vocab_size}: "
+             f"the probe compares models on the same tokens")
 
     def probe(which_model, which_info):
         """which_model's copy accuracy and attention parts on this checkpoint's validation text: a compared
-        model sees the same examples (it must have the same vocabulary)."""
-        if which_model.config.vocab_size != model.config.vocab_size:
-            fail(f"compare_to's model has {which_model.config.vocab_size} token ids, this one "
-                 f"{model.config.vocab_size}: the probe compares models on the same tokens")
+        model sees the same examples."""
         t0 = time.time()
         r = seeded(retrieval_probe, which_model, val_path, batch_size, device, ctx, span=retrieval_span,
                    distances=retrieval_distances, per_distance=retrieval_examples, seed=seed,

@@ -128,6 +128,8 @@ def idle_cores(interval=0.1, read_stat=None):
         return None
     time.sleep(interval)
     second = counters()
+    if second is None:
+        return None
     idle, total = second[0] - first[0], second[1] - first[1]
     return second[2] * idle / total if total > 0 else None
 
@@ -135,7 +137,7 @@ def idle_cores(interval=0.1, read_stat=None):
 def choose_cpu_threads(idle=None):
     """torch's thread count on a CPU: the cores idle now (at least 1), where fewer than torch would use. Its
     OpenMP threads wait for each other at every operation, so one that shares its core with another busy
-    process stalls them all: steps swing from 0.1 to 5 s on a busy 2-core machine (docs/training.md). An
+    process stalls them all: steps swing from 0.1 to 5 s on a busy 2-core machine (docs/troubleshooting.md). An
     OMP_NUM_THREADS the user set wins. Returns a one-line note when it chose fewer threads, else None."""
     threads = torch.get_num_threads()
     if 'OMP_NUM_THREADS' in os.environ or threads < 2:

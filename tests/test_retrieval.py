@@ -253,3 +253,13 @@ def test_a_compared_model_with_a_shorter_block_sees_the_same_windows(tmp_path):
     theirs = json.loads((tmp_path / 'out-long' / 'retrieval_out-short.json').read_text())
     assert mine['length'] == theirs['length'] == 20 and mine['distances'] == theirs['distances'] == \
         default_distances(20, 3)
+
+
+def test_a_compared_model_with_another_vocabulary_is_refused_before_anything_is_written(tmp_path):
+    data = write_text(tmp_path / 'data', text_tokens(n=400))
+    tiny_checkpoint(tmp_path / 'out-a', 'base', data, block_size=32, vocab_size=64)
+    tiny_checkpoint(tmp_path / 'out-b', 'base', data, block_size=32, vocab_size=96)
+    r = run_script_in_process('eval.py', [f"--out_dir={tmp_path / 'out-a'}", '--retrieval=True', '--device=cpu',
+                                          '--retrieval_examples=1', f"--compare_to={tmp_path / 'out-b'}"])
+    assert r.returncode == 2 and "compare_to's model has 96 token ids, this one 64" in r.stderr.splitlines()[-1]
+    assert not list((tmp_path / 'out-a').glob('retrieval*'))
