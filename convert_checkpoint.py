@@ -5,6 +5,7 @@ on any number of ranks, exactly where it stopped.
 
 $ python3 convert_checkpoint.py --out_dir=out-owt-fsdp                 # newest sharded checkpoint -> ckpt.pt
 $ python3 convert_checkpoint.py --out_dir=out-owt --to=sharded         # ckpt.pt -> ckpt.sharded-<iter>/
+$ python3 convert_checkpoint.py --out_dir=out-old --trust_old_format=True  # the earlier sharded format -> ckpt.pt
 
 sample.py, eval.py, grow.py and train.py read a sharded checkpoint directly (the newer of the two kinds in
 out_dir); convert for nanoGPT's scripts, to copy one file, or to resume a DDP run as an fsdp run whose
@@ -27,6 +28,9 @@ from denoised_gpt.weights import refuse_nonfinite_state
 # -----------------------------------------------------------------------------
 out_dir = 'out'  # the run directory
 to = 'file'  # 'file': its newest sharded checkpoint -> out_dir/ckpt.pt; 'sharded': out_dir/ckpt.pt -> a sharded one
+# read a sharded checkpoint of the earlier format (torch.distributed.checkpoint's pickled .metadata) with DCP's own
+# reader, which unpickles it and so can run code: only for a folder you trust
+trust_old_format = False
 # -----------------------------------------------------------------------------
 config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str))]
 
@@ -59,7 +63,7 @@ if not os.path.samefile(newest, source):  # never an older training state over a
          f"converting {source} would put an older state in its place. Convert the newer one "
          f"(--to={'sharded' if to == 'file' else 'file'}), or move {newest} out of {out_dir} first")
 try:
-    checkpoint = load_checkpoint(source, map_location='cpu')
+    checkpoint = load_checkpoint(source, map_location='cpu', trust_old_format=trust_old_format)
     refuse_nonfinite_state(checkpoint, source)
     if to == 'file':
         written = save_checkpoint(checkpoint, out_dir)  # the ckpt.pt there before becomes ckpt.prev.pt

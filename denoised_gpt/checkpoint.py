@@ -49,11 +49,11 @@ import numpy as np
 import torch
 
 from denoised_gpt.checkpoint_base import (CheckpointError, clean_name, first_damaged_record, nanogpt_param_names,
-                                          short_reason, train_state_problem)
-from denoised_gpt.files import write_problem
-from denoised_gpt.sharded_checkpoint import (POINTER_NAME, check_zip_parts, failure_cause, is_sharded_checkpoint,
-                                             newest_sharded, pointer_problem, raise_if_refused, read_sharded,
-                                             read_train_state, sharded_pointer)
+                                          short_reason, train_state_problem, untrusted_file_error)
+from denoised_gpt.files import FileError, open_regular, opened_path, write_problem
+from denoised_gpt.sharded_checkpoint import (POINTER_NAME, FormatError, is_old_format, is_sharded_checkpoint,
+                                             newest_sharded, pointer_problem, read_index, read_old_format,
+                                             read_sharded, read_train_state, sharded_pointer)
 
 CKPT_NAME = 'ckpt.pt'
 PREV_NAME = 'ckpt.prev.pt'
@@ -185,29 +185,34 @@ def checkpoint_path(out_dir_or_file):
     if not os.path.isfile(path) or not is_sharded_checkpoint(folder):
         return folder if not os.path.isfile(path) else path
     try:  # both: e.g. an fsdp run resumed in one process, or a sharded checkpoint consolidated
+        with open(path, 'rb') as f:
+            check_zip_parts(f, path)  # (before torch.load, which would inflate a compressed part)
         file_iter = torch.load(path, map_location='cpu', weights_only=True, mmap=True)['iter_num']
     except Exception:
         return path  # damaged: load_checkpoint says so, naming the fallback
     try:
-        folder_iter = read_train_state(folder)['iter_num']
+        folder_iter = read_index(folder)['train_state']['iter_num']
     except Exception:
-        return folder  # damaged, or holding code: load_checkpoint says which
+        return folder  # damaged, or of the earlier format: load_checkpoint says which
     for it, which in ((file_iter, path), (folder_iter, folder)):
         if train_state_problem({'iter_num': it}):
             return which  # not a count: load_checkpoint says so
     return folder if folder_iter >= file_iter else path
 
 
-def load_checkpoint(out_dir_or_file, map_location='cpu', metadata_only=False, model_only=False):
+def load_checkpoint(out_dir_or_file, map_location='cpu', metadata_only=False, model_only=False,
+                    trust_old_format=False):
     """Load out_dir/ckpt.pt (or the given file). Raises FileNotFoundError when there is none and
     CheckpointError when it is unreadable, naming ckpt.prev.pt as the fallback where it exists.
     metadata_only: for the settings, counters and model_args alone: the file is memory-mapped, so its
     tensors are not read (nor checked against their CRC-32s).
     model_only: for running the model (sample.py, eval.py): memory-mapped too, and only the model's
-    tensors are read and checked against their records' CRC-32s; the optimizer state is never read."""
+    tensors are read and checked against their records' CRC-32s; the optimizer state is never read.
+    trust_old_format: a sharded checkpoint of the earlier format is read with DCP's own reader, which unpickles
+    its metadata (sharded_checkpoint.read_old_format): only for a folder the user trusts (convert_checkpoint.py)."""
     path = checkpoint_path(out_dir_or_file)
     if is_sharded_checkpoint(path):
-        return _load_sharded(path, metadata_only, model_only)
+        return _load_sharded(path, metadata_only, model_only, trust_old_format)
     prev = os.path.join(os.path.dirname(path), PREV_NAME)
     has_fallback = os.path.basename(path) == CKPT_NAME and os.path.isfile(prev)
     use_prev = (f"The previous checkpoint {prev} was kept for this: resume from it with "
@@ -225,37 +230,12 @@ def load_checkpoint(out_dir_or_file, map_location='cpu', metadata_only=False, mo
         raise FileNotFoundError(f"no checkpoint at {path}: train one first (init_from='scratch'), "
                                 f"or point out_dir at the directory that holds ckpt.pt")
     try:
-        with open(path, 'rb') as f:
-            head = f.read(2)
+        with open_regular(path, f"put a checkpoint file there. {use_prev}") as f:
+            ckpt, damaged = _read_checkpoint_file(f, path, map_location, metadata_only, model_only, use_prev)
+    except FileError as e:  # a FIFO or a device in its place
+        raise CheckpointError(str(e)) from e
     except OSError as e:
         raise CheckpointError(f"cannot read {path}: {e.strerror or e}") from e
-    if head not in (b'PK', b'\x80\x02'):  # torch.save's zip; its legacy pickle format
-        raise CheckpointError(f"checkpoint {path} is truncated or corrupt, or not a checkpoint: it does not "
-                              f"begin as a file written by torch.save does. {use_prev}")
-    if head == b'\x80\x02':  # torch.load gives each tensor the size this format declares, then reads it
-        raise CheckpointError(f"checkpoint {path} is in torch.save's legacy format, which is not read: a damaged "
-                              f"or crafted one can ask for any amount of memory (train.py and nanoGPT write the zip "
-                              f"format). To convert a file you trust: python3 -c \"import torch; p = '{path}'; "
-                              f"torch.save(torch.load(p, weights_only=True), p)\"")
-    if head == b'PK':  # a compressed part would be inflated by torch.load, to whatever size it declares
-        try:
-            with open(path, 'rb') as f:
-                check_zip_parts(f, f"checkpoint {path}")
-        except ValueError as e:
-            raise CheckpointError(f"{e}, so it is not read. {use_prev}") from e
-    try:
-        mmap = (metadata_only or model_only) and zipfile.is_zipfile(path)  # torch maps only its zip format
-        ckpt = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
-        if mmap and not metadata_only and isinstance(ckpt, dict) and isinstance(ckpt.get('model'), dict):
-            damaged = _first_damaged_tensor(path, ckpt['model'])
-        else:
-            damaged = None if metadata_only else first_damaged_record(path)
-    except pickle.UnpicklingError as e:
-        raise_if_refused(path, e)  # holds code: refused as such
-        raise CheckpointError(f"checkpoint {path} is truncated or corrupt ({short_reason(e)}). {use_prev}") from e
-    except Exception as e:  # short reads, bad zips, damaged records: torch raises many kinds
-        raise CheckpointError(f"checkpoint {path} is truncated or corrupt ({type(e).__name__}: "
-                              f"{short_reason(e)}). {use_prev}") from e
     if damaged:
         raise CheckpointError(f"checkpoint {path} is truncated or corrupt ({damaged} does not "
                               f"match its CRC-32). {use_prev}")
@@ -274,22 +254,82 @@ def load_checkpoint(out_dir_or_file, map_location='cpu', metadata_only=False, mo
     return ckpt
 
 
-def _load_sharded(folder, metadata_only, model_only):
+def _read_checkpoint_file(f, path, map_location, metadata_only, model_only, use_prev):
+    """(the checkpoint in the open file f, the name of its first damaged record or None), see load_checkpoint.
+    torch reads the file f is (f's /proc/self/fd path where there is one), whatever path names by then."""
+    head = f.read(2)
+    if head not in (b'PK', b'\x80\x02'):  # torch.save's zip; its legacy pickle format
+        raise CheckpointError(f"checkpoint {path} is truncated or corrupt, or not a checkpoint: it does not "
+                              f"begin as a file written by torch.save does. {use_prev}")
+    if head == b'\x80\x02':  # torch.load gives each tensor the size this format declares, then reads it
+        raise CheckpointError(f"checkpoint {path} is in torch.save's legacy format, which is not read: a damaged "
+                              f"or crafted one can ask for any amount of memory (train.py and nanoGPT write the zip "
+                              f"format). To convert a file you trust: python3 -c \"import torch; p = '{path}'; "
+                              f"torch.save(torch.load(p, weights_only=True), p)\"")
+    try:  # a compressed part would be inflated by torch.load, to whatever size it declares
+        check_zip_parts(f, f"checkpoint {path}")
+    except ValueError as e:
+        raise CheckpointError(f"{e}, so it is not read. {use_prev}") from e
+    opened = opened_path(f)
+    try:
+        mmap = (metadata_only or model_only) and zipfile.is_zipfile(opened)  # torch maps only its zip format
+        ckpt = torch.load(opened, map_location=map_location, weights_only=True, mmap=mmap)
+        if mmap and not metadata_only and isinstance(ckpt, dict) and isinstance(ckpt.get('model'), dict):
+            return ckpt, _first_damaged_tensor(opened, ckpt['model'])
+        return ckpt, None if metadata_only else first_damaged_record(opened)
+    except pickle.UnpicklingError as e:
+        refused = untrusted_file_error(path, e)  # holds code: refused as such
+        if refused:
+            raise refused from e
+        raise CheckpointError(f"checkpoint {path} is truncated or corrupt ({short_reason(e)}). {use_prev}") from e
+    except Exception as e:  # short reads, bad zips, damaged records: torch raises many kinds
+        raise CheckpointError(f"checkpoint {path} is truncated or corrupt ({type(e).__name__}: "
+                              f"{short_reason(e)}). {use_prev}") from e
+
+
+def check_zip_parts(file, what):
+    """Refuse (ValueError) a torch.save zip whose parts would make torch.load allocate more than the file's
+    bytes, before it does: a part compressed (inflates to any size), one declared beyond the file (allocated,
+    then not there), or parts that overlap (one byte counted for many: together they may declare any size).
+    torch.save writes each part stored, once. `file`: open, seekable."""
+    try:
+        with zipfile.ZipFile(file) as archive:
+            parts = archive.infolist()
+    except zipfile.BadZipFile:
+        return  # damaged: torch.load says how
+    length = file.seek(0, os.SEEK_END)
+    for part in parts:
+        if part.compress_type != zipfile.ZIP_STORED or part.file_size != part.compress_size \
+                or part.header_offset + part.compress_size > length:
+            raise ValueError(f"{what} holds {part.filename} compressed or larger than the file "
+                             f"({part.file_size:,} bytes): torch.save writes neither")
+    # a part's bytes follow its local header (30 bytes and its name, at least) up to the next part's header
+    parts.sort(key=lambda part: part.header_offset)
+    for part, after in zip(parts, parts[1:] + [None]):
+        end = part.header_offset + 30 + len(part.orig_filename.encode()) + part.compress_size
+        if end > (after.header_offset if after else length):
+            raise ValueError(f"{what} holds parts that overlap ({part.filename} runs into "
+                             f"{after.filename if after else 'the end of the file'}): torch.save writes each once")
+
+
+def _load_sharded(folder, metadata_only, model_only, trust_old_format):
     """load_checkpoint for a sharded checkpoint's folder: the same dict (metadata_only: no tensors read,
     'model' and 'optimizer' None)."""
-    from torch.distributed.checkpoint import CheckpointException  # a BaseException: named below
     folder = os.path.normpath(folder)  # a Path, a trailing slash: compared with the other folders' names below
     try:
-        if metadata_only:
+        if trust_old_format and is_old_format(folder):
+            ckpt = read_old_format(folder)
+        elif metadata_only:
             ckpt = {**read_train_state(folder), 'model': None, 'optimizer': None}
             ckpt.pop('optimizer_param_groups')
         else:
             ckpt = read_sharded(folder, model_only=model_only)
-    except (Exception, CheckpointException) as e:  # a missing or truncated shard, a damaged train_state.pt
-        raise_if_refused(folder, e)  # a file holding code: said as such, not as damage
-        cause = failure_cause(e)
-        raise CheckpointError(f"sharded checkpoint {folder} is incomplete or corrupt ({type(cause).__name__}: "
-                              f"{short_reason(cause)}). {_sharded_fallback(folder)}") from e
+    except CheckpointError:  # the earlier format, files it does not read: said as such, not as damage
+        raise
+    except Exception as e:  # a missing or truncated file, an index that does not fit its files
+        reason = str(e) if isinstance(e, FormatError) else f"{type(e).__name__}: {short_reason(e)}"
+        raise CheckpointError(f"sharded checkpoint {folder} is incomplete or corrupt ({reason}). "
+                              f"{_sharded_fallback(folder)}") from e
     problem = train_state_problem(ckpt)
     if problem:
         raise CheckpointError(f"sharded checkpoint {folder} is not as train.py writes one: its {problem}. "

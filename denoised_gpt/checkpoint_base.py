@@ -6,6 +6,7 @@ first sentence; a checkpoint's optimizer state by parameter name. It imports not
 """
 import pickle
 import re
+import reprlib
 import zipfile
 
 
@@ -45,7 +46,7 @@ def train_state_problem(state):
     in the middle of a run."""
     for key, (expected, ok) in TRAIN_STATE.items():
         if key in state and not ok(state[key]):
-            value = repr(state[key])
+            value = reprlib.repr(state[key])  # bounded as it is built: a small file can nest a huge structure
             value = value if len(value) <= 40 else value[:37] + '...'
             return f"{key} is {value} (a {type(state[key]).__name__}), not {expected}"
     return None

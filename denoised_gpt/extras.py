@@ -1,6 +1,6 @@
 """What the light install leaves out. requirements.txt holds what training, sampling and data preparation need;
 requirements-extras.txt adds evaluation (lm-eval, matplotlib), LoRA (peft) and the Hugging Face format
-(transformers, safetensors). A script that needs one of those says so, with the command, before any work."""
+(transformers). A script that needs one of those says so, with the command, before any work."""
 import importlib.util
 
 INSTALL = "pip install -r requirements-extras.txt"

@@ -5,7 +5,7 @@ the cause and the fix (never a traceback), and so that a failed write loses noth
 - write_problem: what an OSError on a write means to the user, told apart by errno (a full disk, a read-only
   file system, no permission): the package's one wording of them.
 - write_atomically: a file written whole or not at all, the previous one intact on failure.
-- require_regular_file, read_json, parse_json, read_text: what a user may hand over (meta.json, an export's
+- open_regular, require_regular_file, read_json, parse_json, read_text: what a user may hand over (meta.json, an export's
   config.json and training_run.json, a run's metrics.jsonl, a prompts file) read without hanging on a FIFO,
   reading a device for ever, holding an unbounded file in memory, or a RecursionError from JSON nested deeper
   than Python's parser goes.
@@ -80,11 +80,36 @@ def require_regular_file(path, fix):
         raise FileError(f"cannot read {path}: it is a {file_kind(mode)}, not a file; {fix}")
 
 
+def open_regular(path, fix, follow_links=True):
+    """The file at path, open for reading (binary), when it is a regular file: asked of the open file itself
+    (fstat), so that a FIFO or a device put there after any earlier check is refused too, never read (opening
+    it does not wait: O_NONBLOCK). FileError naming it and `fix` otherwise; OSError when it cannot be opened
+    (follow_links=False: a link at path is ELOOP)."""
+    flags = os.O_RDONLY | getattr(os, 'O_NONBLOCK', 0) | (0 if follow_links else getattr(os, 'O_NOFOLLOW', 0))
+    fd = os.open(path, flags)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            error = FileError(f"cannot read {path}: it is a {file_kind(mode)}, not a file; {fix}")
+            error.kind = file_kind(mode)
+            raise error
+        return os.fdopen(fd, 'rb')
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def opened_path(f):
+    """A path naming the open file f itself, for a reader that takes a path (torch.load, safetensors): Linux's
+    /proc/self/fd/<n>, whatever f's own path names by now; elsewhere f's path."""
+    fd_path = f'/proc/self/fd/{f.fileno()}'
+    return fd_path if os.path.exists(fd_path) else f.name
+
+
 def read_at_most(path, max_bytes, fix):
-    """The bytes of the regular file at path (require_regular_file), or None when it holds more than max_bytes:
-    at most max_bytes + 1 are read, whatever its size claims."""
-    require_regular_file(path, fix)
-    with open(path, 'rb') as f:
+    """The bytes of the regular file at path (open_regular), or None when it holds more than max_bytes: at
+    most max_bytes + 1 are read, whatever its size claims."""
+    with open_regular(path, fix) as f:
         data = f.read(max_bytes + 1)
     return data if len(data) <= max_bytes else None
 

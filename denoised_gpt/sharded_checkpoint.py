@@ -1,54 +1,73 @@
 """
-Sharded checkpoints, what parallel='fsdp' runs write: each rank saves its own shards of the weights and
-AdamW state with torch.distributed.checkpoint (DCP), so no rank ever gathers the whole training state.
+Sharded checkpoints, what parallel='fsdp' runs write: each rank saves its own rows of the weights and of
+AdamW's state, so no rank ever gathers the whole training state.
 
 out_dir/ckpt.sharded          one line: the folder of the newest sharded checkpoint (replaced atomically)
-out_dir/ckpt.sharded-0000500/ its DCP files (.metadata, __<rank>_0.distcp) and train_state.pt
+out_dir/ckpt.sharded-0000500/ the checkpoint of iteration 500:
+    rank-00000.safetensors    each rank's rows of each tensor it holds, under the tensor's name
+    rank-00001.safetensors    ...
+    checkpoint.json           everything else a ckpt.pt holds (model_args, iter_num, config, RNG and sampler
+                              states, the optimizer's param groups by name), as JSON, and every tensor's dtype,
+                              shape and chunks: which file holds which of its rows
 out_dir/ckpt.sharded-0000250/ the one before it, kept as ckpt.prev.pt is
 
-A save writes the folder under a .tmp name (every rank its shards, rank 0 then train_state.pt, all
-fsynced), renames it, and only then points ckpt.sharded at it: a kill at any moment leaves the pointer
-naming a whole checkpoint. Inside, DCP holds 'model' (name -> tensor; the lm_head tied to the token
-embedding is stored once, as transformer.wte.weight) and 'optimizer' (name -> AdamW's step, exp_avg,
-exp_avg_sq); train_state.pt (torch.save, read with weights_only) holds everything else a ckpt.pt holds
-(model_args, iter_num, config, RNG and sampler states...) and the optimizer's param groups by name.
+Tensors are named 'model.<parameter>' (the lm_head tied to the token embedding stored once, as
+transformer.wte.weight), 'optimizer.<parameter>.<step|exp_avg|exp_avg_sq>' and 'train_state.<n>' (the
+tensors among the train state, in rank 0's file). A save writes the folder under a .tmp name (each rank its
+file, rank 0 checkpoint.json last, all fsynced), renames it, and only then points ckpt.sharded at it: a
+kill at any moment leaves the pointer naming a whole checkpoint.
 
-Reading: a run under fsdp loads its shards in place (load_sharded_state), resharded to however many
-ranks it has now; everything else (one process, DDP, sample.py, eval.py, convert_checkpoint.py) reads
-the whole tensors into a ckpt.pt's dict (read_sharded), through load_checkpoint, which takes the newer of
-ckpt.pt and the sharded checkpoint. DCP needs every rank to see out_dir (a shared filesystem across nodes).
+A folder from someone else can describe nothing it does not hold: nothing in it is pickled, and no byte
+offset of it is taken on trust. The safetensors library reads each rank's file and checks its header against
+the file (every tensor's bytes inside it, none overlapping, dtype x shape = bytes); checkpoint.json is
+checked before anything is allocated (read_index): each tensor's chunks split it along its first dimension
+(what FSDP2 writes) and cover each row exactly once, each in its own file, where it must be a tensor of the
+chunk's dtype and shape. A load so allocates the bytes the files hold and no more (nor more than twice the
+data of sparse files, plus HOLE_SLACK), and reads only the folder's own regular files, each once opened.
 
-No file of a sharded checkpoint may run code when read. DCP itself unpickles .metadata with plain pickle,
-so every DCP read goes through checkpoint_reader, whose .metadata unpickler admits DCP's metadata classes
-and nothing else (read_metadata); the shards' tensors and train_state.pt are read with weights_only. A
-refusal is a one-line CheckpointError saying the file holds code, never that it is corrupt. Nor may a
-folder from someone else do anything else: .metadata is read as plain data (it changes no class or object
-of the process), only the folder's own regular files are read (no path out of it, no FIFO), and every
-size it declares is checked against the bytes on disk before anything is allocated (_check_records).
+Reading: a run under fsdp loads its rows in place (load_sharded_state), however many ranks wrote them;
+everything else (one process, DDP, sample.py, eval.py, convert_checkpoint.py) reads whole tensors into a
+ckpt.pt's dict (read_sharded), through load_checkpoint, which takes the newer of ckpt.pt and the sharded
+checkpoint. Every rank must see out_dir (a shared filesystem across nodes).
+
+Folders of the earlier format (torch.distributed.checkpoint's pickled .metadata and train_state.pt) are
+refused, naming the conversion: convert_checkpoint.py --trust_old_format=True reads one with DCP's own
+reader (read_old_format), which unpickles it, for a folder the user trusts.
 """
 import contextlib
-import dataclasses
 import errno
-import functools
 import glob
 import inspect
-import io
+import json
 import math
 import os
-import pickle
+import re
 import shutil
 import stat
 import warnings
-import zipfile
 
 import torch
 
-from denoised_gpt.checkpoint_base import CheckpointError, optimizer_state_by_name, short_reason, untrusted_file_error
-from denoised_gpt.files import file_kind
+from denoised_gpt.checkpoint_base import CheckpointError, optimizer_state_by_name, short_reason
+from denoised_gpt.files import FileError, open_regular, opened_path, read_json
+
+
+class FormatError(ValueError):
+    """A folder whose files are not a sharded checkpoint as save_sharded writes one; the message, one line,
+    says what in which of its files (the folder itself named by the caller)."""
+
 
 POINTER_NAME = 'ckpt.sharded'
-STATE_NAME = 'train_state.pt'
+INDEX_NAME = 'checkpoint.json'
+FORMAT, VERSION = 'denoised_gpt sharded checkpoint', 1
+SHARD_FILE = re.compile(r'rank-\d{5}\.safetensors')
+OLD_FORMAT_FILES = ('train_state.pt', '.metadata')  # torch.distributed.checkpoint's folder, the earlier format
 TIED = ('lm_head.weight', 'transformer.wte.weight')  # GPT ties the output layer to the token embedding
+# the dtypes a checkpoint holds, by their names in checkpoint.json and in safetensors' headers
+DTYPES = {'float32': 'F32', 'bfloat16': 'BF16', 'float16': 'F16', 'float64': 'F64', 'int64': 'I64',
+          'int32': 'I32', 'int16': 'I16', 'int8': 'I8', 'uint8': 'U8', 'bool': 'BOOL'}
+HOLE_SLACK = 64 << 20  # bytes a folder's files may hold in holes beyond as many as their data (see _check_data)
+MAX_DIMS = 8
 
 
 def sharded_pointer(out_dir):
@@ -72,12 +91,15 @@ def _read_pointer(out_dir):  # (folder or None, problem or None)
     pointer = sharded_pointer(out_dir)
     if not os.path.lexists(pointer):
         return None, None
-    mode = os.stat(pointer).st_mode if os.path.exists(pointer) else 0
-    if not stat.S_ISREG(mode):
-        return None, (f"{pointer} is a {file_kind(mode) if mode else 'broken link'}, not the file naming the newest "
-                      f"sharded checkpoint: remove it (or put the file back)")
-    with open(pointer) as f:
-        name = f.read(256).strip()  # (written as one folder name)
+    not_it = "not the file naming the newest sharded checkpoint: remove it (or put the file back)"
+    try:
+        with open_regular(pointer, not_it) as f:
+            name = f.read(256).decode(errors='replace').strip()  # (written as one folder name)
+    except FileError as e:
+        return None, f"{pointer} is a {e.kind}, {not_it}"
+    except OSError as e:
+        return None, (f"{pointer} is a broken link, {not_it}" if os.path.islink(pointer) else
+                      f"cannot read {pointer} ({e.strerror or e}): remove it (or put the file back)")
     folder = os.path.join(out_dir, name)
     if not name.startswith(POINTER_NAME + '-') or os.path.basename(name) != name or \
             os.path.dirname(os.path.realpath(folder)) != os.path.realpath(out_dir):
@@ -86,9 +108,15 @@ def _read_pointer(out_dir):  # (folder or None, problem or None)
     return folder, None
 
 
+def is_old_format(folder):
+    """Whether folder holds a sharded checkpoint of the earlier format (see the top)."""
+    return not os.path.lexists(os.path.join(folder, INDEX_NAME)) and \
+        any(os.path.lexists(os.path.join(folder, name)) for name in OLD_FORMAT_FILES)
+
+
 def is_sharded_checkpoint(path):
-    # whatever train_state.pt is (a FIFO, say): read_train_state says what is wrong with it
-    return os.path.lexists(os.path.join(path, STATE_NAME))
+    """Whether path is a sharded checkpoint's folder (of either format: read_index refuses the earlier one)."""
+    return any(os.path.lexists(os.path.join(path, name)) for name in (INDEX_NAME, *OLD_FORMAT_FILES))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -105,38 +133,93 @@ def model_and_optimizer_state(model, optimizer):
     return weights, optim['state'], optim['param_groups']
 
 
+def _named_tensors(weights, optimizer_state):
+    """The checkpoint's tensors by their names in it (see the top)."""
+    named = {f'model.{k}': v for k, v in weights.items()}
+    for param, state in optimizer_state.items():
+        named.update({f'optimizer.{param}.{field}': v for field, v in state.items() if torch.is_tensor(v)})
+    return named
+
+
+def _rows_held(tensor, writer):
+    """(the rows of `tensor` this rank holds as a CPU tensor, the first of them), or None when it holds none: a
+    DTensor's local shard, which must split it along its first dimension; a plain tensor whole, by the writer
+    alone (every rank has the same one)."""
+    from torch.distributed.tensor import DTensor
+    if not isinstance(tensor, DTensor):
+        return (tensor.detach(), 0) if writer else None
+    local = tensor.to_local().detach()
+    start = _global_offset(tensor)
+    if local.numel() == 0:
+        return None
+    if any(start[1:]) or tuple(local.shape[1:]) != tuple(tensor.shape[1:]):
+        raise CheckpointError(f"a tensor of shape {tuple(tensor.shape)} sharded as {tensor.placements} is split "
+                              f"along other than its first dimension, which sharded checkpoints do not hold")
+    return local, start[0]
+
+
+def _global_offset(dtensor):
+    try:
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    except ImportError:  # where older releases keep it
+        from torch.distributed._tensor._utils import compute_local_shape_and_global_offset
+    return compute_local_shape_and_global_offset(dtensor.shape, dtensor.device_mesh, dtensor.placements)[1]
+
+
 def save_sharded(weights, optimizer_state, param_groups, train_state, out_dir, writer=True):
     """Write a sharded checkpoint of iteration train_state['iter_num'] into out_dir (see the top). Under
     torch.distributed every rank calls it with its shards (a collective) and writer is rank 0's; in one
-    process (no process group) it writes the whole tensors as one shard. Returns the folder written."""
+    process it writes the whole tensors as one rank's. Returns the folder written. CheckpointError when a
+    rank cannot write (the checkpoints already there are intact)."""
     import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
     distributed = dist.is_available() and dist.is_initialized()
+    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     name = f"{POINTER_NAME}-{train_state['iter_num']:07d}"
     final, tmp = os.path.join(out_dir, name), os.path.join(out_dir, name + '.tmp')
     if writer:
         os.makedirs(out_dir, exist_ok=True)
         for stale in glob.glob(os.path.join(out_dir, POINTER_NAME + '-*.tmp')):
             shutil.rmtree(stale)  # left by a run killed mid-save
+        os.makedirs(tmp)
     if distributed:
-        dist.barrier()  # no rank writes into tmp before it is clean
+        dist.barrier()  # tmp is there, and clean, before any rank writes into it
     current = newest_sharded(out_dir)
+    state_tensors = {}
+    if writer:
+        state = _to_json({**train_state, 'optimizer_param_groups': param_groups}, state_tensors)
+    file = f'rank-{rank:05d}.safetensors'
+    chunks, failure = {}, None
     try:
-        with _quiet_single_process():
-            dcp.save({'model': weights, 'optimizer': optimizer_state}, checkpoint_id=tmp,
-                     **({'no_dist': not distributed} if _takes_no_dist(dcp.save) else {}))
-        if writer:
-            with open(os.path.join(tmp, STATE_NAME), 'wb') as f:
-                torch.save({**train_state, 'optimizer_param_groups': param_groups}, f)
-                f.flush()
-                os.fsync(f.fileno())
-    except (OSError, dcp.CheckpointException) as e:  # disk full, quota, I/O error on some rank
+        held = {}
+        for key, tensor in {**_named_tensors(weights, optimizer_state), **state_tensors}.items():
+            rows = _rows_held(tensor, writer)
+            if rows is not None:
+                local, start = rows
+                held[key] = torch.empty(local.shape, dtype=local.dtype).copy_(local)  # CPU, contiguous, its own
+                chunks[key] = (_dtype_name(tensor.dtype), list(tensor.shape), start, start + _rows(local.shape))
+        _write_safetensors(held, os.path.join(tmp, file))
+    except OSError as e:  # disk full, quota, I/O error
+        failure = e
+    every_rank = [None] * world
+    if distributed:
+        dist.all_gather_object(every_rank, (file, chunks, _reason(failure)))
+    else:
+        every_rank = [(file, chunks, _reason(failure))]
+    failed = next((reason for _, _, reason in every_rank if reason), None)
+    if writer and failed is None:
+        try:
+            _write_index(tmp, state, every_rank)
+        except OSError as e:
+            failed = _reason(e)
+    if distributed:
+        outcome = [failed]
+        dist.broadcast_object_list(outcome, src=0)  # rank 0's index written, or why not
+        failed = outcome[0]
+    if failed:
         intact = f"{current} is intact" if current else "no sharded checkpoint was written"
         then = "resume with init_from='resume'" if current else "start the run again"  # nothing to resume from
-        cause = failure_cause(e)
-        reason = getattr(cause, 'strerror', None) or f"{type(cause).__name__}: {short_reason(cause)}"
-        raise CheckpointError(f"could not write a sharded checkpoint in {out_dir} ({reason}); "
-                              f"{intact}. Fix the cause and {then}") from e
+        raise CheckpointError(f"could not write a sharded checkpoint in {out_dir} ({failed}); "
+                              f"{intact}. Fix the cause and {then}") from failure
     if writer:
         if os.path.exists(final) and final != current:  # an older run's folder of the same iteration
             shutil.rmtree(final)
@@ -152,10 +235,49 @@ def save_sharded(weights, optimizer_state, param_groups, train_state, out_dir, w
     return final
 
 
-def failure_cause(e):
-    """The exception behind a DCP CheckpointException (it gathers each failed rank's), else e itself."""
-    failures = getattr(e, 'failures', None)  # CheckpointException: {rank: (exception, traceback)}
-    return next(iter(failures.values()))[0] if failures else e
+def _reason(e):
+    return None if e is None else (e.strerror or f"{type(e).__name__}: {short_reason(e)}")
+
+
+def _rows(shape):
+    return shape[0] if len(shape) else 1  # a 0-d tensor (AdamW's step) is one row
+
+
+def _dtype_name(dtype):
+    name = str(dtype).removeprefix('torch.')
+    if name not in DTYPES:
+        raise CheckpointError(f"a tensor of dtype {name} cannot be stored in a sharded checkpoint "
+                              f"(it holds {', '.join(DTYPES)})")
+    return name
+
+
+def _write_safetensors(tensors, path):
+    from safetensors.torch import save_file
+    save_file(tensors, path)
+    _fsync(path)
+
+
+def _write_index(folder, state, every_rank):
+    """checkpoint.json of the folder: the train state and each tensor's chunks in row order."""
+    tensors = {}
+    for file, chunks, _ in every_rank:
+        for key, (dtype, shape, start, stop) in chunks.items():
+            entry = tensors.setdefault(key, {'dtype': dtype, 'shape': shape, 'chunks': []})
+            entry['chunks'].append({'file': file, 'rows': [start, stop]})
+    for entry in tensors.values():
+        entry['chunks'].sort(key=lambda chunk: chunk['rows'])
+    path = os.path.join(folder, INDEX_NAME)
+    with open(path, 'w') as f:
+        json.dump({'format': FORMAT, 'version': VERSION, 'train_state': state, 'tensors': tensors}, f)
+    _fsync(path)
+
+
+def _fsync(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _unused_name(path):
@@ -173,11 +295,7 @@ def _write_pointer(out_dir, folder_name):
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, pointer)
-    fd = os.open(out_dir, os.O_RDONLY)
-    try:
-        os.fsync(fd)  # the renames survive a power cut
-    finally:
-        os.close(fd)
+    _fsync(out_dir)  # the renames survive a power cut
 
 
 def checkpoint_as_sharded(ckpt):
@@ -189,250 +307,193 @@ def checkpoint_as_sharded(ckpt):
     return weights, optimizer_state, param_groups, train_state
 
 
+# The train state as JSON: tensors, tuples and dicts with keys other than strings are marked, the rest is JSON's
+_TENSOR, _TUPLE, _ITEMS = '__tensor__', '__tuple__', '__items__'
+
+
+def _to_json(value, tensors):
+    """value as JSON, each tensor in it put into `tensors` as 'train_state.<n>' and named in its place."""
+    if torch.is_tensor(value):
+        name = f'train_state.{len(tensors)}'
+        tensors[name] = value
+        return {_TENSOR: name}
+    if isinstance(value, tuple):
+        return {_TUPLE: [_to_json(v, tensors) for v in value]}
+    if isinstance(value, list):
+        return [_to_json(v, tensors) for v in value]
+    if isinstance(value, dict):
+        if all(type(k) is str and k not in (_TENSOR, _TUPLE, _ITEMS) for k in value):
+            return {k: _to_json(v, tensors) for k, v in value.items()}
+        return {_ITEMS: [[_to_json(k, tensors), _to_json(v, tensors)] for k, v in value.items()]}
+    if value is None or type(value) in (bool, int, float, str):
+        return value
+    raise CheckpointError(f"a training state holding a {type(value).__name__} cannot be saved in a sharded "
+                          f"checkpoint (it holds tensors and JSON's values)")
+
+
+def _from_json(value, tensors):
+    """_to_json undone, the named tensors taken from `tensors`. ValueError for a name it lacks."""
+    if isinstance(value, list):
+        return [_from_json(v, tensors) for v in value]
+    if not isinstance(value, dict):
+        return value
+    if len(value) == 1 and _TENSOR in value:
+        if value[_TENSOR] not in tensors:
+            raise FormatError(f"its train state names a tensor {str(value[_TENSOR])[:80]!r} it does not list")
+        return tensors[value[_TENSOR]]
+    if len(value) == 1 and _TUPLE in value:
+        return tuple(_from_json(value[_TUPLE], tensors))
+    if len(value) == 1 and _ITEMS in value:
+        items = _from_json(value[_ITEMS], tensors)
+        if not all(isinstance(item, list) and len(item) == 2 and _hashable(item[0]) for item in items):
+            raise FormatError("its train state holds a dict that is not a list of key-value pairs")
+        return dict(items)
+    return {k: _from_json(v, tensors) for k, v in value.items()}
+
+
+def _hashable(key):
+    return key is None or type(key) in (bool, int, float, str) or (type(key) is tuple and all(map(_hashable, key)))
+
+
 # ----------------------------------------------------------------------------------------------
 # Reading
 
-# what DCP pickles into .metadata (torch 2.13; 2.6 the same less _StorageInfo's transform_descriptors): its
-# metadata dataclasses, the shapes, dtypes, layout and memory format of the tensors, and the path the
-# checkpoint was saved to. Not BytesStorageMetadata: DCP reads such an entry with torch.load(weights_only=False),
-# and save_sharded writes tensors only.
-METADATA_GLOBALS = {
-    'torch.distributed.checkpoint.metadata': {'Metadata', 'TensorStorageMetadata', 'ChunkStorageMetadata',
-                                              'TensorProperties', 'MetadataIndex', 'StorageMeta',
-                                              '_MEM_FORMAT_ENCODING'},
-    'torch.distributed.checkpoint.filesystem': {'_StorageInfo'},
-    'torch': {'Size'} | {name for name, v in vars(torch).items() if isinstance(v, torch.dtype)},
-    'torch.serialization': {'_get_layout'},  # layouts by name, from torch's own table
-    'pathlib': {'PosixPath', 'WindowsPath'},
-    'pathlib._local': {'PosixPath', 'WindowsPath'},  # where Python 3.13 defines them
-}
+def read_index(folder):
+    """checkpoint.json of the sharded checkpoint in folder, checked (see the top): {'train_state': JSON,
+    'tensors': {name: (torch dtype, shape, [(file, first row, row after the last), ...])}}. CheckpointError
+    for a folder of the earlier format or files it does not read; ValueError for an index that is not one."""
+    if is_old_format(folder):
+        raise CheckpointError(old_format_refusal(folder))
+    path = os.path.join(folder, INDEX_NAME)
+    try:
+        index = read_json(path, "put the checkpoint's own checkpoint.json there")
+    except FileError as e:
+        raise FormatError(str(e).replace(path, INDEX_NAME)) from e
+    if not (isinstance(index, dict) and index.get('format') == FORMAT and isinstance(index.get('tensors'), dict)):
+        raise FormatError(f"{INDEX_NAME} is not the index of a sharded checkpoint")
+    if index.get('version') != VERSION:
+        raise FormatError(f"{INDEX_NAME} is of format version {str(index.get('version'))[:20]}, which this code does not "
+                         f"read (it reads version {VERSION}): update the code, or convert it where it was written")
+    tensors = {}
+    for name, entry in index['tensors'].items():
+        tensors[name] = _checked_entry(name, entry)
+    return {'train_state': index.get('train_state'), 'tensors': tensors}
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles a .metadata file into plain values. A global outside METADATA_GLOBALS is refused before it is
-    looked up (a crafted file never gets hold of a callable that could run code), and one inside comes back
-    as a stand-in made for this one read (_Pickled), never as the real class: a pickle sets attributes of
-    whatever it holds (BUILD), and on a real class or a shared object that would last for the whole process.
-    _rebuild then makes DCP's objects from the plain values."""
+def _checked_entry(name, entry):
+    """(dtype, shape, chunks) of one tensor of the index, or ValueError: chunks in row order, each a range of
+    rows in a file of its own, together covering every row of the tensor exactly once."""
+    def bad(why):
+        return FormatError(f"{INDEX_NAME} declares {name[:80]!r} {why}")
 
-    def __init__(self, file, path):
-        super().__init__(file)
-        self.path, self.stand_ins = path, {}
-
-    def find_class(self, module, name):
-        if name not in METADATA_GLOBALS.get(module, ()):
-            raise CheckpointError(f"sharded checkpoint file {self.path} holds Python objects other than DCP's "
-                                  f"checkpoint metadata (it references {module}.{name}), which are not loaded "
-                                  f"because unpickling them can run code")
-        if (module, name) not in self.stand_ins:
-            real = super().find_class(module, name)
-            self.stand_ins[module, name] = type(name, (_Pickled,), {
-                'real': staticmethod(real), 'global_name': f"{module}.{name}", 'path': self.path})
-        return self.stand_ins[module, name]
-
-
-class _OfInstances:
-    """A method of a stand-in's instances; looked up on the stand-in itself (what BUILD on the class does), a
-    refusal."""
-
-    def __init__(self, method):
-        self.method = method
-
-    def __get__(self, obj, cls):
-        if obj is None:
-            raise CheckpointError(_sets_attributes(cls.path, cls.global_name))
-        return self.method.__get__(obj, cls)
+    if not isinstance(entry, dict) or entry.get('dtype') not in DTYPES:
+        raise bad(f"with no dtype it holds ({', '.join(DTYPES)})")
+    shape, chunks = entry.get('shape'), entry.get('chunks')
+    if not (isinstance(shape, list) and len(shape) <= MAX_DIMS and all(type(n) is int and n >= 0 for n in shape)):
+        raise bad("with a shape that is not a list of sizes")
+    if not isinstance(chunks, list) or not all(isinstance(c, dict) and isinstance(c.get('file'), str)
+                                               and SHARD_FILE.fullmatch(c['file']) and _is_range(c.get('rows'))
+                                               for c in chunks):
+        raise bad("with chunks that are not ranges of rows in rank-NNNNN.safetensors files")
+    rows, covered = _rows(shape), 0
+    for chunk in chunks:  # in order, each starting where the one before ended: every row once
+        start, stop = chunk['rows']
+        if start != covered or stop > rows:
+            raise bad(f"of shape {tuple(shape)} with chunks that do not cover its {rows:,} rows exactly once")
+        covered = stop
+    if covered != rows or len({c['file'] for c in chunks}) < len(chunks):
+        raise bad(f"of shape {tuple(shape)} with chunks that do not cover its {rows:,} rows exactly once, each in "
+                  f"a file of its own")
+    return getattr(torch, entry['dtype']), shape, [(c['file'], *c['rows']) for c in chunks]
 
 
-class _Pickled:
-    """A global of .metadata (`real`) as the file uses it: called (REDUCE, NEWOBJ), an instance that keeps the
-    arguments, and the state the file gives it (BUILD): only DCP's dataclasses take state, each instance
-    being made afresh from it; what anything else returns can be one object for every later use."""
-
-    def __new__(cls, *args):
-        self = object.__new__(cls)
-        self.args = args
-        return self
-
-    @_OfInstances
-    def __setstate__(self, state):
-        if not dataclasses.is_dataclass(self.real):
-            raise CheckpointError(_sets_attributes(self.path, f"what {self.global_name} returns"))
-        self.state = state
+def _is_range(rows):
+    return isinstance(rows, list) and len(rows) == 2 and all(type(n) is int for n in rows) and 0 <= rows[0] < rows[1]
 
 
-def _sets_attributes(path, what):
-    return (f"sharded checkpoint file {path} sets attributes of {what}, which would change it for the whole "
-            f"process: DCP's metadata never does, and the file is not loaded")
+def old_format_refusal(folder):
+    out_dir = os.path.dirname(os.path.normpath(folder)) or '.'
+    return (f"sharded checkpoint {folder} is in the earlier format (torch.distributed.checkpoint's pickled "
+            f".metadata), which is not read: unpickling it can run code, and its metadata can describe what its "
+            f"files do not hold. If you trust where it came from, convert it once: python3 convert_checkpoint.py "
+            f"--out_dir={out_dir} --trust_old_format=True")
 
 
-def _rebuild(x, memo):
-    """The value that x, from _MetadataUnpickler, stands for: plain values as they are; a global the file names
-    as a value, the real one if a dtype (the only such global DCP writes); a stand-in's instance, a real object
-    made here from plain values: for a dataclass a fresh instance given the file's fields, for anything else
-    the real call (torch.Size, a layout or a memory format by name, a path) on the file's arguments.
-    ValueError for anything else. memo: one real object per object of the file, so that shared references
-    cannot make the work grow faster than the file."""
-    if x is None or type(x) in (bool, int, float, str):
-        return x
-    if id(x) not in memo:
-        memo[id(x)] = _rebuilt(x, memo)
-    return memo[id(x)]
+def _open_regular(path):
+    """The regular file at path, open for reading (files.open_regular: nothing swapped in after a check is
+    read), not a link, with no other hard link (which may be a file from anywhere: a link's target is not in the
+    folder). CheckpointError otherwise."""
+    try:
+        f = open_regular(path, "put the checkpoint's own file there", follow_links=False)
+    except FileError as e:
+        raise CheckpointError(f"sharded checkpoint file {path} is a {e.kind}, not a regular file, and is not read "
+                              f"(reading it could wait forever): put the checkpoint's own file there") from e
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise CheckpointError(f"sharded checkpoint file {path} is a link, and is not read: a sharded checkpoint "
+                                  f"reads only its own files (copy the file there, cp -L)") from e
+        raise
+    links = os.fstat(f.fileno()).st_nlink
+    if links > 1:
+        f.close()
+        raise CheckpointError(f"sharded checkpoint file {path} has {links - 1} other hard link(s), so it may be a "
+                              f"file from outside its folder, and is not read: copy the folder (cp -r) and load "
+                              f"the copy")
+    return f
 
 
-def _rebuilt(x, memo):  # _rebuild's work on one object of the file
-    if type(x) in (list, tuple):
-        return type(x)(_rebuild(v, memo) for v in x)
-    if type(x) is dict:
-        return {_rebuild(k, memo): _rebuild(v, memo) for k, v in x.items()}
-    stand_in = x if isinstance(x, type) else type(x)
-    if not issubclass(stand_in, _Pickled):
-        raise ValueError(f"it holds a {type(x).__name__}")
-    real = stand_in.real
-    if x is stand_in:
-        if not isinstance(real, torch.dtype):
-            raise ValueError(f"it holds {stand_in.global_name} itself")
-        return real
-    if not dataclasses.is_dataclass(real):
-        return real(*_rebuild(x.args, memo))
-    fields, required = _fields(real)
-    state, obj = _rebuild(getattr(x, 'state', None), memo), real.__new__(real)
-    if x.args == () and '__setstate__' in vars(real):  # TensorProperties: a tuple
-        obj.__setstate__(state)
-    elif x.args == () and type(state) is dict and required <= set(state) <= fields:
-        vars(obj).update(state)
-    else:
-        raise ValueError(f"its {stand_in.global_name} is not made as DCP makes one")
-    return obj
+@contextlib.contextmanager
+def _shards(folder, files):
+    """({file name: safetensors' reader of it}, the bytes of data the files hold) for the folder's own files
+    named, each opened once through _open_regular (a link out of the folder, a FIFO, a file with other hard
+    links: CheckpointError) and read by the safetensors library, which checks its header against its size."""
+    from safetensors import SafetensorError, safe_open
+    with contextlib.ExitStack() as stack:
+        readers, held = {}, 0
+        for file in sorted(files):
+            f = stack.enter_context(_open_regular(os.path.join(folder, file)))
+            try:  # the file just checked, even if its path names another one by now
+                readers[file] = stack.enter_context(safe_open(opened_path(f), 'pt'))
+            except (SafetensorError, OSError) as e:
+                raise FormatError(f"{file} is not a whole safetensors file ({short_reason(e)})") from e
+            held += _data_bytes(f.fileno(), os.fstat(f.fileno()).st_size)
+        yield readers, held
 
 
-@functools.cache
-def _fields(dataclass):
-    """A dataclass's field names, and those of them without a default."""
-    fields = dataclasses.fields(dataclass)
-    return ({f.name for f in fields},
-            {f.name for f in fields if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING})
+def _check_chunks(tensors, readers, held):
+    """ValueError unless each chunk of `tensors` (read_index's) is a tensor of its file with the chunk's dtype
+    and shape, and the files hold at least half their bytes as data (see HOLE_SLACK). Then the tensors' bytes
+    are the bytes of their files: what a load allocates."""
+    needed = 0
+    for name, (dtype, shape, chunks) in tensors.items():
+        for file, start, stop in chunks:
+            reader = readers[file]
+            want = [stop - start, *shape[1:]] if shape else []
+            found = reader.get_slice(name) if name in reader.keys() else None
+            if found is None or found.get_dtype() != DTYPES[_dtype_name(dtype)] or list(found.get_shape()) != want:
+                what = f"{found.get_dtype()} of shape {found.get_shape()}" if found else "nothing"
+                raise FormatError(f"{file} holds {what} as {name[:80]!r}, which {INDEX_NAME} declares "
+                                 f"{_dtype_name(dtype)} of shape {want}")
+            needed += math.prod(want) * dtype.itemsize
+    _check_data(needed, held)
 
 
-def read_metadata(path):
-    """DCP's Metadata from the .metadata file at path, read as plain data (_MetadataUnpickler, _rebuild) and
-    checked against the shards (_check_records). CheckpointError for a file that references anything else,
-    sets attributes of a class or shared object, or names files other than its folder's regular files;
-    ValueError for one that is not DCP's metadata of tensors or declares more than the shards hold."""
-    with open(_file_in(*os.path.split(path))[0], 'rb') as f:
-        try:
-            metadata = _rebuild(_MetadataUnpickler(f, path).load(), {})
-        except CheckpointError:
-            raise
-        except Exception as e:  # bytes that are not DCP's metadata: damaged, or some other file
-            raise ValueError(_not_metadata(path, f" ({type(e).__name__}: {short_reason(e)})")) from e
-    _check_records(metadata, path)
-    return metadata
+def _check_data(needed, held):
+    """A sparse file's holes read as zeros but take no disk (os.truncate makes a terabyte of them at once): its
+    size says nothing of what was written. So the bytes to allocate may be at most twice the files' data, plus
+    HOLE_SLACK once for the folder (some file systems and copies, ZFS with compression or rsync -S, store a real
+    file's runs of zeros as holes)."""
+    if needed > 2 * held + HOLE_SLACK:
+        raise FormatError(f"{INDEX_NAME} declares {needed:,} bytes of tensors, but the files hold {held:,} bytes of data "
+                         f"(the rest are holes in sparse files)")
 
 
-def _not_metadata(path, why=''):
-    return f"{os.path.basename(path)} is not DCP's metadata of a checkpoint of tensors{why}"
-
-
-HOLE_SLACK = 64 << 20  # bytes of a shard's records that may lie in holes beyond as many as its data
-
-
-def _check_records(metadata, path):
-    """Refuse metadata (from read_metadata) whose reading would allocate more than the shards hold, or read
-    outside them, before anything is: the reader allocates every declared tensor before it reads a byte, then
-    torch.loads each record (a torch.save zip) from its shard. So each tensor is covered by its chunks, and
-    each chunk's record has at least the chunk's bytes (a record of a stride-0 tensor declares any size from
-    a few bytes); a shard is a regular file of the folder (_file_in), its records lie in it, apart and on data
-    (a sparse file's holes cost nothing to make), each a zip whose parts are stored within it (torch allocates
-    a part's declared size, and a deflated part inflates to any); no record is transformed (DCP's compression:
-    unbounded, and never written here)."""
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex, StorageMeta,
-                                                       TensorProperties, TensorStorageMetadata)
-
-    def tensor(m):  # the types DCP gives each field (the file chooses every value)
-        return (isinstance(m, TensorStorageMetadata) and isinstance(m.properties, TensorProperties)
-                and isinstance(m.properties.dtype, torch.dtype) and isinstance(m.size, torch.Size)
-                and type(m.chunks) is list and all(
-                    isinstance(c, ChunkStorageMetadata) and isinstance(c.offsets, torch.Size)
-                    and isinstance(c.sizes, torch.Size) and len(c.offsets) == len(c.sizes) == len(m.size)
-                    for c in m.chunks))
-
-    def record(index, r):
-        return (isinstance(index, MetadataIndex) and isinstance(r, _StorageInfo) and isinstance(r.relative_path, str)
-                and all(type(n) is int and n >= 0 for n in (r.offset, r.length)))
-
-    if not (isinstance(metadata, Metadata) and isinstance(metadata.storage_meta, (StorageMeta, type(None)))
-            and isinstance(metadata.state_dict_metadata, dict) and isinstance(metadata.storage_data, dict)
-            and all(map(tensor, metadata.state_dict_metadata.values()))
-            and all(record(*item) for item in metadata.storage_data.items())):
-        raise ValueError(_not_metadata(path))
-    entries, records, name = metadata.state_dict_metadata, metadata.storage_data, os.path.basename(path)
-    for fqn, m in entries.items():
-        chunks = [c for c in m.chunks if math.prod(c.sizes)]  # (an empty shard of a rank: nothing to read)
-        for chunk in chunks:
-            record = records.get(MetadataIndex(fqn, chunk.offsets))
-            needs = math.prod(chunk.sizes) * m.properties.dtype.itemsize
-            if record is None or needs > record.length or any(
-                    o < 0 or n < 0 or o + n > d for o, n, d in zip(chunk.offsets, chunk.sizes, m.size)):
-                held = f"its record holds {record.length:,}" if record else "it has no record"
-                raise ValueError(f"{name} declares {fqn}{list(chunk.offsets)} of shape {tuple(chunk.sizes)} "
-                                 f"({needs:,} bytes) in {tuple(m.size)}, but {held}")
-        covered = sum(math.prod(c.sizes) for c in chunks)
-        if covered != math.prod(m.size) or len({c.offsets for c in chunks}) < len(chunks):
-            raise ValueError(f"{name} declares {fqn} of shape {tuple(m.size)}, but its chunks do not cover it "
-                             f"exactly once")
-    folder, shards = os.path.dirname(path), {}
-    for index, record in records.items():
-        if getattr(record, 'transform_descriptors', None):
-            raise CheckpointError(f"sharded checkpoint file {path} declares the record of {index.fqn} transformed "
-                                  f"({', '.join(map(str, record.transform_descriptors))}), which is not read: "
-                                  f"undoing it has no size bound, and sharded checkpoints here are written without")
-        shards.setdefault(record.relative_path, []).append((record.offset, record.offset + record.length))
-    for shard_name, ranges in shards.items():
-        shard, size = _file_in(folder, shard_name, path)
-        ranges = sorted(ranges)
-        declared, held = sum(end - start for start, end in ranges), _data_bytes(shard, size)
-        if ranges[-1][1] > size or any(start < end for (_, end), (start, _) in zip(ranges, ranges[1:])):
-            raise ValueError(f"{name} declares records in {shard_name} that overlap or end beyond its {size:,} bytes")
-        # (slack: some file systems and copies, ZFS with compression or rsync -S, store a real shard's runs of
-        # zeros as holes; what a crafted folder can make the reader allocate stays bounded by its data)
-        if declared > 2 * held + HOLE_SLACK:
-            raise ValueError(f"{name} declares {declared:,} bytes of records in {shard_name}, which holds "
-                             f"{held:,} bytes of data (the rest are holes in a sparse file)")
-        with open(shard, 'rb') as f:
-            for start, end in ranges:
-                check_zip_parts(_Window(f, start, end - start), f"the record at byte {start:,} of {shard_name}")
-
-
-def _file_in(folder, name, named_by=None):
-    """The path and size of the file `name` in folder (named by the file named_by, if any), refused in one line
-    unless it is a regular file inside the folder: a shard named by an absolute path, by '..' or by a link out
-    of the folder would be read from anywhere the user can read, and a FIFO or a device would hang the reader
-    (or never end). CheckpointError; FileNotFoundError when there is no such file."""
-    path = os.path.join(folder, name)
-    if named_by and (name in ('', '.', '..') or os.path.basename(name) != name):
-        raise CheckpointError(f"sharded checkpoint file {named_by} names {name!r} as a shard, which is not a file "
-                              f"in its folder and is not read: a sharded checkpoint reads only its own files")
-    real = os.path.realpath(path)
-    if os.path.dirname(real) != os.path.realpath(folder):
-        raise CheckpointError(f"sharded checkpoint file {path} is a link to {real}, outside its folder, and is not "
-                              f"read: copy that file into the folder in place of the link (cp -L)")
-    st = os.stat(path)
-    if not stat.S_ISREG(st.st_mode):
-        raise CheckpointError(f"sharded checkpoint file {path} is a {file_kind(st.st_mode)}, not a regular file, "
-                              f"and is not read (reading it could wait forever): put the checkpoint's own file there")
-    return path, st.st_size
-
-
-def _data_bytes(path, size):
-    """How many of the file's `size` bytes hold data: a sparse file's holes read as zeros but take no disk
-    (os.truncate makes a terabyte of them at once), so its size says nothing of what was written. Where the
-    system cannot tell (no SEEK_DATA), every byte counts."""
+def _data_bytes(fd, size):
+    """How many of the open file's `size` bytes hold data (SEEK_DATA / SEEK_HOLE); every byte where the system
+    cannot tell."""
     if not hasattr(os, 'SEEK_DATA'):
         return size
     held = pos = 0
-    fd = os.open(path, os.O_RDONLY)
     try:
         while pos < size:
             start = os.lseek(fd, pos, os.SEEK_DATA)
@@ -441,122 +502,55 @@ def _data_bytes(path, size):
     except OSError as e:
         if e.errno != errno.ENXIO:  # ENXIO: only holes after pos; anything else: holes cannot be told
             return size
-    finally:
-        os.close(fd)
     return held
 
 
-def check_zip_parts(file, what):
-    """Refuse (ValueError) what would make torch.load allocate more than the bytes of `file` (open, seekable)
-    hold, before it does: torch.save's legacy format (allocates each storage's declared size, then reads it),
-    and a zip part declared beyond the file (allocated, then not there) or compressed (inflates to any size).
-    torch.save writes zips of parts stored as they are."""
-    try:
-        with zipfile.ZipFile(file) as archive:
-            parts = archive.infolist()
-    except zipfile.BadZipFile:
-        file.seek(0)
-        if file.read(1) == b'\x80':  # a pickle: the legacy format
-            raise ValueError(f"{what} is in torch.save's legacy format, which sharded checkpoints never use")
-        return  # damaged: torch.load says how
-    length = file.seek(0, os.SEEK_END)
-    for part in parts:
-        if part.compress_type != zipfile.ZIP_STORED or part.file_size != part.compress_size \
-                or part.header_offset + part.compress_size > length:
-            raise ValueError(f"{what} holds {part.filename} compressed or larger than the file "
-                             f"({part.file_size:,} bytes): torch.save writes neither")
-
-
-class _Window(io.RawIOBase):
-    """`length` bytes of the open file f from `start`, read as a file of their own."""
-
-    def __init__(self, f, start, length):
-        super().__init__()
-        self.f, self.start, self.length, self.pos = f, start, length, 0
-
-    def seekable(self):
-        return True
-
-    def readable(self):
-        return True
-
-    def seek(self, offset, whence=os.SEEK_SET):
-        self.pos = min(max(0, offset + {os.SEEK_SET: 0, os.SEEK_CUR: self.pos, os.SEEK_END: self.length}[whence]),
-                       self.length)
-        return self.pos
-
-    def tell(self):
-        return self.pos
-
-    def readinto(self, buffer):
-        self.f.seek(self.start + self.pos)
-        n = self.f.readinto(memoryview(buffer)[:self.length - self.pos])
-        self.pos += n
-        return n
-
-
-def checkpoint_reader(folder):
-    """DCP's FileSystemReader for folder, its .metadata read by read_metadata: the storage_reader of every
-    dcp.load here (without one, DCP builds its own reader, which unpickles .metadata with plain pickle)."""
-    return _reader_class()(folder)
-
-
-@functools.cache
-def _reader_class():
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import StorageMeta
-
-    class CheckedReader(FileSystemReader):
-        def read_metadata(self, *args, **kwargs):
-            path = (self._get_metadata_path(kwargs.get('rank')) if hasattr(self, '_get_metadata_path')
-                    else os.path.join(self.path, '.metadata'))  # torch 2.6: one .metadata, at the top
-            metadata = read_metadata(str(path))
-            # what FileSystemReader.read_metadata does after its own unpickling
-            metadata.storage_meta = metadata.storage_meta or StorageMeta()
-            metadata.storage_meta.load_id = self.load_id
-            return metadata
-    return CheckedReader
-
-
-def raise_if_refused(path, e):
-    """Raise the one-line CheckpointError that refuses a file holding pickled code, when e is one or wraps
-    one (DCP gathers each rank's errors), or is torch.load(weights_only=True)'s refusal of a file at path
-    (train_state.pt; a shard's tensor record: path is then the folder). Any other error: return."""
-    cause = failure_cause(e)
-    refused = cause if isinstance(cause, CheckpointError) else untrusted_file_error(path, cause)
-    if refused is not None:
-        raise refused from (None if refused is e else e)
+def _read_tensors(folder, index, wanted):
+    """The whole tensors of the index whose names start with one of `wanted`, read from the folder's files
+    (checked first: _shards, _check_chunks)."""
+    tensors = {name: entry for name, entry in index['tensors'].items() if name.startswith(wanted)}
+    with _shards(folder, {file for _, _, chunks in tensors.values() for file, _, _ in chunks}) as (readers, held):
+        _check_chunks(tensors, readers, held)
+        out = {}
+        for name, (dtype, shape, chunks) in tensors.items():
+            whole = out[name] = torch.empty(shape, dtype=dtype)
+            for file, start, stop in chunks:
+                part = readers[file].get_tensor(name)
+                (whole[start:stop] if shape else whole).copy_(part)
+    return out
 
 
 def read_train_state(folder):
-    path = _file_in(folder, STATE_NAME)[0]
+    """Everything but the weights and the optimizer state: the train state of checkpoint.json with its tensors,
+    and 'optimizer_param_groups'. CheckpointError or FormatError as read_index, and for a damaged train state."""
+    index = read_index(folder)
+    return _train_state(index, _read_tensors(folder, index, ('train_state.',)))
+
+
+def _train_state(index, tensors):
     try:
-        with open(path, 'rb') as f:
-            check_zip_parts(f, STATE_NAME)
-        return torch.load(path, map_location='cpu', weights_only=True)
-    except pickle.UnpicklingError as e:
-        raise_if_refused(path, e)
-        raise  # damaged: the caller says so
+        state = _from_json(index['train_state'], tensors)
+    except RecursionError:
+        raise FormatError(f"the train state of {INDEX_NAME} is nested too deeply") from None
+    if not isinstance(state, dict) or 'optimizer_param_groups' not in state:
+        raise FormatError(f"{INDEX_NAME} holds no train state")
+    return state
 
 
 def read_sharded(folder, model_only=False):
     """A sharded checkpoint as one process's dict in ckpt.pt's layout, whole tensors on the CPU (the
     optimizer state positional, with optimizer_param_names, as train.py writes it). model_only: the
-    weights alone ('optimizer': None)."""
-    import torch.distributed.checkpoint as dcp
-    state = read_train_state(folder)
-    reader = checkpoint_reader(folder)
-    wanted = ('model.',) if model_only else ('model.', 'optimizer.')
-    # the saved tensors' names and shapes are in DCP's metadata: whole tensors to read each into
-    tensors = {key: torch.empty(meta.size, dtype=meta.properties.dtype)
-               for key, meta in reader.read_metadata().state_dict_metadata.items() if key.startswith(wanted)}
-    with _quiet_single_process():
-        if _takes_no_dist(dcp.load):
-            dcp.load(tensors, storage_reader=reader, no_dist=True)
-        else:  # this process alone, even under a process group: the switch older releases keep in DCP's worker
-            from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-            _load_state_dict(tensors, reader, no_dist=True)
+    weights alone ('optimizer': None). Each file is opened once."""
+    index = read_index(folder)
+    tensors = _read_tensors(folder, index, ('train_state.', 'model.') + (() if model_only else ('optimizer.',)))
+    return _as_checkpoint(_train_state(index, tensors), tensors, model_only)
+
+
+def _as_checkpoint(state, tensors, model_only):
+    """The train state and the tensors by their names in a sharded checkpoint -> ckpt.pt's dict."""
     weights = {k.removeprefix('model.'): v for k, v in tensors.items() if k.startswith('model.')}
+    if TIED[1] not in weights:
+        raise FormatError(f"it holds no {TIED[1]}")
     weights[TIED[0]] = weights[TIED[1]]  # one tensor under both names, as in a ckpt.pt
     groups = state.pop('optimizer_param_groups')
     state['model'] = weights
@@ -567,8 +561,8 @@ def read_sharded(folder, model_only=False):
 
 
 def _positional(tensors, groups):
-    """DCP's 'optimizer.<name>.<key>' tensors and the param groups by name -> torch's optimizer
-    state_dict (slots numbered in group order) and the slots' names."""
+    """The 'optimizer.<name>.<key>' tensors and the param groups by name -> torch's optimizer state_dict (slots
+    numbered in group order) and the slots' names."""
     per_name = {}
     for key, value in tensors.items():
         if key.startswith('optimizer.'):
@@ -588,45 +582,70 @@ def _positional(tensors, groups):
 
 
 def load_sharded_state(folder, model, optimizer):
-    """Load a sharded checkpoint's weights and AdamW state into `model` (sharded with FSDP2) and
-    `optimizer` built on it: each rank reads the
-    parts of the files its shards cover, however many ranks wrote them. Collective."""
-    import torch.distributed.checkpoint as dcp
+    """Load a sharded checkpoint's weights and AdamW state into `model` (sharded with FSDP2) and `optimizer`
+    built on it: each rank reads the rows its shards cover, however many ranks wrote them. CheckpointError
+    naming what does not fit."""
     from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
-                                                         set_model_state_dict, set_optimizer_state_dict)
+                                                         set_model_state_dict, set_optimizer_state_dict,
+                                                         StateDictOptions)
+    from torch.distributed.tensor import DTensor
     weights = get_model_state_dict(model)
     weights.pop(TIED[0], None)
     optim = get_optimizer_state_dict(model, optimizer)  # (creates AdamW's state to read into)
-    template = {'model': weights, 'optimizer': optim['state']}
-    reader = checkpoint_reader(folder)
+    template = _named_tensors(weights, optim['state'])
     try:
-        reader.read_metadata()  # a refusal here, in one line, rather than inside DCP's collective
-        dcp.load(template, storage_reader=reader)
-    except (Exception, dcp.CheckpointException) as e:  # a missing or truncated shard, no optimizer state in it
-        raise_if_refused(folder, e)
-        cause = failure_cause(e)
-        raise CheckpointError(f"cannot resume from the sharded checkpoint {folder} ({type(cause).__name__}: "
-                              f"{short_reason(cause)}); load_checkpoint({folder!r}) says more") from e
-    set_model_state_dict(model, template['model'], options=_non_strict())
-    set_optimizer_state_dict(model, optimizer, {'state': template['optimizer'], 'param_groups': optim['param_groups']})
+        index = read_index(folder)
+        missing = sorted(set(template) - set(index['tensors']))
+        if missing:
+            raise FormatError(f"it holds no {missing[0]}" + (f" (nor {len(missing) - 1} more)" if len(missing) > 1 else ""))
+        saved = {name: index['tensors'][name] for name in template}
+        for name, tensor in template.items():
+            dtype, shape, _ = saved[name]
+            if list(tensor.shape) != shape:
+                raise FormatError(f"its {name} has shape {tuple(shape)}, the model's {tuple(tensor.shape)}")
+        with _shards(folder, {file for _, _, chunks in saved.values() for file, _, _ in chunks}) as (readers, held):
+            _check_chunks(saved, readers, held)
+            for name, tensor in template.items():
+                local, first = (tensor.to_local(), _global_offset(tensor)[0]) if isinstance(tensor, DTensor) \
+                    else (tensor, 0)
+                _fill_rows(local, first, name, saved[name], readers)
+    except (ValueError, OSError) as e:  # a missing or damaged file, a checkpoint of another model
+        reason = str(e) if isinstance(e, FormatError) else short_reason(e)
+        raise CheckpointError(f"cannot resume from the sharded checkpoint {folder} ({reason})") from e
+    # strict=False: lm_head.weight is the tied embedding, loaded under its first name
+    set_model_state_dict(model, weights, options=StateDictOptions(strict=False))
+    set_optimizer_state_dict(model, optimizer, {'state': optim['state'], 'param_groups': optim['param_groups']})
 
 
-def _non_strict():
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-    return StateDictOptions(strict=False)  # lm_head.weight: the tied embedding, loaded under its first name
+def _fill_rows(local, first, name, entry, readers):
+    """Copy into `local` (rows first.. of the tensor `name`) the rows the saved chunks hold of them."""
+    dtype, shape, chunks = entry
+    if not shape:
+        local.copy_(readers[chunks[0][0]].get_tensor(name))
+        return
+    last = first + local.shape[0]
+    for file, start, stop in chunks:
+        lo, hi = max(start, first), min(stop, last)
+        if lo < hi:
+            local[lo - first:hi - first].copy_(readers[file].get_slice(name)[lo - start:hi - start])
 
 
-def _takes_no_dist(dcp_call):
-    """Whether DCP's save / load takes no_dist (one process, whatever the process group). Releases whose calls
-    do not (torch 2.6) run in one process exactly when there is no process group."""
-    return 'no_dist' in inspect.signature(dcp_call).parameters
+# ----------------------------------------------------------------------------------------------
+# The earlier format, read only when the user trusts the folder (convert_checkpoint.py --trust_old_format=True)
 
-
-@contextlib.contextmanager
-def _quiet_single_process():
-    """DCP warns on every use without a process group, even when asked for exactly that (no_dist=True), and
-    torch 2.6's DCP about the TypedStorage it calls itself."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings('ignore', message='torch.distributed is (disabled, )?unavailable or uninitialized')
-        warnings.filterwarnings('ignore', message='TypedStorage is deprecated')
-        yield
+def read_old_format(folder):
+    """A sharded checkpoint of the earlier format (torch.distributed.checkpoint's files and train_state.pt) as
+    read_sharded's dict, read with DCP's own reader: it unpickles .metadata, which can run code. Only for a
+    folder the user trusts."""
+    import torch.distributed.checkpoint as dcp
+    state = torch.load(os.path.join(folder, OLD_FORMAT_FILES[0]), map_location='cpu', weights_only=True)
+    reader = dcp.FileSystemReader(folder)
+    tensors = {key: torch.empty(meta.size, dtype=meta.properties.dtype)
+               for key, meta in reader.read_metadata().state_dict_metadata.items()}
+    with warnings.catch_warnings():  # DCP warns on every use without a process group
+        warnings.simplefilter('ignore')
+        if 'no_dist' in inspect.signature(dcp.load).parameters:
+            dcp.load(tensors, storage_reader=reader, no_dist=True)
+        else:  # torch 2.6: one process exactly when there is no process group
+            dcp.load(tensors, storage_reader=reader)
+    return _as_checkpoint(state, tensors, model_only=False)

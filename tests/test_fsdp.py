@@ -103,7 +103,7 @@ def test_fsdp_matches_ddp_and_one_process_and_resumes_after_kill_9_on_two_ranks_
     assert sorted(p.name for p in fsdp_dir.iterdir()) == ['.lock', 'ckpt.sharded', 'ckpt.sharded-0000004',
                                                          'ckpt.sharded-0000008', 'metrics.jsonl']
     assert sorted(p.name for p in (fsdp_dir / 'ckpt.sharded-0000008').iterdir()) == [
-        '.metadata', '__0_0.distcp', '__1_0.distcp', 'train_state.pt']
+        'checkpoint.json', 'rank-00000.safetensors', 'rank-00001.safetensors']
     assert f"checkpoint: {fsdp_dir / 'ckpt.sharded-0000008'} (best val loss" in fsdp.stdout
     ck1, ckd, ckf = (load_checkpoint(tmp_path / name) for name in ('one', 'ddp', 'fsdp'))  # ckf: shards read whole
     assert ckf['model']['lm_head.weight'] is ckf['model']['transformer.wte.weight']

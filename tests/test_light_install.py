@@ -6,8 +6,8 @@ import pytest
 from denoised_gpt.extras import INSTALL
 from helpers import ROOT, make_dataset, run_script_in_process, tiny_checkpoint
 
-EXTRAS = {'lm_eval': 'lm-eval', 'matplotlib': 'matplotlib', 'peft': 'peft', 'transformers': 'transformers',
-          'safetensors': 'safetensors'}  # import name: package name
+EXTRAS = {'lm_eval': 'lm-eval', 'matplotlib': 'matplotlib', 'peft': 'peft',
+          'transformers': 'transformers'}  # import name: package name
 
 
 def requirements(name):

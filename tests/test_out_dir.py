@@ -246,7 +246,7 @@ def test_a_killed_saves_temporary_is_removed_when_the_next_run_starts(tmp_path, 
         path.write_bytes((out / 'ckpt.pt').read_bytes()[:1000])
     left.append(out / 'ckpt.sharded-0000012.tmp')  # and an fsdp run's, a folder of shards
     left[-1].mkdir()
-    (left[-1] / '__0_0.distcp').write_bytes(b'half')
+    (left[-1] / 'rank-00000.safetensors').write_bytes(b'half')
     before = {name: (out / name).read_bytes() for name in ('ckpt.pt', 'ckpt.prev.pt')}
     # a resume with nothing left to train: it saves nothing (saving used to be what removed them)
     proc = train(str(TINY), f'--dataset={data}', f'--out_dir={out}', '--init_from=resume', '--max_iters=10')

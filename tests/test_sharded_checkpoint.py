@@ -4,6 +4,7 @@ without changing a bit, load_checkpoint takes the newer kind, a damaged shard is
 fallback, and a new run moves an old run's sharded checkpoints aside. (Written by 2 ranks: test_fsdp.py.)"""
 import dataclasses
 import errno
+import json
 import os
 import signal
 import subprocess
@@ -15,6 +16,7 @@ import torch
 from denoised_gpt.checkpoint import (CheckpointError, checkpoint_path, load_checkpoint, optimizer_param_names,
                                      save_checkpoint)
 from denoised_gpt.run_dir import clear_for_new_run
+from denoised_gpt import sharded_checkpoint
 from denoised_gpt.sharded_checkpoint import checkpoint_as_sharded, load_sharded_state, newest_sharded, save_sharded
 from helpers import ROOT, TINY, VOCAB, make_dataset, run_script_in_process, subprocess_env, tiny_gpt
 
@@ -79,8 +81,8 @@ def test_convert_to_sharded_and_back_changes_nothing_and_the_newer_kind_is_read(
 
 
 KILL_POINTS = {
-    # after every shard is written, while train_state.pt is being written
-    'shards written': "torch.save = die",
+    # after every rank's file is written, while checkpoint.json is being written
+    'shards written': "sharded_checkpoint._write_index = die",
     # after the folder got its final name, before ckpt.sharded points at it
     'folder renamed': "sharded_checkpoint._write_pointer = die",
 }
@@ -115,7 +117,7 @@ sharded_checkpoint.save_sharded(*sharded_checkpoint.checkpoint_as_sharded(load_c
 def test_a_damaged_shard_is_reported_with_the_previous_checkpoint(tmp_path):
     for it in (1, 2):
         save_sharded(*checkpoint_as_sharded(trained_checkpoint(tmp_path / f'src{it}', iter_num=it)), tmp_path / 'out')
-    shard = tmp_path / 'out' / 'ckpt.sharded-0000002' / '__0_0.distcp'
+    shard = tmp_path / 'out' / 'ckpt.sharded-0000002' / 'rank-00000.safetensors'
     shard.write_bytes(shard.read_bytes()[:100])  # a copy cut short
     with pytest.raises(CheckpointError) as e:
         load_checkpoint(tmp_path / 'out')
@@ -150,7 +152,7 @@ def test_a_failed_write_says_so_in_one_line_and_keeps_the_previous(tmp_path, mon
 
     def disk_full(*args, **kwargs):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-    monkeypatch.setattr(torch, 'save', disk_full)  # train_state.pt, after every shard was written
+    monkeypatch.setattr(sharded_checkpoint, '_write_safetensors', disk_full)
     with pytest.raises(CheckpointError) as e:
         save_sharded(*second, tmp_path / 'out')
     monkeypatch.undo()
@@ -170,10 +172,14 @@ def test_a_checkpoint_that_does_not_fit_its_own_model_args_is_one_line(tmp_path,
         save_sharded(*checkpoint_as_sharded(load_checkpoint(out)), out)
         os.remove(out / 'ckpt.pt')
     path = newest_sharded(out) if kind == 'sharded' else str(out / 'ckpt.pt')
-    file = os.path.join(path, 'train_state.pt') if kind == 'sharded' else path
-    state = torch.load(file, weights_only=True)
-    state['model_args']['vocab_size'] = 64
-    torch.save(state, file)
+    if kind == 'sharded':
+        index = json.loads((out / path / 'checkpoint.json').read_text())
+        index['train_state']['model_args']['vocab_size'] = 64
+        (out / path / 'checkpoint.json').write_text(json.dumps(index))
+    else:
+        state = torch.load(path, weights_only=True)
+        state['model_args']['vocab_size'] = 64
+        torch.save(state, path)
     proc = run_script_in_process('train.py', [TINY, '--init_from=resume', f'--out_dir={out}',
                                               f'--dataset={make_dataset(tmp_path)}', '--device=cpu'])
     assert proc.returncode == 2 and proc.stderr.splitlines() == [
