@@ -29,7 +29,7 @@ import os
 from denoised_gpt.checkpoint import CheckpointError, checkpoint_path, load_checkpoint
 from denoised_gpt.cli import fail, log, read_config
 from denoised_gpt.extras import require as require_extra
-from denoised_gpt.files import write_problem
+from denoised_gpt.files import lock_folder, write_problem
 from denoised_gpt.hf_format import check_hf_dir, export
 from denoised_gpt.weights import refuse_nonfinite_state
 
@@ -49,8 +49,12 @@ if dataset and not os.path.isdir(os.path.join('data', dataset)):
     fail(f"dataset={dataset!r}: no folder {os.path.join('data', dataset)}; pass the data folder the model was "
          f"trained on (a name under data/, or a path), or leave dataset out to use the checkpoint's")
 try:
-    for module in ('transformers', 'safetensors'):
-        require_extra(module, "export_hf.py")
+    require_extra('transformers', "export_hf.py")
+    # one export at a time into a folder (a folder that is not there yet: its creation is one rename, and only
+    # one rename can make it)
+    hf_lock = lock_folder(hf_dir, f"hf_dir={hf_dir!r} is in use by another export_hf.py: one export writes to a "
+                                  f"folder at a time. Wait for it to finish, or choose another --hf_dir"
+                          ) if os.path.isdir(hf_dir) else None
     check_hf_dir(hf_dir, overwrite)  # before the checkpoint is read
     checkpoint = load_checkpoint(out_dir, map_location='cpu', model_only=True)
     refuse_nonfinite_state(checkpoint, checkpoint_path(out_dir), weights_only=True)

@@ -5,6 +5,7 @@ the cause and the fix (never a traceback), and so that a failed write loses noth
 - write_problem: what an OSError on a write means to the user, told apart by errno (a full disk, a read-only
   file system, no permission): the package's one wording of them.
 - write_atomically: a file written whole or not at all, the previous one intact on failure.
+- lock_folder: one writer per folder, for folders that must hold nothing but their own files.
 - open_regular, require_regular_file, read_json, parse_json, read_text: what a user may hand over (meta.json, an export's
   config.json and training_run.json, a run's metrics.jsonl, a prompts file) read without hanging on a FIFO,
   reading a device for ever, holding an unbounded file in memory, or a RecursionError from JSON nested deeper
@@ -112,6 +113,37 @@ def read_at_most(path, max_bytes, fix):
     with open_regular(path, fix) as f:
         data = f.read(max_bytes + 1)
     return data if len(data) <= max_bytes else None
+
+
+def lock_folder(path, busy):
+    """An exclusive lock on the existing folder at path, held by this process until the returned FolderLock is
+    closed (or dropped) or the process ends (flock on the folder itself: nothing is written into it, nothing
+    left behind). FileError `busy` when another process holds it. None where the system has no flock."""
+    try:
+        import fcntl
+    except ImportError:
+        return None
+    fd = os.open(path, os.O_RDONLY | getattr(os, 'O_DIRECTORY', 0))
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        os.close(fd)
+        raise FileError(busy) from e
+    return FolderLock(fd)
+
+
+class FolderLock:
+    """lock_folder's open descriptor of the folder: closing it (or dropping the last reference) ends the lock."""
+
+    def __init__(self, fd):
+        self.fd = fd
+
+    def close(self):
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+    __del__ = close
 
 
 def parse_json(text):

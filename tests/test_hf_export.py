@@ -11,6 +11,7 @@ export never half-writes or overwrites what it should not, and bad input fails i
 import json
 import os
 import re
+import subprocess
 import sys
 
 import numpy as np
@@ -22,9 +23,9 @@ import gpt2_bpe
 from denoised_gpt.checkpoint import load_checkpoint
 from denoised_gpt.evaluation import final_hidden_states
 from denoised_gpt.hf_format import export, write_tokenizer
-from helpers import (NO_AUTOCAST, TINY, VOCAB, hf_lm, local_mc_task, make_dataset, on_small_disk,
+from helpers import (NO_AUTOCAST, ROOT, TINY, VOCAB, hf_lm, local_mc_task, make_dataset, on_small_disk,
                      per_doc_loglikelihoods, run_script_in_process, save_model_checkpoint, small_disk_available,
-                     tiny_checkpoint, tiny_gpt)
+                     subprocess_env, tiny_checkpoint, tiny_gpt)
 from model import ATTENTION_TYPES, GPT, GPTConfig
 
 # one xdist worker runs this whole file, so its module-scoped fixtures are built once (-n 2 --dist loadfile)
@@ -338,6 +339,26 @@ def test_refused_overwrite_leaves_the_folder_untouched_and_a_failed_export_leave
     with pytest.raises(OSError):
         export(load_checkpoint(out_dir), str(tmp_path / 'half'))
     assert sorted(p.name for p in tmp_path.iterdir()) == ['hf', 'notes', 'theirs']  # no hf_dir, no temporary folder
+
+
+def test_an_export_into_a_folder_another_export_is_writing_is_refused_and_changes_nothing(exported, tmp_path):
+    """One writer per folder: while another process holds hf_dir (an export in progress), an export there with
+    --overwrite is refused in one line; the lock is on the folder itself, so it leaves no file there."""
+    _, out_dir, folder, _ = exported['base']
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    holder = subprocess.Popen([sys.executable, '-c', 'import sys; from denoised_gpt.files import lock_folder; '
+                               f'lock = lock_folder({str(folder)!r}, "busy"); print("held", flush=True); '
+                               'sys.stdin.read()'], cwd=ROOT, env=subprocess_env(), stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == 'held'
+        proc = run_script_in_process('export_hf.py', [f'--out_dir={out_dir}', f'--hf_dir={folder}', '--overwrite=True'])
+    finally:
+        holder.communicate('')
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        f"export_hf.py: error: hf_dir='{folder}' is in use by another export_hf.py: one export writes to a folder "
+        f"at a time. Wait for it to finish, or choose another --hf_dir"], proc.stderr
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
 
 
 def test_a_bad_out_dir_fails_in_one_line(tmp_path):
