@@ -25,6 +25,7 @@ import ast
 import difflib
 import io
 import os
+import stat
 import sys
 import tokenize
 import types
@@ -78,6 +79,7 @@ def answer_help(script):
         sys.exit(2)
 
 
+MAX_CONFIG_BYTES = 1 << 20  # a config file is a few kilobytes: a larger one is not a config file
 MIN_TORCH = (2, 6)  # requirements.txt's bound: the oldest release with everything used here
 
 
@@ -167,8 +169,7 @@ def _read_config_file(path):
         hint = (" (overrides need two dashes: --key=value)" if '=' in path
                 else f" (did you mean {os.path.join(os.path.dirname(path), close[0])}?)" if close else "")
         raise ConfigError(f"config file {path} not found{hint}")
-    with open(path) as f:
-        source = f.read()
+    source = _config_source(path)
     namespace = {}
     try:
         exec(compile(source, path, 'exec'), namespace)
@@ -185,6 +186,26 @@ def _read_config_file(path):
                               f"hold plain assignments of values (no imports, functions or classes)")
         values[key] = value
     return values
+
+
+def _config_source(path):
+    """The text of the config file at path, read as the regular file it is when opened (a FIFO put there after
+    the checks above is refused, not waited on), at most MAX_CONFIG_BYTES, UTF-8."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, 'O_NONBLOCK', 0))
+    with open(fd, 'rb') as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ConfigError(f"config file {path} is not a regular file: give a config file such as "
+                              f"config/train_shakespeare_char.py")
+        data = f.read(MAX_CONFIG_BYTES + 1)
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"config file {path} is larger than {MAX_CONFIG_BYTES >> 20} MiB, which no config file is "
+                          f"(they are a few lines of assignments): give a config file such as "
+                          f"config/train_shakespeare_char.py")
+    try:
+        return data.decode('utf-8')
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {path} is not UTF-8 text (byte {e.start}): give a config file such as "
+                          f"config/train_shakespeare_char.py") from None
 
 
 def _traceback_line(exc, path):

@@ -28,9 +28,8 @@ from denoised_gpt.weights import refuse_nonfinite_state
 # -----------------------------------------------------------------------------
 out_dir = 'out'  # the run directory
 to = 'file'  # 'file': its newest sharded checkpoint -> out_dir/ckpt.pt; 'sharded': out_dir/ckpt.pt -> a sharded one
-# read a sharded checkpoint of the earlier format (torch.distributed.checkpoint's pickled .metadata) with DCP's own
-# reader, which unpickles it and so can run code: only for a folder you trust
-trust_old_format = False
+# the earlier sharded format (DCP's pickled .metadata) is read with DCP's own reader, which can run code:
+trust_old_format = False  # read a sharded checkpoint of the earlier format: only for a folder you trust
 # -----------------------------------------------------------------------------
 config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str))]
 

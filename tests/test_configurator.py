@@ -114,6 +114,13 @@ def test_malformed_arguments_and_files(tmp_path):
         apply_config([str(tmp_path / 'fifo.py')], DEFAULTS)
     with pytest.raises(ConfigError, match="need two dashes"):
         apply_config(['batch_size=3'], DEFAULTS)
+    # read whole and executed: a huge file (a 6 GB line, /dev/zero copied) or one not UTF-8 is named, not read on
+    (tmp_path / 'huge.py').write_bytes(b'#' * (2 << 20))
+    with pytest.raises(ConfigError, match=r"huge.py is larger than 1 MiB, which no config file is"):
+        apply_config([str(tmp_path / 'huge.py')], DEFAULTS)
+    (tmp_path / 'latin1.py').write_bytes("batch_size = 4  # réglé\n".encode('latin-1'))
+    with pytest.raises(ConfigError, match=r"latin1.py is not UTF-8 text \(byte 19\)"):
+        apply_config([str(tmp_path / 'latin1.py')], DEFAULTS)
     cfg = write(tmp_path, "batch_size = 4\nn_layer = (\n")
     with pytest.raises(ConfigError, match=f"{cfg}, line 2"):
         apply_config([cfg], DEFAULTS)
