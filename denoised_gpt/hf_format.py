@@ -102,6 +102,25 @@ def gpt2_incompatibility(config):
     return None
 
 
+def exported_code_problem(config):
+    """Why the copy of model.py that an export of this model (a GPTConfig) carries could not build it, or None: its
+    attn_type must be registered in model.py's own ATTENTION_TYPES, to a class defined there."""
+    import ast
+
+    import model as model_module
+    cls = model_module.ATTENTION_TYPES[config.attn_type]
+    with open(model_module.__file__) as f:
+        tree = ast.parse(f.read())
+    registries = [node.value for node in tree.body if isinstance(node, ast.Assign) and isinstance(node.value, ast.Dict)
+                  and any(getattr(t, 'id', None) == 'ATTENTION_TYPES' for t in node.targets)]
+    written = {ast.literal_eval(k): getattr(v, 'id', None) for r in registries for k, v in zip(r.keys, r.values)}
+    if written.get(config.attn_type) == cls.__name__ and cls.__module__ == model_module.__name__:
+        return None
+    return (f"attn_type={config.attn_type!r} ({cls.__module__}.{cls.__qualname__}) is not registered in model.py's "
+            f"ATTENTION_TYPES, and an exported folder runs a copy of model.py: define the class and its registry "
+            f"line in model.py to export it")
+
+
 def export(checkpoint, hf_dir, data_dir=None, overwrite=False):
     """Write `checkpoint` (load_checkpoint's dict) to hf_dir in the Hugging Face format; data_dir: the
     dataset folder whose metadata says what the token ids mean (None: unknown). The files are written
@@ -119,6 +138,10 @@ def export(checkpoint, hf_dir, data_dir=None, overwrite=False):
         model = model_with_weights(GPTConfig(**checkpoint['model_args']), checkpoint['model']).eval()
     except (TypeError, ValueError, RuntimeError) as e:
         raise ValueError(f"the checkpoint does not build a model: {e}") from e
+    incompatibility = gpt2_incompatibility(model.config)
+    problem = incompatibility and exported_code_problem(model.config)  # a GPT-2 folder needs no model.py
+    if problem:
+        raise ValueError(problem)
     vocabulary, itos, why_not = dataset_vocabulary(data_dir, model.config.vocab_size)
 
     notes = []
@@ -127,7 +150,6 @@ def export(checkpoint, hf_dir, data_dir=None, overwrite=False):
     os.makedirs(tmp)
     try:
         end_of_text = GPT2_EOT if vocabulary == 'gpt2' else None
-        incompatibility = gpt2_incompatibility(model.config)
         if incompatibility is None:
             write_gpt2_model(model, tmp, end_of_text)
             notes.append("format: transformers GPT2LMHeadModel (loads without remote code)")

@@ -12,8 +12,8 @@ and NCCL's buffers; `usable_fraction` of each device is planned for, the rest le
 """
 import torch
 
-from model import (ATTENTION_TYPES, GPT, NOISE_GRADIENT_ROWS, CausalSelfAttention, DiffAttention, DintAttention,
-                   GPTConfig, LinearAttention, LowRankDintAttention, NoiseFormerAttention, SymmetricAttention)
+from model import (ATTENTION_TYPES, GPT, NOISE_GRADIENT_ROWS, DiffAttention, DintAttention, GPTConfig, LinearAttention,
+                   LowRankDintAttention, NoiseFormerAttention)
 
 GPT2_SIZES = {'gpt2': (12, 12, 768), 'gpt2-medium': (24, 16, 1024), 'gpt2-large': (36, 20, 1280),
               'gpt2-xl': (48, 25, 1600)}  # name: (n_layer, n_head, n_embd)
@@ -29,19 +29,19 @@ LOSS_CHUNK = 32  # rows of float32 log-probabilities lm_head_cross_entropy holds
 # MLP's (bytes per token). C = n_embd, H = n_head, T = block_size; SDPA keeps q, k, v, its output and a float32
 # logsumexp per head and query. Written next to what the forward does (model.py), in its order.
 
-def _causal(c):  # base: q, k (qk_head_size wide), v; the output is c_proj's input (counted with the block)
-    return A * (2 * _qk_width(c) + c.n_embd) + F * c.n_head, 0
-
-
-def _symmetric(c):  # q (= k) and v
-    return A * (_qk_width(c) + c.n_embd) + F * c.n_head, 0
+def _softmax_of_scores(c):  # the default of a class whose forward is causal_attention over its score_inputs (base,
+    # symmetric): c_attn's projections (q and k qk_head_size wide, one tensor for both when K := Q, v n_embd wide)
+    # and the logsumexp; the SDPA output is c_proj's input, counted with the block
+    cls = ATTENTION_TYPES[c.attn_type]
+    qk, others = cls.qk_projections, cls.c_attn_projections - cls.qk_projections
+    return A * (qk * _qk_width(c) + others * c.n_embd) + F * c.n_head, 0
 
 
 def _noiseformer(c):  # symmetric, plus the noise eps and the mask sigma * eps, (1 or B, heads, T, T) each
-    noise = 2 * A * (1 if c.attn_type == 'noiseformer_v1' else c.n_head) * c.block_size
+    noise = 2 * A * (ATTENTION_TYPES[c.attn_type].noise_heads or c.n_head) * c.block_size
     if c.noise_per_sample:
-        return _symmetric(c)[0] + noise, 0
-    return _symmetric(c)[0], noise * c.block_size
+        return _softmax_of_scores(c)[0] + noise, 0
+    return _softmax_of_scores(c)[0], noise * c.block_size
 
 
 def _noiseformer_backward(c):  # NoiseScoreGradient: float32 scores and weights of NOISE_GRADIENT_ROWS
@@ -70,9 +70,7 @@ def _linear(c):  # q, k, v; under autocast each matmul of the chunked form keeps
     return A * (3 * C + 8 * C + H * chunk + C * d / chunk + C / chunk + H), 0
 
 
-ATTENTION_ACTIVATIONS = {
-    CausalSelfAttention: _causal,
-    SymmetricAttention: _symmetric,
+ATTENTION_ACTIVATIONS = {  # base and symmetric: _softmax_of_scores, the default
     NoiseFormerAttention: _noiseformer,
     DiffAttention: _two_branch,
     DintAttention: _two_branch,  # the integral term costs one more float32 tensor in place of O2: the same
@@ -87,17 +85,23 @@ def _qk_width(c):
 
 
 def _closest(table, config):
-    """table's entry for the config's attention class or its nearest base class (v1 / v2: NoiseFormer's)."""
-    return next((table[cls] for cls in ATTENTION_TYPES[config.attn_type].__mro__ if cls in table), None)
+    """table's entry for the config's attention class, or for the nearest base class whose forward it runs
+    unchanged (v1 / v2: NoiseFormer's). A class that rewrites forward gets none of its base classes' entries."""
+    cls = ATTENTION_TYPES[config.attn_type]
+    forward_owner = next(c for c in cls.__mro__ if 'forward' in vars(c))
+    return next((table[c] for c in cls.__mro__ if c in table and issubclass(c, forward_owner)), None)
 
 
 def attention_activations(config):
     """(bytes per token, bytes per layer and batch) one attention layer keeps for the backward."""
+    cls = ATTENTION_TYPES[config.attn_type]
     formula = _closest(ATTENTION_ACTIVATIONS, config)
+    if formula is None and cls.softmax_of_scores():
+        formula = _softmax_of_scores
     if formula is None:
-        raise ValueError(f"no activation formula for {ATTENTION_TYPES[config.attn_type].__name__}: add one to "
-                         f"ATTENTION_ACTIVATIONS in denoised_gpt/memory_plan.py (what its forward keeps for the "
-                         f"backward)")
+        raise ValueError(f"no activation formula for {cls.__name__}: add one to ATTENTION_ACTIVATIONS in "
+                         f"denoised_gpt/memory_plan.py (what its forward keeps for the backward), or give it "
+                         f"score_inputs if its forward is causal_attention over them")
     return formula(config)
 
 

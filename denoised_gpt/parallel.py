@@ -27,7 +27,6 @@ import torch
 import torch.distributed as dist
 
 from denoised_gpt.device import device_type, torch_dtype
-from model import NoiseFormerAttention
 
 PARALLEL = ('ddp', 'fsdp')
 
@@ -76,15 +75,21 @@ def shard_model(model, device, dtype):
     return model
 
 
+def kl_layers(model):
+    """The attention modules of a GPT that add a KL term to the loss: those whose kl_parameters name any."""
+    return [block.attn for block in model.transformer.h if block.attn.kl_parameters()]
+
+
 def sharded_kl(model):
     """model.kl_divergence() for a sharded model, called after its forward (as train.py does): each
-    noise layer's KL from this rank's shards of mu and sigma (DTensor arithmetic, in float32 whatever
-    the policy), summed over the ranks. Its gradient goes straight to this rank's shards, where FSDP
-    adds the reduce-scattered cross-entropy gradient. (Computed inside a block's forward instead, the
-    KL's backward would read the gathered weights, freed again after that forward.)"""
-    layers = [m for m in model.modules() if isinstance(m, NoiseFormerAttention)]
+    layer's KL term from this rank's shards of the parameters it reads (NoiseFormer's mu and sigma;
+    DTensor arithmetic, in float32 whatever the policy), summed over the ranks. Its gradient goes
+    straight to this rank's shards, where FSDP adds the reduce-scattered cross-entropy gradient.
+    (Computed inside a block's forward instead, the KL's backward would read the gathered weights,
+    freed again after that forward.)"""
+    layers = kl_layers(model)
     for layer in layers:
-        for p in layer.parameters(recurse=False):  # mu, sigma / logvar
+        for p in layer.kl_parameters():
             # DTensor may return a shard's gradient replicated (an uneven split, e.g. noiseformer_v1's one mu
             # over two ranks); FSDP adds its reduce-scattered gradient to a shard-shaped one
             p.register_hook(lambda grad, p=p: grad.redistribute(p.device_mesh, p.placements))

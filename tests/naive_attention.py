@@ -7,7 +7,8 @@ gives the module's output after `c_proj` from them (dropout taken to be 0), shap
 attention's output is built from explicit running sums instead, independently of its map. Both read
 the weights of an attention module (`model.transformer.h[i].attn`) by their contract names, cast
 everything to float64 and build the full T x T matrices with explicit loops or plain tensor ops: no
-SDPA, no chunking, no cumsum.
+SDPA, no chunking, no cumsum. NAIVE and NAIVE_MAPS find them by these names for every attn_type
+model.py registers.
 
 Extra keyword arguments, passed by the tests from the config rather than read from the module:
 - `layer_index` (diff, dint, dint_lowrank): lambda_init = 0.8 - 0.6 * exp(-0.3 * layer_index).
@@ -17,6 +18,7 @@ Extra keyword arguments, passed by the tests from the config rather than read fr
 """
 import functools
 import math
+from collections.abc import Mapping
 
 import torch
 
@@ -230,6 +232,7 @@ def _differential_output(variant_map):
 naive_base = _softmax_output(base_map)
 naive_symmetric = _softmax_output(symmetric_map)
 naive_noiseformer = naive_noiseformer_v1 = naive_noiseformer_v2 = _softmax_output(noiseformer_map)
+noiseformer_v1_map = noiseformer_v2_map = noiseformer_map
 naive_diff = _differential_output(diff_map)
 naive_dint = _differential_output(dint_map)
 naive_dint_lowrank = _differential_output(dint_lowrank_map)
@@ -257,28 +260,37 @@ def naive_linear(attn, x, eps=None):
     return _linear(attn.c_proj, _merge(out))
 
 
-NAIVE = {
-    "base": naive_base,
-    "symmetric": naive_symmetric,
-    "noiseformer_v1": naive_noiseformer_v1,
-    "noiseformer_v2": naive_noiseformer_v2,
-    "diff": naive_diff,
-    "dint": naive_dint,
-    "dint_lowrank": naive_dint_lowrank,
-    "linear": naive_linear,
-}
+class MissingReference(KeyError):
+    def __str__(self):  # KeyError's own quotes its message
+        return self.args[0]
 
+
+class References(Mapping):
+    """attn_type -> its reference in this module, named `pattern` with the attn_type filled in, for every variant
+    model.py registers (ATTENTION_TYPES, read at each use): a new variant is checked as soon as it is registered,
+    and one without a reference is a one-line MissingReference naming the function to write."""
+
+    def __init__(self, pattern, what):
+        self.pattern, self.what = pattern, what
+
+    def __getitem__(self, attn_type):
+        name = self.pattern.format(attn_type)
+        if not callable(globals().get(name)):
+            raise MissingReference(f"no float64 reference for attn_type={attn_type!r}: write {name}(attn, x, "
+                                   f"eps=None) ({self.what}) in tests/naive_attention.py")
+        return globals()[name]
+
+    def __iter__(self):
+        from model import ATTENTION_TYPES  # the registry's names only: the references never run model.py's code
+        return iter(list(ATTENTION_TYPES))
+
+    def __len__(self):
+        return len(list(iter(self)))
+
+
+NAIVE = References("naive_{}", "the module's output after c_proj")
 # attn_type -> (its effective map, V): the matrix that multiplies the values, per head
-NAIVE_MAPS = {
-    "base": base_map,
-    "symmetric": symmetric_map,
-    "noiseformer_v1": noiseformer_map,
-    "noiseformer_v2": noiseformer_map,
-    "diff": diff_map,
-    "dint": dint_map,
-    "dint_lowrank": dint_lowrank_map,
-    "linear": linear_map,
-}
+NAIVE_MAPS = References("{}_map", "its effective map and V")
 
 
 # ----------------------------------------------------------------------------- where attention goes

@@ -13,15 +13,14 @@ SIZE = dict(n_layer=3, n_head=4, n_embd=64, block_size=128, vocab_size=256, bias
 BATCH = 4
 
 
-@pytest.mark.parametrize('checkpointing', [False, True], ids=['plain', 'checkpointed'])
-@pytest.mark.parametrize('attn_type', list(ATTENTION_TYPES))
-def test_activation_estimate_within_15_percent_of_the_measured_peak(attn_type, checkpointing):
-    config = GPTConfig(**SIZE, attn_type=attn_type)
+def estimate_and_measured_peak(config, checkpointing):
+    """(activation_bytes' estimate, torch.profiler's tensor peak) of train.py's micro-step on CPU for GPT(config) at
+    BATCH; the peak is None where this torch's profiler has no allocation trace."""
     torch.manual_seed(0)
     model = GPT(config).train()
     model.activation_checkpointing = checkpointing
     g = torch.Generator().manual_seed(0)
-    x, y = (torch.randint(SIZE['vocab_size'], (BATCH, SIZE['block_size']), generator=g) for _ in range(2))
+    x, y = (torch.randint(config.vocab_size, (BATCH, config.block_size), generator=g) for _ in range(2))
 
     def step():  # train.py's micro-step on CPU: bf16 autocast, the fused loss, backward outside autocast
         torch.manual_seed(1)
@@ -32,9 +31,15 @@ def test_activation_estimate_within_15_percent_of_the_measured_peak(attn_type, c
 
     step()  # the gradients exist from now on: static memory, like the weights (and AdamW's state)
     measured = cpu_tensor_peak(step)
+    return activation_bytes(config, BATCH, checkpointing, matmul_weight_count(model), fused_loss=True), measured
+
+
+@pytest.mark.parametrize('checkpointing', [False, True], ids=['plain', 'checkpointed'])
+@pytest.mark.parametrize('attn_type', list(ATTENTION_TYPES))
+def test_activation_estimate_within_15_percent_of_the_measured_peak(attn_type, checkpointing):
+    estimate, measured = estimate_and_measured_peak(GPTConfig(**SIZE, attn_type=attn_type), checkpointing)
     if measured is None:
         pytest.skip("this torch's profiler has no allocation trace")
-    estimate = activation_bytes(config, BATCH, checkpointing, matmul_weight_count(model), fused_loss=True)
     assert 0.85 < estimate / measured < 1.15, (estimate, measured, estimate / measured)
 
 

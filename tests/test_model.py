@@ -15,14 +15,15 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from model import GPT, GPTConfig, KVCache, causal_randn
-from naive_attention import NAIVE, diff_lambda, lambda_init_for, noise_mu_sigma
+from model import (ATTENTION_TYPES, GPT, GPTConfig, KVCache, NoiseFormerAttention, TwoBranchAttention,
+                   causal_randn)
+from naive_attention import NAIVE, NAIVE_MAPS, diff_lambda, lambda_init_for, noise_mu_sigma
 
 F64 = torch.float64
-VARIANTS = ["base", "symmetric", "noiseformer_v1", "noiseformer_v2", "diff", "dint",
-            "dint_lowrank", "linear"]
-NOISE = ["noiseformer_v1", "noiseformer_v2"]
-DIFFERENTIAL = ["diff", "dint", "dint_lowrank"]
+VARIANTS = list(ATTENTION_TYPES)  # every registered variant, each checked against its float64 reference
+NOISE = [v for v in VARIANTS if issubclass(ATTENTION_TYPES[v], NoiseFormerAttention)]
+DIFFERENTIAL = [v for v in VARIANTS if issubclass(ATTENTION_TYPES[v], TwoBranchAttention)]
+SDPA_VARIANTS = [v for v in VARIANTS if v != "linear"]  # linear attention calls no SDPA
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -106,6 +107,14 @@ def naive_kwargs(attn_type, layer_index, config):
 
 
 # ----------------------------------------------------------------------------- the references
+
+def test_every_registered_variant_has_its_float64_references():
+    # the groups the tests below run over, derived from the classes: none may come out empty
+    assert NOISE == ["noiseformer_v1", "noiseformer_v2"] and DIFFERENTIAL == ["diff", "dint", "dint_lowrank"]
+    for attn_type in VARIANTS:
+        assert callable(NAIVE[attn_type]) and callable(NAIVE_MAPS[attn_type]), attn_type
+    assert list(NAIVE) == list(NAIVE_MAPS) == VARIANTS
+
 
 def test_naive_base_reference_matches_sdpa():
     """The reference itself is checked once against torch's SDPA, so a wrong reference cannot
@@ -880,7 +889,7 @@ def sdpa_kernels(fn):
             if "scaled_dot_product" in e.key and e.key != "aten::scaled_dot_product_attention"}
 
 
-@pytest.mark.parametrize("attn_type", VARIANTS[:-1])   # linear has no softmax attention
+@pytest.mark.parametrize("attn_type", SDPA_VARIANTS)
 def test_training_step_never_takes_sdpa_math_path(attn_type):
     """The math path builds and keeps the (B, H, T, T) scores: 2.4-3.4x base's step at block 1024
     on CPU. DIFF/DINT's 2d-wide values and NoiseFormer's differentiable noise mask both sent
