@@ -15,7 +15,8 @@ from denoised_gpt.checkpoint import load_checkpoint
 import model as model_module
 from model import KVCache, causal_attention, causal_randn
 from naive_attention import NAIVE
-from test_model import DIFFERENTIAL, NOISE, VARIANTS, make_model, naive_kwargs, noise_shape, rel_err, sdpa_kernels
+from test_model import (DIFFERENTIAL, NOISE, SDPA_VARIANTS, VARIANTS, make_model, naive_kwargs, noise_shape, rel_err,
+                        sdpa_kernels)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 F64 = torch.float64
@@ -153,7 +154,7 @@ def test_fused_loss_on_cuda_waits_for_nothing():
         torch.cuda.set_sync_debug_mode(0)
 
 
-@pytest.mark.parametrize("attn_type", VARIANTS[:-1])   # linear has no softmax attention
+@pytest.mark.parametrize("attn_type", SDPA_VARIANTS)
 def test_bf16_training_step_on_cuda_takes_a_fused_kernel(attn_type):
     """Which SDPA kernel each variant's bf16 training step gets on this GPU: flash or memory-
     efficient, never the math path that keeps the (B, H, T, T) scores, nor cuDNN (see model.sdpa)."""
@@ -224,7 +225,7 @@ def test_float16_training_on_cuda_learns_with_the_grad_scaler(tmp_path, attn_typ
     assert losses[19] < losses[0] - 0.3, losses
 
 
-@pytest.mark.parametrize("attn_type", VARIANTS[:-1])   # linear has no softmax attention
+@pytest.mark.parametrize("attn_type", SDPA_VARIANTS)
 def test_generation_on_cuda_avoids_cudnn_attention(attn_type):
     """cuDNN's attention builds a plan per sequence length and decoding makes a new length every token
     (GPT-2 small on an H200: ~49 ms per token): generation runs flash / memory-efficient kernels,
