@@ -10,7 +10,9 @@ $ python bench.py --plan=True --attn_types=base,noiseformer_v2   # memory per GP
 
 Size: GPT-2 small at batch 12, block 1024 (nanoGPT's bench.py) on CUDA and Gaudi; on CPU and MPS,
 where that takes minutes per step, a 4-layer 256-wide model at batch 8, block 256. A size key given
-on the command line or in a config file always wins; the first line printed says which size ran.
+on the command line or in a config file always wins; the first line printed says which size ran. A size
+whose training step cannot fit the device (at least: weights, gradients and AdamW state, each block's
+input, the batch) is refused before anything is allocated, in one line naming the setting and the memory.
 
 For each attn_type: build the model (same seed), run warmup_iters training steps, then time
 bench_iters steps one at a time (the device synchronised around each) and report the median:
@@ -37,6 +39,7 @@ from configurator import answer_help
 
 answer_help(__file__)  # --help before the heavy imports below
 
+import builtins
 import contextlib
 import ctypes
 import dataclasses
@@ -51,11 +54,12 @@ import time
 
 import torch
 
-from denoised_gpt.cli import check_attn_types, check_ranges, fail, read_config
+from denoised_gpt.cli import check_attn_types, check_ranges, fail, print_result, read_config, refused_allocation
 from denoised_gpt.device import (autocast_context, compile_model, cpu_tensor_peak, device_name, device_type,
                     fused_optimizer, grad_scaler, manual_seed, mark_step, max_memory_allocated, peak_flops,
                     resolve_compile, resolve_device, resolve_dtype, setup, spec_sheet_tflops,
                     synchronize)
+from denoised_gpt.files import FileError, write_atomically
 from model import ATTENTION_TYPES, GPT, GPTConfig
 
 # -----------------------------------------------------------------------------
@@ -106,8 +110,105 @@ SIZE_KEYS = ('batch_size', 'block_size', 'n_layer', 'n_head', 'n_embd')
 SMALL_DEVICE_SIZE = dict(batch_size=8, block_size=256, n_layer=4, n_head=4, n_embd=256)
 
 
+DEFAULTS = {k: globals()[k] for k in config_keys}  # before any config file or override
 given = set()  # the keys a config file or --key=value set
 globals().update(read_config(__file__, {k: globals()[k] for k in config_keys}, given))
+
+
+def print(*args, **kwargs):
+    """The builtin print, flushed at once: a stdout that cannot take the results (a full disk, a closed pipe)
+    ends the script in one line (cli.print_result's), not a traceback now or at exit."""
+    try:
+        builtins.print(*args, **{**kwargs, 'flush': True})
+    except OSError:
+        print_result('')  # fails again on the same stdout, and says where and why in one line
+
+
+def human_bytes(n):
+    """n bytes in binary units, e.g. '1.5 GiB', '6.4 PiB'."""
+    for unit in ('B', 'KiB', 'MiB', 'GiB', 'TiB', 'PiB'):
+        if n < 1024 or unit == 'PiB':
+            return f"{n:,.0f} {unit}" if unit == 'B' else f"{n:,.1f} {unit}"
+        n /= 1024
+
+
+def least_parameters(s):
+    """A lower bound of the parameters at the sizes s (n_layer, n_embd, block_size, vocab_size), whatever the
+    attn_type, from arithmetic alone (building a model of 10^11 layers, even on the meta device, never ends):
+    the embeddings, the MLPs (8 C^2 a layer) and the smallest attention (symmetric's 3 C^2)."""
+    return (s['vocab_size'] + s['block_size']) * s['n_embd'] + s['n_layer'] * 11 * s['n_embd'] ** 2
+
+
+def least_step_bytes(s):
+    """A lower bound of one training step's memory at the sizes s (least_parameters' and batch_size): float32
+    weights, gradients and AdamW's two moments (16 bytes a parameter), each block's float32 input kept for the
+    backward, and the batch's int64 inputs and targets."""
+    tokens = s['batch_size'] * s['block_size']
+    return 16 * least_parameters(s) + 4 * s['n_layer'] * tokens * s['n_embd'] + 16 * tokens
+
+
+def machine_memory(device):
+    """Bytes of memory the device has: a CUDA GPU's own, else this machine's RAM (the CPU's, MPS's unified
+    memory); None where it is not known (Gaudi)."""
+    if device_type(device) == 'cuda':
+        return torch.cuda.get_device_properties(torch.device(device)).total_memory
+    if device_type(device) in ('cpu', 'mps'):
+        with contextlib.suppress(ValueError, OSError, AttributeError):
+            return os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
+    return None
+
+
+def check_fits(sizes, need, room, where, fix, defaults=DEFAULTS):
+    """ValueError when need(sizes) bytes exceed room: one line naming the memory needed and the size setting
+    that, given above its default and put back there, lowers the need most (the culprit); `fix` ends the line,
+    with {} for the culprit's name."""
+    needed = need(sizes)
+    if room is None or needed <= room:
+        return
+    suspects = [k for k in sizes if k in given and sizes[k] > defaults[k]]
+    culprit = min(suspects, key=lambda k: need({**sizes, k: defaults[k]}), default=None)
+    at = ', '.join(f"{k}={v}" for k, v in sizes.items())
+    what = f"{culprit}={sizes[culprit]} is too large: " if culprit else ""
+    fix = fix.format(culprit) if culprit else fix.replace('a smaller {}', 'smaller sizes')
+    raise ValueError(f"{what}{where} at {at} would need at least {human_bytes(needed)}, more than the "
+                     f"{human_bytes(room)} {fix}")
+
+
+@contextlib.contextmanager
+def refused_memory(what):
+    """The allocator's refusal (cli.refused_allocation) inside the block: one line naming the sizes, exit 2."""
+    try:
+        yield
+    except (MemoryError, RuntimeError) as e:
+        if refused_allocation(e) is None:
+            raise
+        sizes = ', '.join(f"{k}={globals()[k]}" for k in SIZE_KEYS + ('vocab_size',))
+        fail(f"cannot {what} at {sizes}: {refused_allocation(e)}; choose smaller sizes")
+
+
+def check_json_out():
+    """Exit 2 unless json_out names a file this run can write, asked now, not after the benchmark has run:
+    its folder exists, and it is not a folder itself."""
+    folder = os.path.dirname(os.path.abspath(json_out))
+    if os.path.isdir(json_out):
+        fail(f"json_out={json_out!r} is a folder; name a file in it, e.g. "
+             f"--json_out={os.path.join(json_out, 'bench.json')}")
+    if not os.path.isdir(folder):
+        fail(f"json_out={json_out!r}: its folder {folder} does not exist; create it or name a file in another folder")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        fail(f"json_out={json_out!r}: no permission to write in {folder}; name a file in a folder you can write in")
+
+
+def write_json_out(report):
+    """The results as JSON at json_out, written whole or not at all (files.write_atomically): a full disk
+    leaves the file there before intact and ends the script in one line (exit 1); the results are on stdout."""
+    try:
+        write_atomically(json_out, lambda f: json.dump(report, f, indent=2),
+                         then=", then run bench.py again (the results above are complete)")
+    except FileError as e:
+        builtins.print(f"bench.py: error: {e}", file=sys.stderr)
+        sys.exit(1)
+    print(f"\nwrote {json_out}")
 
 
 def model_config(attn_type):
@@ -124,7 +225,7 @@ except ValueError as e:
 variants = list(dict.fromkeys(variants))  # drop repeats, keep the order
 
 if plan:  # arithmetic on the model's shapes only: before any device is touched
-    from denoised_gpt.memory_plan import GPT2_SIZES, format_plan, plan as memory_plan
+    from denoised_gpt.memory_plan import DEVICE_GIB, GPT2_SIZES, format_plan, plan as memory_plan
     sizes = GPT2_SIZES
     if given & {'n_layer', 'n_head', 'n_embd'}:
         sizes = {f'{n_layer}/{n_embd}/{n_head}': (n_layer, n_head, n_embd)}
@@ -134,17 +235,25 @@ if plan:  # arithmetic on the model's shapes only: before any device is touched
                      at_least_one=('plan_world_size', 'block_size', 'vocab_size', 'plan_micro_steps'))
         if not 0 < plan_usable_fraction <= 1:
             raise ValueError(f"plan_usable_fraction={plan_usable_fraction} must be in (0, 1]")
+        # a size whose weights, gradients and AdamW state alone fill every planned device, sharded over all of
+        # them: its plan is all zeros, and building it (even on the meta device) may never end
+        largest = max(DEVICE_GIB) * 2 ** 30
+        for n_layer_, n_head_, n_embd_ in sizes.values():
+            check_fits(dict(n_layer=n_layer_, n_embd=n_embd_, block_size=block_size, vocab_size=vocab_size),
+                       lambda s: 16 * least_parameters(s) / plan_world_size, largest,
+                       f"the weights, gradients and AdamW state per GPU (16 bytes a parameter, sharded over "
+                       f"plan_world_size={plan_world_size} GPUs)",
+                       "of the largest device planned for; choose a smaller {} or a larger plan_world_size")
+        if json_out:
+            check_json_out()
         plan_rows = memory_plan(variants, sizes, block_size, vocab_size, bias, plan_world_size, plan_usable_fraction,
                                 plan_micro_steps)
     except ValueError as e:
         fail(e)
     print(format_plan(plan_rows, plan_world_size, plan_usable_fraction, plan_micro_steps))
     if json_out:
-        with open(json_out, 'w') as f:
-            json.dump(dict(command=' '.join(['python', 'bench.py'] + sys.argv[1:]), world_size=plan_world_size,
-                           usable_fraction=plan_usable_fraction, micro_steps=plan_micro_steps, rows=plan_rows), f,
-                      indent=2)
-        print(f"\nwrote {json_out}")
+        write_json_out(dict(command=' '.join(['python', 'bench.py'] + sys.argv[1:]), world_size=plan_world_size,
+                            usable_fraction=plan_usable_fraction, micro_steps=plan_micro_steps, rows=plan_rows))
     sys.exit(0)
 try:
     # warm-up at least 1: the first step pays for allocation, kernel selection, compiling
@@ -161,6 +270,18 @@ try:
     compile_modes = [False, True] if compile == 'both' else [resolve_compile(compile, device)]
     for a in variants:  # every variant's shape checks before anything runs
         model_config(a)
+    # sizes no machine of this kind holds: refused now, in one line, not by the allocator's traceback
+    memory = machine_memory(device)
+    device_defaults = {**DEFAULTS, **(SMALL_DEVICE_SIZE if device_type(device) in ('cpu', 'mps') else {})}
+    check_fits({k: globals()[k] for k in SIZE_KEYS + ('vocab_size',) if k != 'n_head'}, least_step_bytes, memory,
+               "one training step", f"of memory this {device_type(device)} has; choose a smaller {{}}",
+               device_defaults)
+    if generate:
+        check_fits(dict(gen_prompt_len=gen_prompt_len, max_new_tokens=max_new_tokens),
+                   lambda s: 8 * (s['gen_prompt_len'] + s['max_new_tokens']), memory, "the generated token ids alone",
+                   f"of memory this {device_type(device)} has; choose a smaller {{}}")
+    if json_out:
+        check_json_out()
 except ValueError as e:
     fail(f"{e}{' (or, in bench.py, --compile=both)' if str(e).startswith('compile=') else ''}")
 config = {k: globals()[k] for k in config_keys}
@@ -183,8 +304,9 @@ if dataset:
         fail(f"{e}; or leave --dataset empty for synthetic tokens")  # e says what to prepare, and where
 else:
     g = torch.Generator().manual_seed(seed)
-    X = torch.randint(vocab_size, (batch_size, block_size), generator=g).to(device)
-    Y = torch.randint(vocab_size, (batch_size, block_size), generator=g).to(device)
+    with refused_memory("make the batch"):
+        X = torch.randint(vocab_size, (batch_size, block_size), generator=g).to(device)
+        Y = torch.randint(vocab_size, (batch_size, block_size), generator=g).to(device)
 
 
 def get_batch():
@@ -411,7 +533,8 @@ for r in range(rounds):
         label = f"{a}{' compiled' if c else ''}"
         print(f"  round {r + 1}/{rounds}, {i + 1}/{len(runs)} {label}: ", end='', flush=True)
         t_run = time.perf_counter()
-        times, first, mem, n_params, model = train_steps(a, c)
+        with refused_memory(f"train {label}"):
+            times, first, mem, n_params, model = train_steps(a, c)
         step_times[a, c] += times
         round_medians[a, c].append(statistics.median(times))
         first_step.setdefault((a, c), first)
@@ -420,7 +543,9 @@ for r in range(rounds):
         if mem is not None:
             peak_memory[a, c] = max(mem, peak_memory[a, c] or 0)
         if generate and c == compile_modes[0]:  # generation is eager either way: once per variant
-            for use_cache, t in generation(model).items():
+            with refused_memory(f"generate with {a}"):
+                generated = generation(model)
+            for use_cache, t in generated.items():
                 gen_times[a][use_cache].append(t)
         del model
         print(f"{statistics.median(times) * 1000:.1f} ms/iter (1st step {first:.1f} s, "
@@ -485,10 +610,7 @@ if generate:
               f"{r['gen_cache_speedup']:>9.2f}x")
 
 if json_out:
-    report = dict(device=device, device_name=hardware, dtype=dtype, torch=torch.__version__,
-                  peak_flops=peak, peak_flops_source=peak_source, memory_method=memory_method,
-                  tokens_per_iter=tokens_per_iter, command=' '.join(['python', 'bench.py'] + sys.argv[1:]),
-                  config=config, results=results)
-    with open(json_out, 'w') as f:
-        json.dump(report, f, indent=2)
-    print(f"\nwrote {json_out}")
+    write_json_out(dict(device=device, device_name=hardware, dtype=dtype, torch=torch.__version__,
+                        peak_flops=peak, peak_flops_source=peak_source, memory_method=memory_method,
+                        tokens_per_iter=tokens_per_iter, command=' '.join(['python', 'bench.py'] + sys.argv[1:]),
+                        config=config, results=results))

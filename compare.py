@@ -28,8 +28,9 @@ seed) is trained at, in runs/<attn_type>-<point>-seed<seed>, and each variant is
 the same point. Running the command again skips finished runs (tuning runs too) and resumes
 interrupted ones (train.py's resume is exact, so the numbers equal those of an uninterrupted sweep); a
 run that fails is reported and the others go on. Ctrl-C, or SIGTERM / SIGINT sent to compare.py alone
-(`kill`, a scheduler's preemption), makes its train.py runs checkpoint and exit; SIGKILL kills them too
-(Linux). Either way the next run of the command resumes them.
+(`kill`, a scheduler's preemption), makes its train.py runs checkpoint and exit (a second Ctrl-C quits at
+once, each run keeping its last checkpoint); SIGKILL kills them too (Linux). Either way the next run of the
+command resumes them. A stop while the report is written ends it, and its eval.py or sample.py, in one line.
 
 The report (out_dir/report/): report.md, results.json and PNGs. Every number in it is read from the
 runs' metrics.jsonl (train.py writes one row per logged iteration and per evaluation): final and
@@ -65,6 +66,7 @@ import statistics
 import subprocess
 import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor, wait
 
 import torch
@@ -429,8 +431,9 @@ def diverged(run):
 
 
 def die_with_parent():
-    """Linux: the kernel sends SIGKILL to this train.py when compare.py dies, so an orphan never trains
-    on beside the resumed run; the next compare.py resumes from the last checkpoint, exactly."""
+    """Linux: the kernel sends SIGKILL to this child (train.py, eval.py, sample.py) when compare.py dies, so an
+    orphan never trains on beside the resumed run, or outlives the sweep; the next compare.py resumes from the
+    last checkpoint, exactly."""
     try:
         import ctypes
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
@@ -470,8 +473,11 @@ class Progress:
 
 
 def train(run, slot, progress, should_stop=lambda: False):
-    """One train.py process; returns its exit code. Progress goes to the bar, output to train.log. After each
-    evaluation, a true should_stop() sends the run SIGTERM: it checkpoints and exits."""
+    """One train.py process; returns its exit code (None: not started, the sweep is stopping). Progress goes to
+    the bar, output to train.log. After each evaluation, a true should_stop() sends the run SIGTERM: it
+    checkpoints and exits."""
+    if stopping.is_set():
+        return None
     os.makedirs(run.dir, exist_ok=True)
     resume = os.path.exists(checkpoint_path(run.dir))
     if resume:
@@ -489,6 +495,8 @@ def train(run, slot, progress, should_stop=lambda: False):
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 env=job_environment(slot), preexec_fn=die_with_parent if sys.platform == 'linux' else None)
         running.add(proc)
+        if stopping.is_set():  # the stop came as it started, after train_all passed it on to the runs
+            proc.send_signal(signal.SIGTERM)
         evaluated = False
         for line in proc.stdout:
             log.write(line)
@@ -507,13 +515,96 @@ def train(run, slot, progress, should_stop=lambda: False):
         return rc
 
 
-running = set()  # the train.py processes (or their torchrun) now running
-stopping = threading.Event()  # set once a stop signal is being passed on to them
-# SIGTERM (`kill`, a scheduler's preemption) and SIGHUP (the terminal or ssh session closed) stop the sweep as
-# Ctrl-C does, its runs checkpointed (they die with compare.py otherwise: PR_SET_PDEATHSIG); SIGINT too where
-# the shell that started compare.py in the background set it to be ignored (train.py does the same)
+running = set()  # the child processes now running: train.py (or its torchrun), eval.py, sample.py
+stopping = threading.Event()  # set by the first stop signal
+training = False  # while train_all waits for its runs, to which it passes a stop on (they checkpoint)
+reporting = False  # once the compared runs are trained: a stop then ends the report
+starting = False  # while run_child starts a child not yet in `running`: a stop ends the sweep once it is
+
+
+def on_stop_signal(signum, frame):
+    """SIGTERM (`kill`, a scheduler's preemption) and SIGHUP (the terminal or ssh session closed) stop the sweep
+    as Ctrl-C does, its runs checkpointed (they die with compare.py otherwise: PR_SET_PDEATHSIG); SIGINT too
+    where the shell that started compare.py in the background set it to be ignored (train.py does the same).
+    The first ends the sweep: while runs train, as a KeyboardInterrupt that train_all handles (it passes the stop
+    on to them and waits for their checkpoints); anywhere else at once (end_sweep). A Ctrl-C after it quits at once (quit_now); a repeated SIGTERM or SIGHUP changes
+    nothing (schedulers repeat it), as in train.py."""
+    if not stopping.is_set():
+        stopping.set()
+        if training:
+            raise KeyboardInterrupt
+        if not starting:
+            end_sweep()
+    elif signum == signal.SIGINT:
+        quit_now()
+
+
+def say(line):
+    """A line on stderr, below the progress bar; none when the terminal is gone (after SIGHUP)."""
+    with contextlib.suppress(OSError):
+        print(f"\n{line}", file=sys.stderr, flush=True)
+
+
+def stop_children(sig, grace=10):
+    """sig to every child process still running, then wait for them all, at most grace seconds; kill what is
+    left (none is left behind: they die with compare.py anyway)."""
+    children = list(running)
+    for proc in children:
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(sig)
+    deadline = time.monotonic() + grace
+    for proc in children:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def end_sweep():
+    """The first stop signal, outside train_all: an eval.py or sample.py running is stopped, and compare.py
+    ends in one line (exit 130; the SystemExit unwinds what it interrupted, so files are left whole)."""
+    stop_children(signal.SIGTERM)
+    say("interrupted while writing the report: run the same command again to write it (the runs are intact)"
+        if reporting else "interrupted: run the same command again to continue the sweep")
+    raise SystemExit(130)
+
+
+def quit_now():
+    """A Ctrl-C after the stop: the child processes get it too (train.py then quits at once, keeping its last
+    checkpoint), and compare.py ends in one line without waiting for the runs to save."""
+    stop_children(signal.SIGINT)
+    say("interrupted again: quit without waiting for the runs to save (each keeps its last checkpoint): run the "
+        "same command again to continue the sweep")
+    os._exit(130)  # at once: no exception to unwind through the waits this interrupted
+
+
 for stop_signal in (signal.SIGINT, signal.SIGTERM, *([signal.SIGHUP] if hasattr(signal, 'SIGHUP') else [])):
-    signal.signal(stop_signal, signal.default_int_handler)
+    signal.signal(stop_signal, on_stop_signal)
+
+
+def run_child(cmd):
+    """subprocess.run(cmd, capture_output=True, text=True) for eval.py and sample.py, as a child a stop ends
+    (it is in `running`) and that dies with compare.py (Linux), never left behind."""
+    global starting
+    starting = True  # (a stop signal in Popen, after the fork, would leave the child out of `running`)
+    try:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                preexec_fn=die_with_parent if sys.platform == 'linux' else None)
+        running.add(proc)
+    finally:
+        starting = False
+    try:
+        if stopping.is_set():  # it came while the child started
+            end_sweep()
+        while True:  # woken each second: a stop signal that another thread took is handled then
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                out, err = proc.communicate(timeout=1)
+                return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        running.discard(proc)
 
 
 def outranked_now(rows):
@@ -538,6 +629,7 @@ def train_all(runs, rivals=None):
     Tuning (rivals: {run.dir: (its variant's [[Run per seed] per candidate], its candidate's index)}): a run
     that diverges is marked so (its candidate ranks last) and not trained again, and one whose candidate can
     no longer be chosen (another reached stop_at_val_loss sooner than it can) stops: it is out-ranked."""
+    global training
     tuning = rivals is not None
     failures = {}
     progress = Progress(runs, 'tuning runs' if tuning else 'runs')
@@ -588,8 +680,10 @@ def train_all(runs, rivals=None):
         # the bar counts the run in full and says how it ended
         progress.update(run, run.max_iters, 'done' if ok else 'failed')
 
+    futures = []
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         try:
+            training = True  # (in the try: a stop signal from here on is the KeyboardInterrupt below)
             futures = [pool.submit(train_one, run) for run in todo]
             # Never an endless wait: the kernel may hand SIGINT / SIGTERM to a job thread, and Python then only
             # notes it for the main thread, which acts on it once it wakes (here within a second)
@@ -597,17 +691,19 @@ def train_all(runs, rivals=None):
                 pass
             for future in futures:
                 future.result()  # a job's exception, raised here
+            training = False
         except KeyboardInterrupt:
             # the train.py processes checkpoint and exit: a Ctrl-C in the terminal reached them already (a
             # SIGTERM after it changes nothing); a SIGINT or SIGTERM sent to compare.py alone did not
-            stopping.set()
             for proc in list(running):
                 with contextlib.suppress(ProcessLookupError):
                     proc.send_signal(signal.SIGTERM)
-            pool.shutdown(wait=True, cancel_futures=True)
+            say("stopping: the runs save a checkpoint and exit (Ctrl-C again to quit at once)")
+            pool.shutdown(wait=False, cancel_futures=True)
+            while wait(futures, timeout=1).not_done:  # (as above; a second Ctrl-C meanwhile is quit_now's)
+                pass
             progress.bar.close()
-            with contextlib.suppress(OSError):  # after SIGHUP the terminal may be gone
-                print("\ninterrupted: run the same command again to continue the sweep", file=sys.stderr)
+            say("interrupted: run the same command again to continue the sweep")
             sys.exit(130)
     progress.bar.close()
     return failures
@@ -662,8 +758,7 @@ def recall_results(run, attention=True):
             or 'dtype' not in read_eval_json(paths[0]) \
             or (attention and 'own' not in read_eval_json(paths[1]).get('reading_layer', {})):
         flags = [f'--{m}=True' for m in measures]
-        proc = subprocess.run([sys.executable, EVAL_SCRIPT, f'--out_dir={run.dir}', *flags, '--batch_size=64'],
-                              capture_output=True, text=True)
+        proc = run_child([sys.executable, EVAL_SCRIPT, f'--out_dir={run.dir}', *flags, '--batch_size=64'])
         if proc.returncode != 0:
             raise CheckpointError(f"eval.py {' '.join(flags)} failed: {proc.stderr.strip().splitlines()[-1:]}")
     recall = read_eval_json(paths[0])
@@ -689,8 +784,7 @@ def retrieval_results(run):
         return {}
     path = os.path.join(run.dir, 'retrieval.json')
     if not os.path.exists(path) or os.path.getmtime(path) < os.path.getmtime(checkpoint_path(run.dir)):
-        proc = subprocess.run([sys.executable, EVAL_SCRIPT, f'--out_dir={run.dir}', '--retrieval=True',
-                               '--batch_size=16'], capture_output=True, text=True)
+        proc = run_child([sys.executable, EVAL_SCRIPT, f'--out_dir={run.dir}', '--retrieval=True', '--batch_size=16'])
         if proc.returncode != 0:
             raise CheckpointError(f"eval.py --retrieval=True failed: {proc.stderr.strip().splitlines()[-1:]}")
     probe = read_eval_json(path)
@@ -805,7 +899,7 @@ def tuning_result(run, metric, is_outranked):
 def sample_text(run_dir):
     cmd = [sys.executable, SAMPLE_SCRIPT, f'--out_dir={run_dir}', '--num_samples=1',
            f'--max_new_tokens={sample_tokens}', '--seed=1337']
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = run_child(cmd)
     if proc.returncode != 0:
         return f"(sample.py failed: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode})"
     return proc.stdout.replace('---------------', '').strip()
@@ -837,6 +931,7 @@ runs = [Run(a, s, point, tuning[(a, tuned_at(point))]['settings'] if tuning
 if not report_only:
     check_settings_unchanged(runs)
 failures = {} if report_only else train_all(runs)
+reporting = True
 for key in untrainable:
     failures[(tuning[key]['variant'], 'all')] = "every tuning candidate diverged: nothing to compare it at"
 done = [run for run in runs if finished(run)]

@@ -52,12 +52,13 @@ from denoised_gpt.lr_schedule import get_lr
 from denoised_gpt.models import is_checkpoint, load_gpt2, start_model
 from denoised_gpt.parallel import (broadcast_from_rank0, check_parallel, learned_values, shard_model,
                                    shard_optimizer_state, sharded_kl)
-from denoised_gpt.run_dir import (StopRequest, checkpoint_note, log_metrics, next_step, peak_memory_mib,
-                                  prepare_out_dir, restart_advice, start_wandb, wandb_learned_values)
-from denoised_gpt.training import (MODEL_KEYS, StepSpeed, batch_seed, check_training_settings, checkpoint_reason,
-                                   compile_training_step, divergence_cause, load_resumed, resume_training_state,
-                                   resumed_model_args, save_training_state, schedule_note)
-from denoised_gpt.weights import all_finite, empty_model, model_with_weights, optimizer_tensors
+from denoised_gpt.run_dir import (StopRequest, checkpoint_note, log_row, next_step, peak_memory_mib, prepare_out_dir,
+                                  restart_advice, start_wandb, stop_diverged, wandb_learned_values)
+from denoised_gpt.training import (MODEL_KEYS, StepSpeed, abandon_step, batch_seed, check_training_settings,
+                                   checkpoint_reason, compile_training_step, divergence_cause, load_resumed,
+                                   nonfinite_state, resume_training_state, resumed_model_args, save_training_state,
+                                   schedule_note)
+from denoised_gpt.weights import empty_model, model_with_weights
 from model import GPT, GPTConfig
 
 # -----------------------------------------------------------------------------
@@ -374,7 +375,7 @@ def estimate_loss():
     for split in ('train', 'val'):
         totals = torch.zeros(2, device=device)
         for first in range(0, eval_iters, ddp_world_size):  # a round: batch first + r on rank r
-            if stop_requested():  # (every rank asks once a round) a preemption's grace period is short
+            if stop_request.requested():  # (every rank asks once a round) a preemption's grace period is short
                 net.train()
                 return None
             j = first + ddp_rank
@@ -398,24 +399,12 @@ def estimate_loss():
     return out
 
 
-def stop_requested():
-    """Whether a stop signal has reached any rank (every rank gets the same answer)."""
-    if not ddp:
-        return stop_request.signal is not None
-    flag = torch.tensor(float(stop_request.signal is not None), device=device)
-    dist.all_reduce(flag)
-    return flag.item() > 0
-
-
 def save(reason, val_loss):
     """Every rank calls this: rank 0 writes ckpt.pt, or under FSDP every rank writes its shards
     (sharded_checkpoint.py). A state is never saved when its evaluation (val_loss: this iteration's, or None)
     or last step was non-finite, or its weights or optimizer moments are: it would be resumed from, sampled,
     and become the fallback. Returns why it was not saved, or None (saved)."""
-    refusal = unsaveable or (
-        "its weights are not all finite" if not all_finite(raw_model.parameters()) else
-        "its optimizer state (AdamW's moments) is not all finite" if not all_finite(optimizer_tensors(optimizer.state))
-        else None)
+    refusal = unsaveable or nonfinite_state(raw_model, optimizer)
     if refusal:
         if master_process:
             kept = (f"{checkpoint_path(out_dir)} still holds iter {saved_iter}" if saved_iter is not None
@@ -450,8 +439,8 @@ def save(reason, val_loss):
     return None
 
 
-# SIGTERM or Ctrl-C: finish the step, checkpoint, exit 0 (a second Ctrl-C: exit 130 at once, rank 0 saying why)
-stop_request = StopRequest(out_dir if master_process else None)
+# SIGTERM or Ctrl-C: stop at the next micro-batch, save the last finished step, exit 0 (a second Ctrl-C: exit 130 now)
+stop_request = StopRequest(out_dir if master_process else None, distributed=ddp)
 if wandb_log and master_process:
     wandb = start_wandb(wandb_project, wandb_run_name, config, out_dir)
 speed = StepSpeed(raw_model, batch_size * gradient_accumulation_steps, peak_flops(device, dtype),
@@ -459,23 +448,6 @@ speed = StepSpeed(raw_model, batch_size * gradient_accumulation_steps, peak_flop
 if master_process and decay_lr and (note := schedule_note(max_iters, learning_rate, warmup_iters, lr_decay_iters,
                                                           min_lr)):
     print(note)
-
-
-def log_row(row):
-    try:
-        log_metrics(out_dir, row)
-    except OSError as e:  # disk full: the checkpoints are intact, and so is the log (whole rows only)
-        fail(e.strerror)
-
-
-def stop_diverged(message):
-    """A non-finite loss or gradient ends the run with exit status 3 (the checkpoint on disk is the last
-    good one: nothing is saved on the way out)."""
-    if master_process:
-        print(message, file=sys.stderr)
-    if ddp:
-        dist.destroy_process_group()
-    sys.exit(3)
 
 
 # training loop
@@ -489,6 +461,7 @@ unsaveable = None  # why the current state must not be saved: its evaluation or 
 refusal = None  # why the last state the loop meant to save was not
 stopping = False
 skipped_in_a_row = 0
+val_loss, improved = None, False  # the current state's evaluation (kept when a stop drops the step after it)
 # stop_at_val_loss reached: a resumed run whose checkpoint reached it has nothing left to train
 target_reached = bool(stop_at_val_loss) and saved_val_loss is not None and saved_val_loss <= stop_at_val_loss
 while True:
@@ -500,7 +473,6 @@ while True:
 
     # evaluate the loss on train/val sets and write checkpoints
     done = eval_only or stopping or iter_num >= max_iters or target_reached
-    val_loss, improved = None, False
     evaluate = not stopping and (iter_num % eval_interval == 0 or done) and (
         iter_num != saved_iter or eval_only or evaluation_owed)
     losses = estimate_loss() if evaluate else None
@@ -531,7 +503,7 @@ while True:
         learned = learned_values(raw_model) if fsdp else raw_model.learned_values() if master_process else None
         if master_process:
             if not eval_only:
-                log_row({**row, **learned})
+                log_row(out_dir, {**row, **learned})
             if wandb_log:
                 wandb.log({**row, **wandb_learned_values(learned)})
         t0 = time.time()  # evaluation time is not training time
@@ -549,12 +521,16 @@ while True:
 
     # forward backward update, with optional gradient accumulation to simulate larger batch size
     # and using the GradScaler if data type is float16
+    step_rng = capture_rng_state(device_type(device))  # what a stop within the step puts back (abandon_step)
     loss_sum = torch.zeros((), device=device)
     ce_sum = torch.zeros((), device=device)
     m = ddp_rank  # index of this rank's micro-batch among the iteration's micro-batches
     s = batch_seed(seed, 0, iter_num, m)
     X, Y = get_batch('train', s)
     for micro_step in range(gradient_accumulation_steps):
+        # a stop waits for one micro-batch, not the whole step (under DDP an all-reduce, from the second on)
+        if micro_step and (stopping := stop_request.requested()):
+            break
         if fsdp:  # the same for FSDP: reduce-scatter the gradients after the last micro step only
             model.set_requires_gradient_sync(micro_step == gradient_accumulation_steps - 1)
         elif ddp:
@@ -578,6 +554,11 @@ while True:
         # backward pass, with gradient scaling if training in fp16
         scaler.scale(loss / gradient_accumulation_steps).backward()
         mark_step()
+    if stopping:  # the step is dropped: the state saved is the last finished step's, which a resume continues
+        abandon_step(optimizer, step_rng, device, master_process and f"{stop_request.signal or 'stop signal'} received "
+                     f"during iter {iter_num} ({micro_step} of its {gradient_accumulation_steps} micro-batches "
+                     f"done): stopping without it")
+        continue
     # clip the gradient; with clipping off, only measure it (for the non-finite check and the log)
     scaler.unscale_(optimizer)
     if grad_clip != 0.0:
@@ -602,15 +583,16 @@ while True:
             print(f"rank {ddp_rank}: non-finite loss or gradient at iter {iter_num} "
                   f"(loss {loss_sum.item() / gradient_accumulation_steps}, grad norm {grad_norm.item()})",
                   file=sys.stderr)
-        cause, advice = divergence_cause(ce_mean, kl_mean, kl_weight, local_iter_num == 0, out_dir, saved_iter)
+        cause, advice = divergence_cause(ce_mean, kl_mean, kl_weight, local_iter_num == 0, out_dir, saved_iter,
+                                         {**config, **model_args})
         if nonfinite == 'stop':
             stop_diverged(f"stopping at iter {iter_num}: non-finite loss or gradient{cause} (nonfinite='stop'). "
-                          f"{advice}, or set --nonfinite=skip to skip such steps.")
+                          f"{advice}, or set --nonfinite=skip to skip such steps.", master_process, ddp)
         skipped_in_a_row += 1
         if skipped_in_a_row >= max_skipped_steps:
             stop_diverged(f"stopping at iter {iter_num}: {skipped_in_a_row} steps in a row had a non-finite loss "
                           f"or gradient (max_skipped_steps={max_skipped_steps}): the run has diverged{cause}. "
-                          f"{advice}.")
+                          f"{advice}.", master_process, ddp)
         if master_process:
             print(f"iter {iter_num}: skipping the update (non-finite loss or gradient, nonfinite='skip')")
         scaler.update()
@@ -637,18 +619,20 @@ while True:
               f"{dt * 1000:.2f}ms/iter, {tokens_per_iter / dt:,.0f} tok/s{mfu_text}")
         row = {"iter": iter_num, "loss": loss_mean, "ce": ce_mean, "kl": kl_mean, "lr": lr, "ms": dt * 1000, "time": train_time,
                "tokens_per_s": tokens_per_iter / dt, **({"mfu": mfu * 100} if mfu is not None else {})}
-        log_row(row)
+        log_row(out_dir, row)
         if wandb_log:
             wandb.log(row)
     iter_num += 1
     local_iter_num += 1
+    val_loss, improved = None, False  # a new state, not evaluated yet
     if n_stop > 0:
         stopping = True
         if master_process:
             print(f"{stop_request.signal or 'stop signal'} received: stopping after iter {iter_num - 1}")
 
 if saved_iter is None and not eval_only:  # (every rank) the state the run ended with was not saved
-    stop_diverged(f"stopping at iter {iter_num} without a checkpoint: {refusal}. {restart_advice(out_dir, None)}.")
+    stop_diverged(f"stopping at iter {iter_num} without a checkpoint: {refusal}. {restart_advice(out_dir, None)}.",
+                  master_process, ddp)
 if master_process and not eval_only:
     keeps_best = always_save_checkpoint and bool(best_iter) and not stop_request.signal
     print(checkpoint_note(checkpoint_path(out_dir), saved_iter, saved_val_loss, best_iter, best_val_loss, iter_num,

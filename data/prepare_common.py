@@ -39,7 +39,7 @@ import tiktoken
 from tqdm import tqdm
 
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository, for the package
-from denoised_gpt.files import write_problem  # noqa: E402
+from denoised_gpt.files import parse_json, write_problem  # noqa: E402
 
 RESTART_HINT = """\
 Interrupted or failed? Run the same command again. From the hub, the download resumes
@@ -60,6 +60,10 @@ CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.
 # together (the last unit runs alone), within these bounds: a unit's text, documents and tokens
 # are in one worker's memory at once (a 16.8 MB unit of JSON lines: +49 MB of peak RSS).
 MIN_UNIT_BYTES, MAX_UNIT_BYTES = 64 << 10, 16 << 20
+# What cannot be cut is read whole into one worker's memory, with its documents and tokens (about 3x its
+# size): a compressed file (inflated), a JSON array, a .txt document, one line or paragraph. Past this, a
+# file is refused instead: a .gz of zeros inflates a thousandfold, a file may be one endless line.
+MAX_WHOLE_BYTES = 1 << 30
 ENCODE_CHARS = 1 << 20  # characters of documents joined into one tiktoken call
 LINE_END = re.compile(rb"\n")
 BLANK_LINE_END = re.compile(rb"\n[ \t\r\f\v]*\n")  # a line break, a blank line and its line break
@@ -78,6 +82,22 @@ def one_line_errors():
     except PrepareError as e:
         print(f"{os.path.basename(sys.argv[0])}: error: {e}", file=sys.stderr)
         sys.exit(2)
+
+
+def machine_memory():
+    """Bytes of RAM this machine has (None where the system does not say): what no run here can exceed."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def human_bytes(n):
+    """n bytes in binary units, e.g. '1.5 GiB', '6.4 PiB'."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if n < 1024 or unit == "PiB":
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
+        n /= 1024
 
 
 def check_out_dir(out_dir):
@@ -116,7 +136,8 @@ def make_parser(description, out_dir):
     p.add_argument("--input", nargs="+", metavar="PATH",
                    help="local files or globs instead of the hub: .txt (see --text_unit), .jsonl (one document "
                         "per line) or .json (JSON lines, or one array of records), .parquet; .gz/.xz/.bz2/.zst/.lz4 "
-                        "compressed ones too")
+                        "compressed ones too. A compressed file, a JSON array, a .txt document and a line are read "
+                        f"whole: at most {MAX_WHOLE_BYTES >> 30} GiB each")
     p.add_argument("--out_dir", default=out_dir, help="where train.bin, val.bin, meta.json go (default: %(default)s)")
     p.add_argument("--num_proc", type=int, default=CPUS,
                    help="worker processes for download and tokenisation (default: the usable CPUs, %(default)s)")
@@ -291,23 +312,40 @@ def parquet_errors(path):
                            f".parquet file") from e
 
 
-def next_boundary(path, pos, pattern, size):
+def next_boundary(path, pos, pattern, size, what="line"):
     """The first position >= pos where a unit may start: the end of the first `pattern` match at
-    or after pos (or the end of the file)."""
+    or after pos (or the end of the file). PrepareError when none comes within MAX_WHOLE_BYTES: the
+    line (or paragraph, `what`) there would be read whole into memory."""
     if pos >= size:
         return size
     with open(path, "rb") as f:
         f.seek(pos)
         buf, chunk = b"", 1 << 16
         while True:
-            data = f.read(chunk)
+            data = f.read(min(chunk, MAX_WHOLE_BYTES + 1 - len(buf)))
             buf += data
             m = pattern.search(buf)
             if m:
                 return pos + m.end()
+            if len(buf) > MAX_WHOLE_BYTES:
+                raise PrepareError(f"{path}, line {lines_before(path, pos) + 1:,}: {what} longer than "
+                                   f"{MAX_WHOLE_BYTES:,} bytes, the most one may hold (each is read whole into "
+                                   f"memory); split it into shorter ones")
             if not data:
                 return size
             chunk *= 2
+
+
+def lines_before(path, end):
+    """The line breaks in the first `end` bytes of the file, counted 16 MiB at a time."""
+    n = 0
+    with open(path, "rb") as f:
+        while end > 0:
+            data = f.read(min(end, 1 << 24))
+            if not data:
+                break
+            n, end = n + data.count(b"\n"), end - len(data)
+    return n
 
 
 def file_pieces(path, text_unit, column, unit_bytes):
@@ -329,12 +367,20 @@ def file_pieces(path, text_unit, column, unit_bytes):
     else:
         whole = text_unit == "document"
     if whole:
+        if not compressed and size > MAX_WHOLE_BYTES:  # (a compressed file's size is known only inflated)
+            what, fix = (("one JSON array", "write it as JSON lines (one record per line), which are read in parts")
+                         if kind == "json" else ("one document (--text_unit document)", "use --text_unit paragraph "
+                                                 "or line, or split the file"))
+            raise PrepareError(f"{path} is {what} of {size:,} bytes, more than the {MAX_WHOLE_BYTES:,} read whole "
+                               f"into memory; {fix}")
         yield Piece(path, kind), size
         return
-    pattern = BLANK_LINE_END if kind == "text" and text_unit == "paragraph" else LINE_END
+    paragraphs = kind == "text" and text_unit == "paragraph"
+    pattern = BLANK_LINE_END if paragraphs else LINE_END
+    what = "a paragraph" if paragraphs else "a JSON line" if kind == "json" else "a line"
     start = 0
     while start < size:
-        end = next_boundary(path, start + unit_bytes, pattern, size)
+        end = next_boundary(path, start + unit_bytes, pattern, size, what)
         yield Piece(path, kind, start, end), end - start
         start = end
 
@@ -359,6 +405,8 @@ def plan_units(files, text_unit, column, num_proc, unit_bytes=None):
 
 
 def read_piece(piece):
+    """The bytes of a piece; a whole file (compressed: inflated) read at most MAX_WHOLE_BYTES + 1 bytes far,
+    whatever its size claims, and refused past MAX_WHOLE_BYTES."""
     if piece.end is not None:
         with open(piece.path, "rb") as f:
             f.seek(piece.start)
@@ -366,26 +414,35 @@ def read_piece(piece):
     ext = os.path.splitext(piece.path.lower())[1]
     if ext not in COMPRESSED:
         with open(piece.path, "rb") as f:
-            return f.read()
+            data = f.read(MAX_WHOLE_BYTES + 1)
+        if len(data) > MAX_WHOLE_BYTES:
+            raise PrepareError(f"{piece.path} holds more than the {MAX_WHOLE_BYTES:,} bytes read whole into memory; "
+                               f"give it as JSON lines or --text_unit paragraph or line, which are read in parts")
+        return data
     try:
         if ext in {".zst", ".lz4"}:
             import pyarrow as pa
             with pa.input_stream(piece.path, compression="detect") as f:
-                return f.read()
-        with {".gz": gzip, ".bz2": bz2, ".xz": lzma}[ext].open(piece.path, "rb") as f:
-            return f.read()
+                data = f.read(MAX_WHOLE_BYTES + 1)
+        else:
+            with {".gz": gzip, ".bz2": bz2, ".xz": lzma}[ext].open(piece.path, "rb") as f:
+                data = f.read(MAX_WHOLE_BYTES + 1)
     # gzip/bz2/pyarrow raise OSError on data that is not theirs, lzma LZMAError, a cut-off stream EOFError
     except (OSError, EOFError, lzma.LZMAError) as e:
         raise PrepareError(f"{piece.path}: not a readable {ext} file ({e}); check that it is whole and "
                            f"{ext}-compressed") from e
+    if len(data) > MAX_WHOLE_BYTES:  # e.g. a .gz of zeros: a thousand times its size
+        raise PrepareError(f"{piece.path} inflates to more than {MAX_WHOLE_BYTES:,} bytes, the most a compressed input "
+                           f"may hold (it is read whole into memory); decompress it first and pass the uncompressed "
+                           f"file, which is read in parts")
+    return data
 
 
 def line_number(piece, data, pos):
     """The 1-based line of byte `pos` of `data` (read from `piece`) in its file: for error messages."""
     before = data.count(b"\n", 0, pos)
     if piece.start and piece.end is not None:
-        with open(piece.path, "rb") as f:
-            before += f.read(piece.start).count(b"\n")
+        before += lines_before(piece.path, piece.start)
     return before + 1
 
 
@@ -410,7 +467,7 @@ def starts_json_array(data):
 def json_documents(piece, data, column):
     if piece.end is None and starts_json_array(data):  # one JSON array of records
         try:
-            records = json.loads(data)
+            records = parse_json(data)  # ValueError, also for nesting deeper than Python's parser goes
         except ValueError as e:
             raise PrepareError(f"{piece.path}: not valid JSON ({e})") from e
         return [record_text(r, column, lambda: f"{piece.path}, record {i}") for i, r in enumerate(records)]
@@ -418,7 +475,7 @@ def json_documents(piece, data, column):
     for line in data.split(b"\n"):
         if line.strip():
             try:
-                record = json.loads(line)
+                record = parse_json(line)
             except ValueError as e:
                 raise PrepareError(f"{piece.path}, line {line_number(piece, data, pos)}: not valid JSON ({e}); "
                                    f"--input takes JSON lines (one object per line) or one JSON array") from e
@@ -734,6 +791,8 @@ def run(args, hub_path, hub_name):
         raise PrepareError(f"--num_proc must be at least 1, got {args.num_proc}")
     if args.max_tokens is not None and args.max_tokens < 1:
         raise PrepareError(f"--max_tokens must be positive, got {args.max_tokens}")
+    if args.seed < 0:  # (numpy's generators take no negative seed)
+        raise PrepareError(f"--seed must be a non-negative integer, got {args.seed}")
     check_out_dir(args.out_dir)
     if args.input is None:
         train_tokens, val_tokens, train_docs, val_docs = prepare_hub(args, hub_path, hub_name)

@@ -1,7 +1,7 @@
 """A training run's directory (out_dir) and what it records: preparing the folder (one writer at a time,
 what a killed run left half-written removed, a full disk said in one line), metrics.jsonl, wandb, the
-peak memory figure logged at each evaluation, what the run's last lines say its checkpoint holds, and
-the stop signals (SIGTERM, Ctrl-C, a second Ctrl-C)."""
+peak memory figure logged at each evaluation, what the run's last lines say its checkpoint holds, the end
+of a diverged run, and the stop signals (SIGTERM, Ctrl-C, a second Ctrl-C)."""
 import contextlib
 import errno
 import glob
@@ -15,8 +15,12 @@ import sys
 import tempfile
 import time
 
+import torch
+import torch.distributed as dist
+
 from denoised_gpt.checkpoint import (CKPT_NAME, PREV_NAME, SHARDED_GLOB, CheckpointError, checkpoint_path,
                                      load_checkpoint)
+from denoised_gpt.cli import fail
 from denoised_gpt.sharded_checkpoint import POINTER_NAME
 from denoised_gpt.device import max_memory_allocated
 from denoised_gpt.files import parse_json, require_regular_file, write_problem
@@ -129,6 +133,15 @@ def prepare_out_dir(out_dir, resumed_iter, overwrite, eval_only):
     if resumed_iter is not None:
         return lock, trim_metrics(out_dir, resumed_iter)
     return lock, clear_for_new_run(out_dir, overwrite)
+
+
+def log_row(out_dir, row):
+    """train.py's log_metrics: a failed write (disk full) ends the run in one line (exit 2); the checkpoints are
+    intact, and so is the log (whole rows only)."""
+    try:
+        log_metrics(out_dir, row)
+    except OSError as e:
+        fail(e.strerror)
 
 
 def log_metrics(out_dir, row):
@@ -274,6 +287,16 @@ def restart_advice(out_dir, saved_iter, setting='learning_rate'):
             f"lower {setting}: --init_from=resume --{setting}=...")
 
 
+def stop_diverged(message, master, distributed):
+    """A non-finite loss or gradient ends the run with exit status 3, rank 0 (master) printing message; the
+    checkpoint on disk is the last good one: nothing is saved on the way out."""
+    if master:
+        print(message, file=sys.stderr)
+    if distributed:
+        dist.destroy_process_group()
+    sys.exit(3)
+
+
 def checkpoint_note(path, saved_iter, saved_val_loss, best_iter, best_val_loss, last_iter, keeps_best_hint):
     """The last line of a run: which state its checkpoint (path) holds, in numbers true of that file.
     saved_iter, saved_val_loss: its iteration and val loss (None: not evaluated, or not known); best_iter,
@@ -401,15 +424,21 @@ class TerminalStream:
 
 class StopRequest:
     """SIGTERM (a scheduler's preemption, `kill`), SIGHUP (the terminal or ssh session closed) or Ctrl-C,
-    remembered: the training loop finishes the step in progress, saves a checkpoint and exits 0. A Ctrl-C after either quits at once, with exit
-    status 130 (128 + SIGINT, what a shell reports for a process Ctrl-C ended) and one line naming the
+    remembered: the training loop stops at the next micro-batch (a step it has not finished is dropped, however
+    many micro-batches it has), saves the last finished step and exits 0. A Ctrl-C after either quits at once,
+    with exit status 130 (128 + SIGINT, what a shell reports for a process Ctrl-C ended) and one line naming the
     checkpoint on disk, as read from it (a save cut short before its rename left the previous one in
     place), and the save's temporary file removed. (A second SIGTERM changes nothing: schedulers repeat it.)"""
 
-    def __init__(self, out_dir=None):
+    def __init__(self, out_dir=None, distributed=False):
         """out_dir: the run's, when this process holds its lock (rank 0); else None: a second Ctrl-C quits
-        without a word (rank 0 says it)."""
+        without a word (rank 0 says it). distributed: under DDP / FSDP (every rank constructs it, in the same
+        order as its other process groups), requested() asks every rank."""
         self.out_dir = out_dir
+        # the ranks agree through a CPU (gloo) group: asked once a micro-batch, a flag on the GPU would make every
+        # micro-batch wait for the GPU (a host sync); on the CPU it is a message between the ranks' host threads
+        self.group = (None if dist.get_backend() == 'gloo' else dist.new_group(backend='gloo')) if distributed \
+            else False
         self.signal = None  # the name of the signal received
         self.saving = False  # train.py sets it while it writes a checkpoint
         # known now: a hung-up terminal no longer answers isatty
@@ -424,6 +453,15 @@ class StopRequest:
             if hasattr(signal, name):
                 signal.signal(getattr(signal, name), self.request)
 
+    def requested(self):
+        """Whether a stop signal has reached this process or, under DDP / FSDP, any rank: every rank gets the
+        same answer (an all-reduce, so every rank must ask at the same point)."""
+        if self.group is False:
+            return self.signal is not None
+        flag = torch.tensor(float(self.signal is not None))
+        dist.all_reduce(flag, group=self.group)
+        return flag.item() > 0
+
     def request(self, signum, frame):
         if signum == getattr(signal, 'SIGHUP', None):
             self.drop_terminal_output()
@@ -433,7 +471,7 @@ class StopRequest:
             return
         self.signal = signal.Signals(signum).name
         if signum == signal.SIGINT:
-            print("\nCtrl-C: finishing this step, then saving a checkpoint (Ctrl-C again to quit at once)",
+            print("\nCtrl-C: stopping at the next micro-batch, then saving a checkpoint (Ctrl-C again to quit at once)",
                   file=sys.stderr)
 
     def drop_terminal_output(self):

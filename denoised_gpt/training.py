@@ -11,8 +11,8 @@ import time
 import numpy as np
 import torch
 
-from denoised_gpt.checkpoint import (checkpoint_path, load_checkpoint, optimizer_param_names, restore_training_state,
-                                     save_checkpoint)
+from denoised_gpt.checkpoint import (checkpoint_path, load_checkpoint, optimizer_param_names, restore_rng_state,
+                                     restore_training_state, save_checkpoint)
 from denoised_gpt.cli import check_ranges
 from denoised_gpt.device import device_type, mark_step
 from denoised_gpt.finetune import LORA_KEYS, check_finetune_settings
@@ -35,6 +35,11 @@ FIXED_ON_RESUME = ('trainable',) + LORA_KEYS
 RUNTIME_MODEL_ARGS = ('dropout', 'noise_at_eval', 'linear_chunk_size')
 MODEL_KEYS = tuple(f.name for f in dataclasses.fields(GPTConfig))
 ARCHITECTURE_KEYS = set(MODEL_KEYS) - set(RUNTIME_MODEL_ARGS)
+# Far beyond any recipe (GPT-2's: 40 micro-batches of 12 sequences): a larger value is a slip that would run for
+# days before the first update, or fail allocating the first batch, so it is refused before any work
+MAX_ACCUMULATION = 1 << 20  # gradient_accumulation_steps: micro-batches per iteration, over all ranks
+MAX_BATCH_SIZE = 1 << 16  # batch_size: sequences per micro-batch and rank
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)  # the loss is float32: kl_weight is cast to it
 
 
 def check_training_settings(config, given):
@@ -45,6 +50,17 @@ def check_training_settings(config, given):
                  non_negative=('max_iters', 'grad_clip', 'weight_decay', 'kl_weight', 'warmup_iters',
                                'stop_at_val_loss'),
                  unit_interval=('beta1', 'beta2', 'dropout'), positive=('learning_rate',), seeds=('seed',))
+    if c['gradient_accumulation_steps'] > MAX_ACCUMULATION:
+        raise ValueError(f"gradient_accumulation_steps={c['gradient_accumulation_steps']} is over the limit of "
+                         f"{MAX_ACCUMULATION:,} micro-batches per iteration (GPT-2's recipe uses 40): every update "
+                         f"would wait for that many forward and backward passes; use fewer, with a larger batch_size")
+    if c['batch_size'] > MAX_BATCH_SIZE:
+        raise ValueError(f"batch_size={c['batch_size']} is over the limit of {MAX_BATCH_SIZE:,} sequences per "
+                         f"micro-batch (GPT-2's recipe uses 12); use a smaller batch_size, with more "
+                         f"gradient_accumulation_steps for the same tokens per iteration")
+    if c['kl_weight'] > FLOAT32_MAX:
+        raise ValueError(f"kl_weight={c['kl_weight']:g} is past float32's range ({FLOAT32_MAX:.3g}), in which the loss "
+                         f"is computed: kl_weight x kl would be inf (or NaN where kl is 0); use a smaller kl_weight")
     if c['decay_lr']:
         check_schedule(c['learning_rate'], c['warmup_iters'], c['lr_decay_iters'], c['min_lr'])
     if not c['out_dir'].strip():
@@ -170,6 +186,27 @@ def checkpoint_reason(iter_num, val_loss, improved, done, stop, saved_iter, alwa
     return None
 
 
+def nonfinite_state(model, optimizer):
+    """Why the state must not be saved (it would be resumed from, sampled, and become the fallback): its weights or
+    AdamW's moments are not all finite; None when they are."""
+    if not all_finite(model.parameters()):
+        return "its weights are not all finite"
+    if not all_finite(optimizer_tensors(optimizer.state)):
+        return "its optimizer state (AdamW's moments) is not all finite"
+    return None
+
+
+def abandon_step(optimizer, step_rng, device, message):
+    """A stop between the micro-batches of a step drops the step (however many micro-batches it has, a
+    preemption's grace period is short): its gradients go, and the RNGs return to where the step began (step_rng,
+    capture_rng_state's then), so the state saved is the last finished step's as it stood, and a run resumed
+    from it continues exactly. message: the line to print, or a false value."""
+    optimizer.zero_grad(set_to_none=True)
+    restore_rng_state(step_rng, device_type(device))
+    if message:
+        print(message)
+
+
 def schedule_note(max_iters, learning_rate, warmup_iters, lr_decay_iters, min_lr):
     """A note when the run ends before the decaying schedule does (in the warmup, or before lr_decay_iters),
     with the rate it reaches; None when the schedule runs its course."""
@@ -183,15 +220,38 @@ def schedule_note(max_iters, learning_rate, warmup_iters, lr_decay_iters, min_lr
     return None
 
 
-def divergence_cause(ce_mean, kl_mean, kl_weight, first_step, out_dir, saved_iter):
-    """(cause, advice) for a non-finite loss or gradient: a KL term that swamps the cross-entropy (or overflows)
-    is kl_weight's doing; a first forward that is not finite, before any update, is no step size's; else the
-    learning rate. advice names the checkpoint to resume from (restart_advice)."""
+# model settings that shape the first forward: one off its default is named when that forward is not finite
+FIRST_FORWARD_SETTINGS = ('noise_init_std', 'lowrank_score_divisor', 'qk_head_size')
+
+
+def divergence_cause(ce_mean, kl_mean, kl_weight, first_step, out_dir, saved_iter, settings=None):
+    """(cause, advice) for a non-finite loss or gradient, naming the setting that made it where that can be
+    told (a kl_weight past float32's range is refused before the run, check_training_settings): a KL term that
+    swamps the cross-entropy is kl_weight's doing. With settings (the run's, its model's among them): a
+    learning_rate x weight_decay of 1 or more, at a learning rate below 1, is weight_decay's (AdamW multiplies
+    each decayed weight by 1 - their product every step; a tuning sweep may try such values, so they are not
+    refused); a first forward
+    that is not finite, before any update, is no step size's: the FIRST_FORWARD_SETTINGS off their defaults
+    are named, or without one, the model's settings and the data's labels. Else the learning rate. advice
+    names the checkpoint to resume from (restart_advice)."""
+    settings = settings or {}
     kl_term = kl_weight * kl_mean
     if math.isfinite(ce_mean) and math.isfinite(kl_mean) and not kl_term < 1e3 * ce_mean:
         return (f" (the KL term, kl_weight x kl = {kl_term:.3g}, swamps the cross-entropy, {ce_mean:.4g})",
                 restart_advice(out_dir, saved_iter, 'kl_weight'))
+    decay = settings.get('learning_rate', 0) * settings.get('weight_decay', 0)
+    if decay >= 1 and settings['learning_rate'] < 1:  # (a learning rate of 1 or more is the cause itself, below)
+        return (f" (learning_rate x weight_decay = {decay:.3g}: AdamW multiplies each decayed weight by "
+                f"1 - {decay:.3g} = {1 - decay:.3g} every step, where it needs a factor between 0 and 1)",
+                restart_advice(out_dir, saved_iter, 'weight_decay'))
     if first_step and not math.isfinite(ce_mean):
+        defaults = {f.name: f.default for f in dataclasses.fields(GPTConfig)}
+        changed = [k for k in FIRST_FORWARD_SETTINGS if k in settings and settings[k] != defaults[k]]
+        if changed:
+            given = ', '.join(f"{k}={settings[k]:g} (default {defaults[k]})" for k in changed)
+            return (f" in the first forward, before any update, so not from the learning rate: {given} "
+                    f"make{'s' if len(changed) == 1 else ''} it", f"Start again with {' and '.join(changed)} nearer "
+                    f"the default")
         return (" in the first forward, before any update, so not from the learning rate: a setting that shapes the "
                 "model (e.g. noise_init_std, lowrank_score_divisor, qk_head_size) or batches without a target make it",
                 "Change that setting, or check the data's labels, and start again")

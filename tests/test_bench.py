@@ -1,9 +1,12 @@
 """bench.py on a tiny model: what it prints and writes, not how fast it is. The run of every variant is a
 subprocess, as a user runs it (its stderr is the process's: torch.profiler's native code writes there);
 the others run in this process (run_script_in_process), which spares each a torch start-up."""
+import contextlib
+import io
 import json
 import os
 import re
+import runpy
 import subprocess
 import sys
 
@@ -221,3 +224,75 @@ def test_rounds_that_disagree_are_called_so(tmp_path):
         assert f"warning: the rounds disagree: {worst['attn_type']} took " in proc.stdout
     else:
         assert "the rounds agree: every run's round medians within 25% of its median" in proc.stdout
+
+
+@pytest.mark.parametrize("args, phrase", [
+    (["--block_size=100000000000"], "block_size=100000000000 is too large: one training step at batch_size=2, "
+                                    "block_size=100000000000, n_layer=2, n_embd=32, vocab_size=96 would need at least "
+                                    "96.0 TiB, more than the "),
+    (["--vocab_size=9223372036854775808"], "vocab_size=9223372036854775808 is too large: one training step at "),
+    (["--plan=True", "--n_embd=99999999999", "--n_head=1"],
+     "n_embd=99999999999 is too large: the weights, gradients and AdamW state per GPU (16 bytes a parameter, sharded "
+     "over plan_world_size=8 GPUs) at n_layer=2, n_embd=99999999999, block_size=32, vocab_size=96 would need at "
+     "least "),
+])
+def test_sizes_no_machine_holds_are_refused_up_front_in_one_line(args, phrase):
+    """A size setting far past the machine's memory: one line naming it and the memory one step (or, planned, one
+    GPU) would need, before anything is allocated (it was the allocator's traceback, or an overflow in the plan's
+    model on the meta device)."""
+    proc = bench("--attn_types=base", *args)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("bench.py: error: " + phrase), lines
+    assert lines[0].endswith(f"; choose a smaller {phrase.split('=')[0]}" +
+                             (" or a larger plan_world_size" if "--plan=True" in args else ""))
+    assert "round 1" not in proc.stdout
+
+
+def bench_into(stdout, *args):
+    """bench() with stdout going to the file object `stdout` (a real one: its writes may fail) instead of a
+    buffer: (exit status, stderr)."""
+    err = io.StringIO()
+    saved = sys.argv, os.getcwd(), torch.get_num_threads()
+    sys.argv = ["bench.py", *TINY, *args]
+    os.chdir(ROOT)
+    torch.set_num_threads(1)
+    rc = 0
+    try:
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(err):
+            runpy.run_path(str(ROOT / "bench.py"), run_name="__main__")
+    except SystemExit as e:
+        rc = e.code
+    finally:
+        sys.argv = saved[0]
+        os.chdir(saved[1])
+        torch.set_num_threads(saved[2])
+    return rc, err.getvalue()
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
+def test_results_that_cannot_be_written_end_in_one_line_and_keep_the_previous_file(tmp_path):
+    """A full disk: stdout on it, or the JSON results file. Each was a traceback (open(json_out, 'w') also
+    emptied the results of an earlier run before failing); now one line, exit 1, and the earlier file as it was.
+    The JSON goes through json_out + '.tmp', here a link to /dev/full: every write to it fails with ENOSPC."""
+    with open("/dev/full", "w") as full:  # (the plan: the first line printed fails, as any would)
+        rc, err = bench_into(full, "--plan=True", "--attn_types=base")
+    assert rc == 1 and err == ("bench.py: error: cannot write the results to /dev/full: no space left on device; "
+                               "free some space and run it again\n")
+    out = tmp_path / "b.json"
+    out.write_text('{"earlier": "results"}')
+    (tmp_path / "b.json.tmp").symlink_to("/dev/full")
+    proc = bench("--plan=True", "--attn_types=base", f"--json_out={out}")  # (written as the benchmark's results are)
+    assert proc.returncode == 1 and " base " in proc.stdout  # the table was printed before
+    assert proc.stderr == (f"bench.py: error: cannot write {out}: no space left on device; the file there before is "
+                           f"intact. Free some space, then run bench.py again (the results above are complete)\n")
+    assert out.read_text() == '{"earlier": "results"}' and os.listdir(tmp_path) == ["b.json"]
+
+
+def test_a_json_out_that_cannot_be_written_is_refused_before_the_benchmark(tmp_path):
+    """It was found only when the results were ready, in a traceback (FileNotFoundError, IsADirectoryError)."""
+    for json_out, phrase in [(tmp_path / "missing" / "b.json", f"its folder {tmp_path / 'missing'} does not exist"),
+                             (tmp_path, "is a folder; name a file in it")]:
+        proc = bench("--attn_types=base", f"--json_out={json_out}")
+        assert proc.returncode == 2 and proc.stderr.startswith(f"bench.py: error: json_out='{json_out}'")
+        assert phrase in proc.stderr and len(proc.stderr.splitlines()) == 1 and "round 1" not in proc.stdout

@@ -1,6 +1,7 @@
 """compare.py end to end on a tiny sweep (2 variants x 2 seeds, CPU): the report's numbers are the
 runs' metrics.jsonl rows, a sweep killed in the middle of a run and started again gives the same
 numbers as an uninterrupted one, and finished runs are skipped."""
+import contextlib
 import json
 import os
 import re
@@ -8,7 +9,9 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -205,16 +208,8 @@ def test_a_signal_to_compare_alone_checkpoints_its_runs_and_ends(sweep, sig, to_
     case also starts compare.py as a shell starts a job in the background, with SIGINT ignored."""
     tmp, data, _ = sweep
     out = tmp / f'signalled-{sig.name}'
-    overrides = f"--dataset={data} --max_iters=1000000 --lr_decay_iters=1000000 --eval_interval=8 --eval_iters=2"
-    args = [f'--base_config={TINY}', f'--overrides={overrides}', '--attn_types=base', '--seeds=1',
-            f'--out_dir={out}', '--samples=False']
     ignore_sigint = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if to_a_thread else None
-    proc = subprocess.Popen([sys.executable, 'compare.py', *args], cwd=ROOT, env=subprocess_env(),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, preexec_fn=ignore_sigint)
-    log = out / 'runs' / 'base-seed1' / 'train.log'
-    deadline = time.time() + 120
-    while time.time() < deadline and not (log.exists() and 'saved checkpoint' in log.read_text()):
-        time.sleep(0.01)
+    proc, log = start_endless_run(out, data, preexec_fn=ignore_sigint)
     if to_a_thread:
         threads = [int(t) for t in os.listdir(f'/proc/{proc.pid}/task') if int(t) != proc.pid]
         assert threads, "compare.py runs its train.py from a thread of its own"
@@ -231,13 +226,111 @@ def test_a_signal_to_compare_alone_checkpoints_its_runs_and_ends(sweep, sig, to_
     assert proc.returncode == 130 and "run the same command again to continue" in stderr, stderr
     assert "failed" not in stderr and "base seed 1: stopped" in stderr, stderr  # checkpointed, not failed
     text = log.read_text()
-    # the signal lands in a step (saved after it) or in an evaluation (saved without it): both are train.py's stop
+    # the signal lands between micro-batches (the step dropped), in a step's last (saved after it) or in an
+    # evaluation (saved without it): each is train.py's stop
     after_step = re.search(r"SIGTERM received: stopping after iter (\d+)", text)
-    in_evaluation = re.search(r"SIGTERM received during the evaluation at iter (\d+): stopping without it", text)
-    assert after_step or in_evaluation, text[-2000:]
-    saved = int(after_step[1]) + 1 if after_step else int(in_evaluation[1])
+    within = re.search(r"SIGTERM received during (?:the evaluation at )?iter (\d+)\b.*: stopping without it", text)
+    assert after_step or within, text[-2000:]
+    saved = int(after_step[1]) + 1 if after_step else int(within[1])
     ckpt = torch.load(out / 'runs' / 'base-seed1' / 'ckpt.pt', map_location='cpu', weights_only=True)
     assert ckpt['iter_num'] == saved < 1_000_000
+
+
+def start_endless_run(out, data, preexec_fn=None):
+    """compare.py as a process of its own, training one run of 10^6 iterations (stderr a pipe), once that run
+    has saved its first checkpoint; returns (the process, the run's train.log)."""
+    overrides = f"--dataset={data} --max_iters=1000000 --lr_decay_iters=1000000 --eval_interval=8 --eval_iters=2"
+    args = [f'--base_config={TINY}', f'--overrides={overrides}', '--attn_types=base', '--seeds=1',
+            f'--out_dir={out}', '--samples=False']
+    proc = subprocess.Popen([sys.executable, 'compare.py', *args], cwd=ROOT, env=subprocess_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, preexec_fn=preexec_fn)
+    log = out / 'runs' / 'base-seed1' / 'train.log'
+    deadline = time.time() + 120
+    while time.time() < deadline and not (log.exists() and 'saved checkpoint' in log.read_text()):
+        time.sleep(0.01)
+    return proc, log
+
+
+def children(pid, script):
+    """The process ids of pid's children that run script (Linux: /proc)."""
+    found = []
+    for entry in filter(str.isdigit, os.listdir('/proc')):
+        with contextlib.suppress(OSError):  # (one that ended meanwhile)
+            stat = Path(f'/proc/{entry}/stat').read_text()
+            if int(stat.rsplit(')', 1)[1].split()[1]) == pid and script in Path(f'/proc/{entry}/cmdline').read_text():
+                found.append(int(entry))
+    return found
+
+
+def running(pid):
+    """Whether the process is there and not a zombie (a child ended but not yet waited for)."""
+    try:
+        return Path(f'/proc/{pid}/stat').read_text().rsplit(')', 1)[1].split()[0] != 'Z'
+    except OSError:
+        return False
+
+
+def stderr_lines(proc):
+    """The lines proc writes to stderr, read by a thread into the list returned, as they come."""
+    lines = []
+    threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True).start()
+    return lines
+
+
+def test_a_ctrl_c_after_a_stop_quits_at_once_in_one_line(sweep):
+    """The first stop waits for the runs to save (here a train.py held stopped cannot), and says that a Ctrl-C
+    quits at once: that Ctrl-C ends the sweep in one line (a KeyboardInterrupt traceback before), with its
+    train.py ended, not left behind, and the run's last checkpoint intact."""
+    tmp, data, _ = sweep
+    proc, log = start_endless_run(tmp / 'second-ctrl-c', data)
+    [train] = children(proc.pid, 'train.py')
+    os.kill(train, signal.SIGSTOP)
+    try:
+        lines = stderr_lines(proc)
+        proc.send_signal(signal.SIGTERM)
+        deadline = time.time() + 30
+        while time.time() < deadline and not any("Ctrl-C again to quit at once" in line for line in lines):
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGINT)
+        os.kill(train, signal.SIGCONT)  # (it then saves, or quits at the Ctrl-C compare.py passes on)
+        proc.wait(timeout=30)
+    finally:  # (what a failure leaves: train.py, stopped or not, dies with compare.py)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    time.sleep(0.1)  # (the reader thread takes the last lines)
+    err = ''.join(lines)
+    assert proc.returncode == 130 and 'Traceback' not in err, err[-3000:]
+    assert "stopping: the runs save a checkpoint and exit (Ctrl-C again to quit at once)\n" in err
+    assert err.count("interrupted again: quit without waiting for the runs to save (each keeps its last checkpoint): "
+                     "run the same command again to continue the sweep\n") == 1, err[-3000:]
+    assert not running(train)
+    assert torch.load(log.parent / 'ckpt.pt', map_location='cpu', weights_only=True)['iter_num'] >= 8
+
+
+def test_a_stop_while_the_report_is_written_ends_in_one_line_and_stops_sample_py(sweep):
+    """SIGTERM while sample.py writes the report's samples: compare.py ends in one line (a KeyboardInterrupt
+    traceback before), sample.py with it, and no report is left half written."""
+    tmp, data, _ = sweep
+    out = copy_sweep(tmp, 'report-stopped')
+    args = sweep_args(out, data, '--report_only=True', '--sample_tokens=20', attn_types='base', seeds='1')
+    proc = subprocess.Popen([sys.executable, 'compare.py', *args], cwd=ROOT, env=subprocess_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    sample = []
+    try:
+        deadline = time.time() + 60
+        while time.time() < deadline and proc.poll() is None and not (sample := children(proc.pid, 'sample.py')):
+            time.sleep(0.01)
+        assert sample and proc.poll() is None, "compare.py ended before it ran sample.py"
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 130 and 'Traceback' not in err, err
+    assert err.strip().splitlines()[-1] == ("interrupted while writing the report: run the same command again to "
+                                            "write it (the runs are intact)"), err
+    assert not running(sample[0]) and not (out / 'report' / 'results.json').exists()
 
 
 def copy_sweep(tmp, name, runs=('base-seed1',)):

@@ -7,6 +7,7 @@ import random
 import re
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -514,6 +515,55 @@ def test_compressed_and_json_array_inputs(tmp_path):
     assert sorted(train + val) == sorted(docs * 5)  # each file's documents, once per file
 
 
+def test_what_is_read_whole_is_bounded(tmp_path, monkeypatch):
+    """What cannot be cut into parts is read whole into memory, so past MAX_WHOLE_BYTES (here 100 kB) it is
+    refused in one line naming the file and the limit: a .gz that inflates without bound (10 MiB of zeros in
+    10 kB), a 6 GB line (a sparse file: no disk used, and no more than the limit is read), a line or
+    paragraph of a .txt, a .txt document and a JSON array over it. They were read whole, the 6 GB line grown
+    in memory until it ended."""
+    monkeypatch.setattr(prepare_common, "MAX_WHOLE_BYTES", 100_000)
+    out = ["--out_dir", tmp_path / "out", "--num_proc", 1]
+    zeros = zlib.compressobj(wbits=31)  # (the gzip format)
+    bomb = b"".join(zeros.compress(bytes(1 << 20)) for _ in range(10)) + zeros.flush()
+    (tmp_path / "bomb.jsonl.gz").write_bytes(bomb)
+    with pytest.raises(PrepareError, match=r"bomb.jsonl.gz inflates to more than 100,000 bytes, the most a compressed "
+                                           r"input may hold \(it is read whole into memory\); decompress it first"):
+        run_local("--input", tmp_path / "bomb.jsonl.gz", *out)
+    with open(tmp_path / "huge.jsonl", "wb") as f:
+        f.write(b'{"text": "a"}\n{"text": "')
+        f.truncate(6 * 10 ** 9)  # one line of 6 GB
+    with pytest.raises(PrepareError, match=r"huge.jsonl, line 2: a JSON line longer than 100,000 bytes, the most one "
+                                           r"may hold \(each is read whole into memory\); split it into shorter ones"):
+        run_local("--input", tmp_path / "huge.jsonl", *out)
+    (tmp_path / "long.txt").write_text("a\nb\n\n" + "word " * 60_000 + "\nc\n")
+    for unit in ["line", "paragraph"]:
+        with pytest.raises(PrepareError, match=rf"long.txt, line 4: a {unit} longer than 100,000 bytes"):
+            run_local("--input", tmp_path / "long.txt", "--text_unit", unit, *out)
+    with pytest.raises(PrepareError, match=r"long.txt is one document \(--text_unit document\) of 300,008 bytes, "
+                                           r"more than the 100,000 read whole into memory; use --text_unit paragraph"):
+        run_local("--input", tmp_path / "long.txt", *out)
+    (tmp_path / "array.json").write_text(json.dumps([{"text": "word " * 100} for _ in range(300)]))
+    with pytest.raises(PrepareError, match=r"array.json is one JSON array of [\d,]+ bytes, more than the 100,000 read "
+                                           r"whole into memory; write it as JSON lines"):
+        run_local("--input", tmp_path / "array.json", *out)
+    assert not (tmp_path / "out").exists()
+
+
+def test_json_nested_deeper_than_the_parser_goes_and_a_negative_seed_are_one_line(tmp_path):
+    """A RecursionError (JSON lines and a JSON array) and numpy's ValueError on a negative seed were tracebacks."""
+    out = ["--out_dir", tmp_path / "out", "--num_proc", 1]
+    (tmp_path / "deep.jsonl").write_text('{"text": "a"}\n{"text": ' + "[" * 100_000 + "\n")
+    with pytest.raises(PrepareError, match=r"deep.jsonl, line 2: not valid JSON \(nested too deeply\)"):
+        run_local("--input", tmp_path / "deep.jsonl", *out)
+    (tmp_path / "deep.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(PrepareError, match=r"deep.json: not valid JSON \(nested too deeply\)"):
+        run_local("--input", tmp_path / "deep.json", *out)
+    write_jsonl(tmp_path / "docs.jsonl", ["a", "b", "c"])
+    r = prepare(OWT, "--input", tmp_path / "docs.jsonl", "--seed", -1, *out, check=False)
+    assert_bad_input(r, "--seed must be a non-negative integer, got -1")
+    assert not (tmp_path / "out").exists()
+
+
 # ------------------------------------------------------------------------- shakespeare_char
 
 def shakespeare_text(tmp_path):
@@ -585,6 +635,15 @@ def test_shakespeare_char_bad_input_is_one_line(tmp_path):
     # nothing written: no out folder, the file given as --out_dir unchanged
     assert sorted(os.listdir(tmp_path)) == before and os.listdir(tmp_path / "folder") == []
     assert (tmp_path / "taken").read_text() == "a file\n"
+
+
+def test_shakespeare_char_never_downloads_to_a_given_input(tmp_path):
+    """An --input whose name is too long for the file system: os.stat cannot say it is missing, and it was
+    downloaded to (offline: 'could not download', exit 1)."""
+    name = tmp_path / ("x" * 300)
+    r = prepare(SHAKESPEARE, "--input", name, "--out_dir", tmp_path / "out", check=False)
+    assert_bad_input(r, f"{name}: cannot read it (File name too long); give a text file you can read")
+    assert r.stdout == "" and os.listdir(tmp_path) == []
 
 
 @pytest.mark.parametrize("script", [SHAKESPEARE, OWT], ids=["shakespeare_char", "openwebtext"])

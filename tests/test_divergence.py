@@ -12,6 +12,7 @@ import torch
 
 from denoised_gpt.checkpoint import load_checkpoint
 from denoised_gpt.run_dir import LOCK_NAME
+from denoised_gpt.training import divergence_cause
 from denoised_gpt.weights import all_finite, nonfinite_optimizer_state, nonfinite_weights
 from helpers import (NO_AUTOCAST, ROOT, TINY, eval_losses, iter_losses, make_dataset, run_script_in_process,
                      save_model_checkpoint, subprocess_env, tiny_checkpoint, tiny_gpt)
@@ -206,7 +207,7 @@ def test_a_nonfinite_optimizer_moment_is_neither_resumed_nor_converted(tmp_path,
     train(data, tmp_path / 'new', f'--init_from={out}', '--max_iters=2')
 
 
-@pytest.mark.parametrize('kl_weight', ['1e308', '1e30'])  # the KL term overflows / its gradient does
+@pytest.mark.parametrize('kl_weight', ['3e38', '1e30'])  # at float32's limit (past it: refused) / its gradient overflows
 def test_a_kl_term_that_swamps_the_loss_is_named_as_the_cause_not_the_learning_rate(tmp_path, data, kl_weight):
     proc = train(data, tmp_path / 'out', '--attn_type=noiseformer_v2', f'--kl_weight={kl_weight}', '--max_iters=4',
                  expect_rc=3)
@@ -224,3 +225,44 @@ def test_a_first_forward_that_is_not_finite_is_not_blamed_on_the_learning_rate(t
     assert "stopping at iter 0: non-finite loss or gradient in the first forward, before any update, so not from " \
            "the learning rate" in last
     assert "noise_init_std" in last and "lower learning_rate" not in last
+
+
+@pytest.mark.parametrize('setting, says', [
+    ('--kl_weight=1e308', "kl_weight=1e+308 is past float32's range (3.4e+38), in which the loss is computed: "
+                          "kl_weight x kl would be inf (or NaN where kl is 0); use a smaller kl_weight"),
+])
+def test_settings_that_make_every_step_non_finite_are_refused_before_the_run(tmp_path, data, setting, says):
+    """kl_weight=1e308 is inf in the float32 loss (and inf x 0 = NaN on base, which has no KL term): NaN at
+    iteration 0, blamed on the learning rate. Refused at start-up in one line, nothing trained."""
+    proc = train(data, tmp_path / 'out', setting, '--learning_rate=1e-3', '--max_iters=2', expect_rc=2)
+    assert proc.stderr.strip().splitlines() == [f"train.py: error: {says}"], proc.stderr
+    assert not (tmp_path / 'out' / 'ckpt.pt').exists()
+
+
+@pytest.mark.parametrize('settings, cause, advice', [
+    ({'noise_init_std': 1e300, 'lowrank_score_divisor': 81.0, 'qk_head_size': None},
+     " in the first forward, before any update, so not from the learning rate: noise_init_std=1e+300 (default "
+     "0.01) makes it", "Start again with noise_init_std nearer the default"),
+    ({'noise_init_std': 0.01, 'lowrank_score_divisor': 1e-300, 'qk_head_size': 24},
+     " in the first forward, before any update, so not from the learning rate: lowrank_score_divisor=1e-300 (default "
+     "81.0), qk_head_size=24 (default None) make it",
+     "Start again with lowrank_score_divisor and qk_head_size nearer the default"),
+    ({'learning_rate': 3e-3, 'weight_decay': 1e308},
+     " (learning_rate x weight_decay = 3e+305: AdamW multiplies each decayed weight by 1 - 3e+305 = -3e+305 every "
+     "step, where it needs a factor between 0 and 1)",
+     "No checkpoint was written yet: start the run again with a lower weight_decay"),
+])
+def test_the_setting_that_made_the_first_nan_is_named(settings, cause, advice):
+    """divergence_cause given the run's settings (train.py's, its model's among them) names the one that made the
+    loss or gradient non-finite: a model setting off its default in the first forward, or a weight decay whose
+    step flips and grows the weights (learning_rate x weight_decay = 3e305: NaN at iteration 1). Without
+    settings it could name none."""
+    first_step = 'weight_decay' not in settings
+    ce = float('nan') if first_step else 3.9
+    assert divergence_cause(ce, 0.0, 5e-6, first_step, 'out', None, settings=settings) == (cause, advice)
+    # at their defaults, a first forward that is not finite is the model's or the data's, no setting named
+    general = divergence_cause(float('nan'), 0.0, 5e-6, True, 'out', None,
+                               settings={'noise_init_std': 0.01, 'lowrank_score_divisor': 81.0, 'learning_rate': 1e-3,
+                                         'weight_decay': 0.1})
+    assert general[0].endswith("a setting that shapes the model (e.g. noise_init_std, lowrank_score_divisor, "
+                               "qk_head_size) or batches without a target make it")

@@ -3,6 +3,7 @@ examples with labelled answers in training batches, the loss on answers only for
 eval.py's answer accuracy, and compare.py's sweep over a grid with its accuracy report."""
 import itertools
 import json
+import re
 import subprocess
 import sys
 
@@ -138,6 +139,29 @@ def test_query_slots_follow_the_power_law_drawn_without_replacement():
 def test_bad_settings_are_one_line_and_write_nothing(tmp_path, args, message):
     proc = prepare(tmp_path / "out", *args)
     assert proc.returncode == 2 and message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--train_examples=100000000000"], r"--train_examples 100,000,000,000 is too large: 3 x \(100,000,000,000 \+ "
+                                        r"500\) examples of 33 tokens over 64 ids would need about [\d.,]+ TiB of "
+                                        r"memory to make, more than this machine's [\d.,]+ [GT]iB; choose a smaller "
+                                        r"--train_examples"),
+    (["--seq_len=99999999998", "--train_examples=10"], r"--seq_len 99,999,999,998 is too large: .* would need about "
+                                                       r"[\d.,]+ PiB of memory"),
+    (["--power_a=inf"], r"--power_a inf must be a positive finite number"),
+    (["--power_a=1e300"], r"--power_a 1e\+300 is too large for --seq_len 32: the query slots' weights g\^\(a - 1\) "
+                          r"overflow; choose a smaller one"),
+])
+def test_sizes_past_the_memory_and_an_overflowing_power_law_are_one_line(tmp_path, capsys, args, message):
+    """Counts no machine holds: one line naming the setting and the memory the examples need, before any draw
+    (numpy's MemoryError was a traceback). A power_a whose weights overflow (inf / inf) drew query slots from
+    NaN weights without a word."""
+    import prepare as mqar_prepare  # data/mqar/prepare.py (on sys.path above)
+    with pytest.raises(SystemExit) as stop:
+        mqar_prepare.main([f"--out_dir={tmp_path / 'out'}", *args])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and len(err.strip().splitlines()) == 1 and re.search(message, err), err
     assert not (tmp_path / "out").exists()
 
 

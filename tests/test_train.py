@@ -22,7 +22,7 @@ from denoised_gpt.checkpoint import load_checkpoint
 from denoised_gpt.lr_schedule import get_lr
 from helpers import (ITER_LINE, ROOT, TINY, TINY_MODEL, VOCAB, eval_losses, iter_losses, make_dataset,
                      run_script_in_process, run_train, run_train_in_process, subprocess_env, train_command)
-from model import ATTENTION_TYPES, GPTConfig
+from model import ATTENTION_TYPES, GPT, GPTConfig
 
 
 def test_tiny_model_is_config_tiny_model():
@@ -71,13 +71,14 @@ def test_resume_after_sigkill_and_sigterm_reproduces_the_uninterrupted_run(tmp_p
     assert rc == -signal.SIGKILL
     k1 = load_checkpoint(out)['iter_num']
     assert 10 <= k1 < n
-    # 2) resume; SIGTERM: the step in progress finishes, a checkpoint is written, exit 0
+    # 2) resume; SIGTERM: the last finished step is saved (the step in progress is dropped, or done if the signal
+    # came in its last micro-batch), exit 0
     rc, stdout2, err = run_until_signal(out, data, signal.SIGTERM, k1 + 3, *common, '--init_from=resume',
                                         '--max_iters=1000000')
     assert rc == 0, err
     k2 = load_checkpoint(out)['iter_num']
     assert k1 + 3 < k2 < n and max(iter_losses(stdout2)) == k2 - 1
-    assert f"SIGTERM received: stopping after iter {k2 - 1}" in stdout2
+    assert stopped_at(stdout2) == k2
     # its last line: the state saved on SIGTERM was not evaluated, so no val loss is given for it
     evals = {**eval_losses(stdout1), **eval_losses(stdout2)}
     best = min(evals, key=evals.get)
@@ -324,6 +325,10 @@ BAD_SETTINGS = [
     (['--out_dir='], "out_dir='' is empty"),
     (['--learning_rate=-0.1', '--decay_lr=False'], "learning_rate=-0.1 must be positive"),
     (['--nonfinite=skip', '--max_skipped_steps=0'], "max_skipped_steps=0 must be at least 1"),
+    # each step would run for days (it ran, and a stop waited for the step), or the first batch exhaust memory
+    (['--gradient_accumulation_steps=2000000'], "gradient_accumulation_steps=2000000 is over the limit of 1,048,576 "
+                                                "micro-batches per iteration"),
+    (['--batch_size=100000'], "batch_size=100000 is over the limit of 65,536 sequences per micro-batch"),
 ]
 
 
@@ -359,14 +364,107 @@ def test_permanent_divergence_stops_after_max_skipped_steps(tmp_path):
     assert "4 steps in a row had a non-finite loss or gradient (max_skipped_steps=4)" in proc.stderr
 
 
-def test_ctrl_c_finishes_the_step_and_checkpoints(tmp_path):
+def stopped_at(stdout):
+    """The iteration whose state a stop saved, by the line train.py printed: after a finished step (the signal came
+    in its last micro-batch, or between steps), or during one, which is dropped."""
+    after = re.findall(r"^SIG\w+ received: stopping after iter (\d+)$", stdout, re.M)
+    during = re.findall(r"^SIG\w+ received during iter (\d+) \(\d+ of its \d+ micro-batches done\): stopping without it$",
+                        stdout, re.M)
+    assert len(after) + len(during) == 1, stdout[-2000:]
+    return int(after[0]) + 1 if after else int(during[0])
+
+
+def test_ctrl_c_saves_the_last_finished_step(tmp_path):
     data = make_dataset(tmp_path)
     out = tmp_path / 'out'
     rc, stdout, err = run_until_signal(out, data, signal.SIGINT, 3, '--max_iters=1000000', '--eval_interval=1000')
     assert rc == 0, err
     k = load_checkpoint(out)['iter_num']
-    assert k >= 4 and f"SIGINT received: stopping after iter {k - 1}" in stdout
+    assert k >= 4 and stopped_at(stdout) == k and max(iter_losses(stdout)) == k - 1
     assert "Ctrl-C again to quit at once" in err
+
+
+def test_a_stop_does_not_wait_for_a_step_of_a_million_micro_batches(tmp_path):
+    """With 10^6 micro-batches a step takes an hour here, and a stop used to wait for it: SIGTERM now ends the run
+    within seconds, the unfinished step dropped, and the checkpoint is the last finished state (before any step:
+    no update in AdamW's state, and the RNGs as the step found them, as a run saving at iter 0 has them)."""
+    data = make_dataset(tmp_path)
+    out = tmp_path / 'out'
+    proc = subprocess.Popen(train_command(out, data, '--gradient_accumulation_steps=1000000', '--max_iters=10'),
+                            cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith('step 0:'):  # the evaluation before the first step: the step starts now
+                break
+        proc.send_signal(signal.SIGTERM)
+        rest, err = proc.communicate(timeout=30)  # (generous: the step alone would take an hour)
+    finally:
+        proc.kill()
+        proc.wait()
+    stdout = ''.join(lines) + rest
+    assert proc.returncode == 0, err
+    assert re.search(r"^SIGTERM received during iter 0 \(\d+ of its 1000000 micro-batches done\): stopping without "
+                     r"it$", stdout, re.M), stdout
+    assert f"saved checkpoint to {out / 'ckpt.pt'} (iter 0, SIGTERM)" in stdout and not iter_losses(stdout)
+    state = load_checkpoint(out)
+    assert state['iter_num'] == 0 and state['optimizer']['state'] == {}
+    initial = train_in_process(*tiny_args(tmp_path, data, 'initial'), '--max_iters=0')  # saves iter 0, after its evaluation
+    assert "(iter 0, end of training)" in initial.stdout
+    reference = load_checkpoint(tmp_path / 'initial')
+    assert torch.equal(state['rng']['torch'], reference['rng']['torch'])
+    for name, w in reference['model'].items():
+        assert torch.equal(state['model'][name], w), name
+
+
+def signal_in_micro_batch(monkeypatch, index):
+    """SIGTERM to this process during the training forward pass number `index` (counting every micro-batch of the
+    train.py runs in this process from 0), as a scheduler's would arrive there."""
+    forward, calls = GPT.forward, iter(range(10 ** 9))
+
+    def counting(self, idx, targets=None, kv_cache=None, return_logits=True):
+        if not return_logits and next(calls) == index:  # (evaluation asks for the logits)
+            os.kill(os.getpid(), signal.SIGTERM)
+        return forward(self, idx, targets, kv_cache, return_logits)
+    monkeypatch.setattr(GPT, 'forward', counting)
+
+
+def test_a_stop_within_a_step_saves_the_last_finished_step_and_the_resumed_run_is_exact(tmp_path, monkeypatch):
+    """4 micro-batches a step. A SIGTERM in iter 3's second micro-batch drops iter 3: the checkpoint is iter 3's
+    state exactly as a stop between iters 2 and 3 saves it (weights, AdamW, RNGs, sampler), and the run resumed
+    from it gives the uninterrupted run's losses and weights."""
+    data = make_dataset(tmp_path)
+    common = ['--attn_type=noiseformer_v2', '--gradient_accumulation_steps=4', '--eval_interval=5',
+              '--lr_decay_iters=10']  # noiseformer_v2: noise drawn at every forward must replay too
+    full = train_in_process(*tiny_args(tmp_path, data, 'full'), *common, '--max_iters=10').stdout
+    signal_in_micro_batch(monkeypatch, 2 * 4 + 3)  # iter 2's last micro-batch: iter 2 finishes
+    after = train_in_process(*tiny_args(tmp_path, data, 'after'), *common, '--max_iters=10').stdout
+    assert "SIGTERM received: stopping after iter 2" in after
+    monkeypatch.undo()
+    signal_in_micro_batch(monkeypatch, 3 * 4 + 1)  # iter 3's second: stopped before its third
+    during = train_in_process(*tiny_args(tmp_path, data, 'during'), *common, '--max_iters=10').stdout
+    assert "SIGTERM received during iter 3 (2 of its 4 micro-batches done): stopping without it" in during
+    assert f"saved checkpoint to {tmp_path / 'during' / 'ckpt.pt'} (iter 3, SIGTERM)" in during
+    assert iter_losses(during) == iter_losses(after) == {it: iter_losses(full)[it] for it in range(3)}
+    a, b = load_checkpoint(tmp_path / 'after'), load_checkpoint(tmp_path / 'during')
+    assert a['iter_num'] == b['iter_num'] == 3 and a['val_loss'] is b['val_loss'] is None
+    for name in a['model']:
+        assert torch.equal(a['model'][name], b['model'][name]), name
+    for pa, pb in zip(a['optimizer']['state'].values(), b['optimizer']['state'].values()):
+        assert all(torch.equal(pa[k], pb[k]) for k in pa)
+    assert torch.equal(a['rng']['torch'], b['rng']['torch']) and a['rng']['python'] == b['rng']['python']
+    assert torch.equal(a['train_batches']['generator'], b['train_batches']['generator'])
+    monkeypatch.undo()
+    resumed = train_in_process(*tiny_args(tmp_path, data, 'during'), *common, '--init_from=resume',
+                               '--max_iters=10').stdout
+    assert iter_losses(resumed) == {it: iter_losses(full)[it] for it in range(3, 10)}
+    assert eval_losses(resumed) == {it: eval_losses(full)[it] for it in (5, 10)}
+    rows = [json.loads(line) for line in (tmp_path / 'during' / 'metrics.jsonl').read_text().splitlines()]
+    assert [r['iter'] for r in rows if 'loss' in r] == list(range(10))
+    a, b = load_checkpoint(tmp_path / 'full'), load_checkpoint(tmp_path / 'during')
+    for name in a['model']:
+        assert torch.equal(a['model'][name], b['model'][name]), name
 
 
 def test_a_stop_during_an_evaluation_saves_at_once_and_the_resumed_run_evaluates_that_state(tmp_path):
@@ -430,7 +528,7 @@ def test_a_second_ctrl_c_quits_at_once_in_one_line(tmp_path):
         time.sleep(0.05)
     proc.send_signal(signal.SIGINT)
     for line in proc.stderr:
-        if "Ctrl-C: finishing this step, then saving a checkpoint" in line:
+        if "Ctrl-C: stopping at the next micro-batch, then saving a checkpoint" in line:
             break
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)

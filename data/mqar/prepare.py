@@ -38,10 +38,11 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # data/, for prepare_common
-from prepare_common import (PrepareError, atomic_outputs, check_out_dir, max_id, one_line_errors, write_array,
-                            write_json)
+from prepare_common import (PrepareError, atomic_outputs, check_out_dir, human_bytes, machine_memory, max_id,
+                            one_line_errors, write_array, write_json)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+DEFAULTS = dict(vocab_size=64, seq_len=32, train_examples=50000, val_examples=500)  # the recall study's data
 
 
 def power_law(space, power_a):
@@ -97,6 +98,39 @@ def check_shape(num_kv_pairs, seq_len, vocab_size):
                            f"{num_kv_pairs} distinct keys per example; raise it to at least {2 * num_kv_pairs + 2}")
 
 
+def memory_needed(train_examples, val_examples, num_kv_pairs, seq_len, vocab_size):
+    """About the most bytes of arrays this script holds at once (2-20 % below the measured peak resident size
+    beyond the interpreter's own, from 0.3 to 1 GB): the largest of a split being drawn (the examples so far,
+    then the draw: its uniform numbers, scores and their argsort, 8 bytes each per candidate key, value or
+    query slot, or its int64 tokens), its concatenation (every example twice), and the train rows' set that
+    counts shared examples."""
+    parts, example = len(num_kv_pairs), 6 * (seq_len + 1)  # an example: uint16 tokens and int32 labels
+    half, slots = vocab_size // 2, max((seq_len - 2 * min(num_kv_pairs)) // 2, 1)
+
+    def drawing(n):  # one split of n examples per number of pairs
+        draws = n * max(24 * max(half, vocab_size - half), 32 * slots, 14 * (seq_len + 1))
+        return max(example * n * (parts - 1) + draws, 2 * example * n * parts)
+    train = example * train_examples * parts
+    return max(drawing(train_examples), train + drawing(val_examples),
+               train + example * val_examples * parts + (2 * (seq_len + 1) + 80) * train_examples * parts)
+
+
+def check_memory(args):
+    """PrepareError when the examples asked for need more memory than this machine has: one line naming the
+    setting that, put back at its default, lowers the need most, and the memory needed."""
+    sizes = {k: getattr(args, k) for k in DEFAULTS}
+    need = memory_needed(num_kv_pairs=args.num_kv_pairs, **sizes)
+    room = machine_memory()
+    if room is None or need <= room:
+        return
+    culprit = min((k for k in sizes if sizes[k] > DEFAULTS[k]), default="train_examples",
+                  key=lambda k: memory_needed(num_kv_pairs=args.num_kv_pairs, **{**sizes, k: DEFAULTS[k]}))
+    raise PrepareError(f"--{culprit} {sizes[culprit]:,} is too large: {len(args.num_kv_pairs)} x "
+                       f"({args.train_examples:,} + {args.val_examples:,}) examples of {args.seq_len + 1:,} tokens "
+                       f"over {args.vocab_size:,} ids would need about {human_bytes(need)} of memory to make, more "
+                       f"than this machine's {human_bytes(room)}; choose a smaller --{culprit}")
+
+
 def split(args, seed, per_pairs):
     """All the examples of one split, grouped by number of pairs in --num_kv_pairs order."""
     parts = [mqar_examples(per_pairs, pairs, args.seq_len, args.vocab_size, seed, args.power_a, args.filler)
@@ -113,8 +147,9 @@ def shared_examples(train, val):
 def prepare(args):
     if args.train_examples < 1 or args.val_examples < 1:
         raise PrepareError("--train_examples and --val_examples must be at least 1")
-    if not args.power_a > 0:
-        raise PrepareError(f"--power_a {args.power_a} must be positive (1 is uniform over the query slots)")
+    if not 0 < args.power_a < float("inf"):
+        raise PrepareError(f"--power_a {args.power_a} must be a positive finite number (1 is uniform over the query "
+                           f"slots)")
     if args.seed < 0 or args.val_seed < 0:
         raise PrepareError("--seed and --val_seed must be non-negative integers")
     if args.seed == args.val_seed:
@@ -123,10 +158,21 @@ def prepare(args):
         raise PrepareError(f"--num_kv_pairs {args.num_kv_pairs} repeats a value")
     for pairs in args.num_kv_pairs:
         check_shape(pairs, args.seq_len, args.vocab_size)
+    check_memory(args)
+    for pairs in args.num_kv_pairs:  # a large power_a overflows g^(a - 1): the weights are inf / inf
+        with np.errstate(all="ignore"):
+            weights = power_law((args.seq_len - 2 * pairs) // 2, args.power_a)
+        if not np.isfinite(weights).all():
+            raise PrepareError(f"--power_a {args.power_a} is too large for --seq_len {args.seq_len}: the query slots' "
+                               f"weights g^(a - 1) overflow; choose a smaller one (1 is uniform)")
     check_out_dir(args.out_dir)
 
-    train, train_labels = split(args, args.seed, args.train_examples)
-    val, val_labels = split(args, args.val_seed, args.val_examples)
+    try:
+        train, train_labels = split(args, args.seed, args.train_examples)
+        val, val_labels = split(args, args.val_seed, args.val_examples)
+    except MemoryError as e:  # more than this machine has free now (check_memory: more than it has at all)
+        raise PrepareError(f"cannot make the examples: {e}; ask for fewer (--train_examples, --val_examples) or "
+                           f"shorter ones (--seq_len)") from None
     overlap = shared_examples(train, val)
     names = ["train.bin", "val.bin", "train_labels.bin", "val_labels.bin", "meta.json"]
     with atomic_outputs(args.out_dir, names) as tmp:
@@ -149,13 +195,16 @@ def prepare(args):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--vocab_size", type=int, default=64, help="V: keys from 1 .. V/2 - 1, values from V/2 .. V - 1")
-    p.add_argument("--seq_len", type=int, default=32, help="tokens the model reads per example (train with "
-                                                            "block_size equal to it)")
+    p.add_argument("--vocab_size", type=int, default=DEFAULTS["vocab_size"],
+                   help="V: keys from 1 .. V/2 - 1, values from V/2 .. V - 1")
+    p.add_argument("--seq_len", type=int, default=DEFAULTS["seq_len"],
+                   help="tokens the model reads per example (train with block_size equal to it)")
     p.add_argument("--num_kv_pairs", type=int, nargs="+", default=[2, 4, 8],
                    help="key-value pairs per example; several values give a mix, each with the numbers of examples below")
-    p.add_argument("--train_examples", type=int, default=50000, help="training examples per number of pairs")
-    p.add_argument("--val_examples", type=int, default=500, help="validation examples per number of pairs")
+    p.add_argument("--train_examples", type=int, default=DEFAULTS["train_examples"],
+                   help="training examples per number of pairs")
+    p.add_argument("--val_examples", type=int, default=DEFAULTS["val_examples"],
+                   help="validation examples per number of pairs")
     p.add_argument("--power_a", type=float, default=0.01, help="the query slots' power law (the paper's 0.01)")
     p.add_argument("--filler", choices=["random", "zeros"], default="random",
                    help="what fills the positions that are neither pairs nor queries: uniformly random tokens "

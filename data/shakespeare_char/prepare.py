@@ -58,9 +58,11 @@ def too_large(path, size):
             f"smaller text, or tokenise a corpus that large with GPT-2's BPE: data/openwebtext/prepare.py --input")
 
 
-def read_text(path):
-    """The local file if given or already downloaded, else download it to `path` (as nanoGPT)."""
-    if not os.path.lexists(path):  # (a link that leads nowhere is not missing: check_input names it)
+def read_text(path, download=True):
+    """The local file if given or already downloaded, else (download) download it to `path` (as nanoGPT)."""
+    # (a link that leads nowhere is not missing: check_input names it; a given --input is never downloaded to,
+    # even where os.stat cannot tell, e.g. a name too long for the file system)
+    if download and not os.path.lexists(path):
         print(f"downloading {URL}")
         try:
             with urllib.request.urlopen(URL, timeout=30) as r:
@@ -105,7 +107,7 @@ def prepare(args):
     check_out_dir(args.out_dir)
 
     path = args.input or os.path.join(args.out_dir, "input.txt")
-    data = read_text(path)
+    data = read_text(path, download=args.input is None)
     chars = sorted(set(data))
     if len(chars) > MAX_CHARS:
         raise PrepareError(f"{path} has {len(chars):,} distinct characters, more than the {MAX_CHARS:,} ids a token "
