@@ -443,8 +443,8 @@ def save(reason, val_loss):
 stop_request = StopRequest(out_dir if master_process else None, distributed=ddp)
 if wandb_log and master_process:
     wandb = start_wandb(wandb_project, wandb_run_name, config, out_dir)
-speed = StepSpeed(raw_model, batch_size * gradient_accumulation_steps, peak_flops(device, dtype),
-                  on_cpu=device_type(device) == 'cpu') if master_process else None
+speed = StepSpeed(raw_model, batch_size * gradient_accumulation_steps, lambda: peak_flops(device, dtype),
+                  device_type(device) == 'cpu', max_iters - iter_num, log_interval) if master_process else None
 if master_process and decay_lr and (note := schedule_note(max_iters, learning_rate, warmup_iters, lr_decay_iters,
                                                           min_lr)):
     print(note)
@@ -613,7 +613,7 @@ while True:
     t0 = t1
     train_time += dt
     if iter_num % log_interval == 0 and master_process:
-        mfu = speed.update(dt, settled=local_iter_num >= 5)  # None until measured from settled steps
+        mfu = speed.update(dt, settled=local_iter_num >= speed.SETTLED_AFTER)  # None until measured from settled steps
         mfu_text = f", mfu {mfu * 100:.2f}%" if mfu is not None else ""
         print(f"iter {iter_num}: loss {loss_mean:.6f}, ce {ce_mean:.6f}, kl {kl_mean:.4g}, lr {lr:.3e}, "
               f"{dt * 1000:.2f}ms/iter, {tokens_per_iter / dt:,.0f} tok/s{mfu_text}")

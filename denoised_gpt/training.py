@@ -280,20 +280,25 @@ def compile_training_step(model, batch_size, block_size, device, ctx):
 
 
 class StepSpeed:
-    """What the log line says about speed. MFU (GPT.estimate_mfu against `peak_flops`) is shown once it
-    rests on settled steps: the median of the first MFU_START measurements, so one slow step (a cold
+    """What the log line says about speed. MFU (GPT.estimate_mfu against the device's peak FLOP/s) is shown once
+    it rests on settled steps: the median of the first MFU_START measurements, so one slow step (a cold
     cache, another process) does not set it, then a moving average. On CPU, a note once when step times
     swing: torch's OpenMP threads spin-wait for each other, so another busy process slows every step."""
     MFU_START = 5
+    SETTLED_AFTER = 5  # steps of this process before the step time counts (train.py's `settled`)
     SWING = 3.0  # a step this many times the median of the recent ones counts as slowed down
 
-    def __init__(self, model, fwdbwd_per_iter, peak_flops, on_cpu):
-        self.model, self.fwdbwd_per_iter, self.peak_flops, self.on_cpu = model, fwdbwd_per_iter, peak_flops, on_cpu
+    def __init__(self, model, fwdbwd_per_iter, peak_flops, on_cpu, iters_left, log_interval):
+        """peak_flops: () -> the peak, called here only when the run logs enough settled steps to show MFU
+        (iters_left of them, one logged in log_interval): on a CPU it is measured, for a second."""
+        self.model, self.fwdbwd_per_iter, self.on_cpu = model, fwdbwd_per_iter, on_cpu
+        shows_mfu = (iters_left - self.SETTLED_AFTER) // log_interval >= self.MFU_START
+        self.peak_flops = peak_flops() if shows_mfu else None
         self.first, self.mfu, self.recent, self.warned = [], None, [], False
 
     def update(self, dt, settled):
         """Record a step of dt seconds; returns the MFU to show (None until it is measured)."""
-        if not settled:
+        if not settled or self.peak_flops is None:
             return self.mfu
         mfu = self.model.estimate_mfu(self.fwdbwd_per_iter, dt, self.peak_flops)
         if self.mfu is not None:

@@ -549,7 +549,7 @@ class ConstantFlops:
 
 def test_mfu_starts_from_the_median_of_settled_steps_not_one_slow_one(capsys):
     from denoised_gpt.training import StepSpeed
-    speed = StepSpeed(ConstantFlops(), 1, 1e10, on_cpu=False)
+    speed = StepSpeed(ConstantFlops(), 1, lambda: 1e10, False, iters_left=100, log_interval=1)
     assert speed.update(10.0, settled=False) is None  # warm-up steps are not measured
     shown = [speed.update(dt, settled=True) for dt in (1.0, 0.1, 0.1, 0.1, 0.1)]  # one slow step first
     assert shown[:4] == [None] * 4 and shown[4] == pytest.approx(1.0)  # the median: 1e9 / 0.1 / 1e10
@@ -557,9 +557,20 @@ def test_mfu_starts_from_the_median_of_settled_steps_not_one_slow_one(capsys):
     assert capsys.readouterr().out == ''  # not on a CPU: no note
 
 
+def test_the_peak_is_measured_only_for_a_run_that_shows_mfu():
+    """On a CPU the peak FLOP/s is measured (a second of matmuls): a run too short to log MFU_START settled steps
+    never shows MFU, so it never measures (most test runs, and every short run)."""
+    from denoised_gpt.training import StepSpeed
+    measured = []
+    for iters_left, log_interval in ((9, 1), (10, 1), (100, 20), (105, 20)):
+        StepSpeed(ConstantFlops(), 1, lambda: measured.append((iters_left, log_interval)) or 1e10, True,
+                  iters_left, log_interval)
+    assert measured == [(10, 1), (105, 20)]  # 5 warm-up steps, then 5 logged
+
+
 def test_swinging_cpu_steps_get_one_note_naming_omp_num_threads(capsys):
     from denoised_gpt.training import StepSpeed
-    speed = StepSpeed(ConstantFlops(), 1, 1e10, on_cpu=True)
+    speed = StepSpeed(ConstantFlops(), 1, lambda: 1e10, True, iters_left=100, log_interval=1)
     for dt in [0.1] * 12:
         speed.update(dt, settled=True)
     assert capsys.readouterr().out == ''  # steady steps: nothing to say
