@@ -119,14 +119,21 @@ def _label_error(path, label, at, vocab_size):
 
 def check_label_ids(path, vocab_size):
     """TokenIdError naming the first label of the labels file at path (int32) outside -1 .. vocab_size - 1:
-    a target the loss would index past its logits with, mid-run, as an IndexError. Chunk by chunk, as
-    check_token_ids."""
+    a target the loss would index past its logits with, mid-run, as an IndexError; or saying that every label
+    is -1: no target to learn or evaluate (the loss would be 0, the evaluation NaN, and the run's advice
+    about it wrong). Chunk by chunk, as check_token_ids."""
     labels = np.memmap(path, dtype=np.int32, mode="r")
+    scored = False
     for start in range(0, len(labels), SCAN_CHUNK):
         chunk = labels[start:start + SCAN_CHUNK]
         if int(chunk.min()) < -1 or int(chunk.max()) >= vocab_size:
             at = start + int(np.argmax((chunk < -1) | (chunk >= vocab_size)))
             raise _label_error(path, int(labels[at]), at, vocab_size)
+        scored = scored or int(chunk.max()) >= 0
+    if not scored:
+        raise TokenIdError(f"{path} scores no position (every label is -1, not scored): there is nothing to learn "
+                           f"or evaluate; the file is damaged or from another preparation: run that dataset's "
+                           f"prepare.py again")
 
 
 class ExampleLayout:

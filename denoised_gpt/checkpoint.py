@@ -37,6 +37,7 @@ nanoGPT interoperability:
 
 import concurrent.futures
 import glob
+import math
 import os
 import pickle
 import random
@@ -445,6 +446,10 @@ def _check_state_shapes(name, param_state, param):
         if torch.is_tensor(value) and value.dim() > 0 and value.shape != param.shape:
             raise CheckpointError(f"the checkpoint's optimizer state {key} for {name} has shape "
                                   f"{tuple(value.shape)} but the model's parameter has {tuple(param.shape)}")
+    step = param_state.get('step')  # AdamW's count of updates: its bias correction 1 - beta^step needs >= 0
+    if step is not None and not (float(step) >= 0 and math.isfinite(float(step))):
+        raise CheckpointError(f"the checkpoint's optimizer state step for {name} is {float(step):g}, not a count of "
+                              f"updates (AdamW's bias correction would make every update non-finite)")
 
 
 # ----------------------------------------------------------------------------------------------

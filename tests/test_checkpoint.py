@@ -342,6 +342,14 @@ def test_optimizer_state_that_does_not_fit_the_model_is_refused_clearly(tmp_path
     model, optimizer = model_and_optimizer(0, 'diff')  # the same matrices plus lambda vectors and a norm
     with pytest.raises(CheckpointError, match=r"param group 1 lacks \['transformer.h.0.attn.head_norm.weight'"):
         load_optimizer_state(optimizer, model, copy.deepcopy(ckpt))
+    # AdamW's step count below zero (or NaN): its bias correction made every update NaN at iteration 0
+    for step in (-3.0, float('nan')):
+        bad = copy.deepcopy(ckpt)
+        bad['optimizer']['state'][0]['step'] = torch.tensor(step)
+        model, optimizer = model_and_optimizer(0, 'base', vocab_size=61)
+        with pytest.raises(CheckpointError, match=rf"optimizer state step for transformer.wte.weight is {step:g}, not "
+                                                  rf"a count of updates"):
+            load_optimizer_state(optimizer, model, bad)
     del ckpt['optimizer_param_names']  # nanoGPT's layout: names inferred from the model's keys
     ckpt['model'].pop('transformer.ln_f.weight')
     model, optimizer = model_and_optimizer(0, 'base')

@@ -229,6 +229,20 @@ def test_a_label_outside_minus_one_to_vocab_size_is_refused_at_load_in_one_line(
     assert not [p for p in out.iterdir() if p.suffix == ".json"]
 
 
+def test_a_labels_file_that_scores_nothing_is_refused_at_load_in_one_line(mqar, tmp_path):
+    """Every label -1: the loss was 0 on every step and the evaluation NaN, which the run blamed on the learning
+    rate. Nothing to learn: refused before training, naming the file."""
+    data = copy_of(mqar, tmp_path / "data")
+    np.full(len(np.fromfile(data / "train_labels.bin", dtype=np.int32)), -1, dtype=np.int32).tofile(
+        data / "train_labels.bin")
+    proc = run_script_in_process("train.py", [TINY, f"--dataset={data}", f"--out_dir={tmp_path / 'out'}"])
+    assert proc.returncode == 2 and proc.stderr.strip() == (
+        f"train.py: error: {data / 'train_labels.bin'} scores no position (every label is -1, not scored): there is "
+        f"nothing to learn or evaluate; the file is damaged or from another preparation: run that dataset's "
+        f"prepare.py again"), proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_label_file_changed_after_load_is_caught_by_the_batch_that_holds_it(mqar, tmp_path, monkeypatch):
     monkeypatch.setattr("denoised_gpt.batches.FULL_SCAN_TOKENS", 0)  # every file counts as large: read by batches
     data = copy_of(mqar, tmp_path / "data")
