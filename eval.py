@@ -160,8 +160,6 @@ if glue and glue_cache_dir:
 # -----------------------------------------------------------------------------
 # model(s)
 
-device, dtype = prepare_device(device, dtype, trained_dtype(init_from, out_dir))
-ctx = autocast_context(device, dtype)
 
 
 def load(source, from_dir, noise=noise_at_eval):
@@ -169,14 +167,13 @@ def load(source, from_dir, noise=noise_at_eval):
     Hugging Face folder."""
     from denoised_gpt.evaluation.entropy import run_name
     from denoised_gpt.hf_format import WEIGHTS_FILE
-    try:
-        model, ckpt = load_model(source, from_dir, noise)
+    try:  # path: the checkpoint file or folder read, or source
+        model, ckpt, path = load_model(source, from_dir, noise)
     except ValueError as e:
         fail(e)
     if ckpt is None:
         info = dict(name=source, attn_type='base', checkpoint=source, dataset=dataset or None, identity=source)
     else:
-        path = checkpoint_path(from_dir) if source == 'resume' else source  # or an exported folder
         stat = os.stat(path if source == 'resume' else os.path.join(source, WEIGHTS_FILE))
         info = dict(name=run_name(from_dir if source == 'resume' else source), attn_type=model.config.attn_type,
                     checkpoint=path, iter=int(ckpt['iter_num']),
@@ -184,6 +181,7 @@ def load(source, from_dir, noise=noise_at_eval):
                     # the feature cache key: this file, as it is now
                     identity=f"{os.path.abspath(path)}:{stat.st_size}:{stat.st_mtime_ns}")
     info['params'] = model.get_num_params()
+    info['dtype'] = trained_dtype(ckpt if source == 'resume' else None)
     info['noise_on'] = noise_on(model)
     data_dir = os.path.join('data', info['dataset']) if info['dataset'] else None
     try:
@@ -208,10 +206,14 @@ def load_compare_to():
     # noise_at_eval is about the NoiseFormer model(s) of the two; a model without noise has none to turn off
     noisy = 'noise_at_eval' in getattr(ATTENTION_TYPES.get(other['model_args'].get('attn_type', 'base')),
                                        'config_fields', ())
-    return load('resume', compare_to, noise_at_eval if noisy else None)
+    other_model, other_info = load('resume', compare_to, noise_at_eval if noisy else None)
+    other_info.pop('dtype')
+    return other_model, other_info
 
 
 model, info = load(init_from, out_dir)
+device, dtype = prepare_device(device, dtype, info.pop('dtype'))
+ctx = autocast_context(device, dtype)
 model.to(device)
 if compare_to:
     other_model, other_info = load_compare_to()  # on the CPU until its turn comes

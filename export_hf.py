@@ -26,7 +26,7 @@ answer_help(__file__)  # --help before the heavy imports below
 
 import os
 
-from denoised_gpt.checkpoint import CheckpointError, checkpoint_path, load_checkpoint
+from denoised_gpt.checkpoint import CheckpointError, checkpoint_path, read_checkpoint
 from denoised_gpt.cli import fail, log, read_config
 from denoised_gpt.extras import require as require_extra
 from denoised_gpt.files import lock_folder, write_problem
@@ -56,8 +56,8 @@ try:
                                   f"folder at a time. Wait for it to finish, or choose another --hf_dir"
                           ) if os.path.isdir(hf_dir) else None
     check_hf_dir(hf_dir, overwrite)  # before the checkpoint is read
-    checkpoint = load_checkpoint(out_dir, map_location='cpu', model_only=True)
-    refuse_nonfinite_state(checkpoint, checkpoint_path(out_dir), weights_only=True)
+    path, checkpoint = read_checkpoint(out_dir, map_location='cpu', model_only=True)
+    refuse_nonfinite_state(checkpoint, path, weights_only=True)
 except (ValueError, FileNotFoundError, CheckpointError) as e:
     fail(e)
 

@@ -30,7 +30,7 @@ import torch
 
 from denoised_gpt import growth
 from denoised_gpt.batches import TokenBatches, load_meta
-from denoised_gpt.checkpoint import CheckpointError, checkpoint_path, load_checkpoint, save_checkpoint
+from denoised_gpt.checkpoint import CheckpointError, read_checkpoint, save_checkpoint
 from denoised_gpt.cli import check_ranges, check_writable_folder, fail, read_config
 from denoised_gpt.device import manual_seed, resolve_device, setup, synchronize
 from denoised_gpt.run_dir import lock_out_dir, peak_memory_mib
@@ -108,8 +108,8 @@ def main():
     global device
     globals().update(read_config(__file__, {k: globals()[k] for k in config_keys}))
     try:
-        ckpt = load_checkpoint(out_dir, map_location='cpu')
-        refuse_nonfinite_state(ckpt, checkpoint_path(out_dir), weights_only=True)  # (the optimizer is dropped)
+        path, ckpt = read_checkpoint(out_dir, map_location='cpu')
+        refuse_nonfinite_state(ckpt, path, weights_only=True)  # (the optimizer is dropped)
     except (FileNotFoundError, CheckpointError, ValueError) as e:
         fail(e)
     model_args = dict(ckpt['model_args'])

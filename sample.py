@@ -62,7 +62,6 @@ import time
 import torch
 
 from denoised_gpt.batches import load_meta, read_meta_pkl
-from denoised_gpt.checkpoint import checkpoint_path
 from denoised_gpt.cli import (check_inference_source, check_ranges, fail, gpt2_encoding, log, prepare_device,
                               print_result, quiet_ctrl_c, read_config, refused_allocation)
 from denoised_gpt.models import load_model, noise_on, trained_dtype
@@ -138,15 +137,14 @@ else:
 # -----------------------------------------------------------------------------
 # model
 
-device, dtype = prepare_device(device, dtype, trained_dtype(init_from, out_dir))
-
 # the completions of a prompt are one batch: give each its own noise draw, as if it had been generated
 # alone (a shared draw would correlate them; see the top of this file)
-try:
-    model, checkpoint = load_model(init_from, out_dir, noise_at_eval, model_overrides=dict(noise_per_sample=True))
+try:  # source: the checkpoint file or folder read, or init_from
+    model, checkpoint, source = load_model(init_from, out_dir, noise_at_eval,
+                                           model_overrides=dict(noise_per_sample=True))
 except ValueError as e:
     fail(e)
-source = checkpoint_path(out_dir) if init_from == 'resume' else init_from  # or an exported folder (or sharded)
+device, dtype = prepare_device(device, dtype, trained_dtype(checkpoint if init_from == 'resume' else None))
 attn_type = model.config.attn_type
 model.to(device)
 

@@ -203,8 +203,15 @@ def checkpoint_path(out_dir_or_file):
 
 def load_checkpoint(out_dir_or_file, map_location='cpu', metadata_only=False, model_only=False,
                     trust_old_format=False):
-    """Load out_dir/ckpt.pt (or the given file). Raises FileNotFoundError when there is none and
-    CheckpointError when it is unreadable, naming ckpt.prev.pt as the fallback where it exists.
+    """read_checkpoint's checkpoint alone (see there)."""
+    return read_checkpoint(out_dir_or_file, map_location, metadata_only, model_only, trust_old_format)[1]
+
+
+def read_checkpoint(out_dir_or_file, map_location='cpu', metadata_only=False, model_only=False,
+                    trust_old_format=False):
+    """(where the checkpoint was found, the checkpoint): out_dir's newest (checkpoint_path: ckpt.pt or a sharded
+    checkpoint's folder), or the given file or folder, found and read once. Raises FileNotFoundError when there
+    is none and CheckpointError when it is unreadable, naming ckpt.prev.pt as the fallback where it exists.
     metadata_only: for the settings, counters and model_args alone: the file is memory-mapped, so its
     tensors are not read (nor checked against their CRC-32s).
     model_only: for running the model (sample.py, eval.py): memory-mapped too, and only the model's
@@ -213,7 +220,7 @@ def load_checkpoint(out_dir_or_file, map_location='cpu', metadata_only=False, mo
     its metadata (sharded_checkpoint.read_old_format): only for a folder the user trusts (convert_checkpoint.py)."""
     path = checkpoint_path(out_dir_or_file)
     if is_sharded_checkpoint(path):
-        return _load_sharded(path, metadata_only, model_only, trust_old_format)
+        return path, _load_sharded(path, metadata_only, model_only, trust_old_format)
     prev = os.path.join(os.path.dirname(path), PREV_NAME)
     has_fallback = os.path.basename(path) == CKPT_NAME and os.path.isfile(prev)
     use_prev = (f"The previous checkpoint {prev} was kept for this: resume from it with "
@@ -252,7 +259,7 @@ def load_checkpoint(out_dir_or_file, map_location='cpu', metadata_only=False, mo
     ckpt['model'] = {k: v for k, v in model.items() if not NANOGPT_MASK_KEY.fullmatch(k)}
     ckpt['model_args'] = full_model_args(ckpt)
     ckpt.pop('attn_args', None)
-    return ckpt
+    return path, ckpt
 
 
 def _read_checkpoint_file(f, path, map_location, metadata_only, model_only, use_prev):

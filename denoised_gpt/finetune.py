@@ -21,7 +21,7 @@ import os
 
 import torch
 
-from denoised_gpt.checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
+from denoised_gpt.checkpoint import read_checkpoint, save_checkpoint
 from denoised_gpt.weights import PEFT_WRAPPER, model_with_weights
 from model import ATTENTION_TYPES, GPT, GPTConfig
 
@@ -194,5 +194,5 @@ def merged_checkpoint(ckpt):
 
 def write_merged_checkpoint(out_dir):
     """out_dir/ckpt.pt of a LoRA run -> out_dir/merged/ckpt.pt with the adapters merged. Returns the path."""
-    merged = merged_checkpoint(load_checkpoint(out_dir, map_location='cpu'))
-    return save_checkpoint(merged, os.path.join(os.path.dirname(checkpoint_path(out_dir)), MERGED_DIR))
+    path, checkpoint = read_checkpoint(out_dir, map_location='cpu')
+    return save_checkpoint(merged_checkpoint(checkpoint), os.path.join(os.path.dirname(path), MERGED_DIR))

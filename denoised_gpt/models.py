@@ -13,7 +13,7 @@ import socket
 import sys
 import urllib.parse
 
-from denoised_gpt.checkpoint import CheckpointError, checkpoint_path, load_checkpoint
+from denoised_gpt.checkpoint import CheckpointError, checkpoint_path, load_checkpoint, read_checkpoint
 from denoised_gpt.checkpoint_base import short_reason, untrusted_file_error
 from denoised_gpt.extras import INSTALL
 from denoised_gpt.finetune import model_from_checkpoint, start_model_args
@@ -22,24 +22,20 @@ from denoised_gpt.weights import all_finite, model_with_weights, nonfinite_weigh
 from model import ATTENTION_TYPES, GPT, GPTConfig
 
 
-def trained_dtype(init_from, out_dir):
-    """The dtype out_dir's checkpoint was trained in, if it names one ('auto' otherwise). prepare_device's
+def trained_dtype(checkpoint):
+    """The dtype a checkpoint (load_model's) was trained in, if it names one ('auto' otherwise). prepare_device's
     'auto' runs the model there: a model trained in float32 (config/train_mqar.py) can answer differently in
     bfloat16 (linear attention on recall did)."""
-    if init_from != 'resume' or not os.path.exists(checkpoint_path(out_dir)):
-        return 'auto'
-    try:
-        return load_checkpoint(out_dir, metadata_only=True)['config'].get('dtype', 'auto')
-    except CheckpointError:  # loading the model says why, in one line
-        return 'auto'
+    return ((checkpoint or {}).get('config') or {}).get('dtype', 'auto')
 
 
 def load_model(init_from, out_dir, noise_at_eval=None, model_overrides=None):
-    """The model to run, in eval mode on the CPU, and the checkpoint it came from. init_from: 'resume'
-    (out_dir's ckpt.pt, or a checkpoint file), a GPT-2 name, or a Hugging Face folder: a denoised_gpt one
-    (export_hf.py) is read like a checkpoint, a GPT-2 one by GPT.from_pretrained. The checkpoint is None for
-    GPT-2's weights; for an exported folder, a dict like load_checkpoint's with what its training_run.json
-    records (iter_num, best_val_loss, config). noise_at_eval: None keeps the checkpoint's setting; True /
+    """(the model to run, in eval mode on the CPU; the checkpoint it came from; where: the checkpoint file or
+    folder read, or init_from). init_from: 'resume' (out_dir's newest checkpoint, or a checkpoint file), a GPT-2
+    name, or a Hugging Face folder: a denoised_gpt one (export_hf.py) is read like a checkpoint, a GPT-2 one by
+    GPT.from_pretrained. The checkpoint is None for GPT-2's weights; for an exported folder, a dict like
+    load_checkpoint's with what its training_run.json records (iter_num, best_val_loss, config); for 'resume'
+    its config names the dtype it was trained in (trained_dtype). noise_at_eval: None keeps the checkpoint's setting; True /
     False is refused for a model without NoiseFormer noise. model_overrides: model_args replaced where the
     model has that setting (e.g. noise_per_sample for NoiseFormer). ValueError saying why, in one line, when
     init_from gives no model to run."""
@@ -52,12 +48,12 @@ def load_model(init_from, out_dir, noise_at_eval=None, model_overrides=None):
             run = exported_run(init_from) if os.path.isdir(init_from) else None
             with contextlib.redirect_stdout(sys.stderr):  # from_pretrained prints progress
                 model = load_gpt2(init_from, dict(dropout=0.0)).eval()
-            return refuse_nonfinite(model, init_from), run and {**run, 'model_args': dataclasses.asdict(model.config)}
+            run = run and {**run, 'model_args': dataclasses.asdict(model.config)}
+            return refuse_nonfinite(model, init_from), run, init_from
         if own_code:
             source, checkpoint = init_from, read_exported(init_from)
-        else:
-            # model_only: the optimizer state is never read
-            source, checkpoint = out_dir, load_checkpoint(out_dir, map_location='cpu', model_only=True)
+        else:  # model_only: the optimizer state is never read
+            source, checkpoint = read_checkpoint(out_dir, map_location='cpu', model_only=True)
     except FileNotFoundError as e:
         hint = "" if init_from != 'resume' else (f"\n({script} loads out_dir/ckpt.pt with init_from='resume'; for "
                                                  f"OpenAI's weights use --init_from=gpt2)")
@@ -79,7 +75,7 @@ def load_model(init_from, out_dir, noise_at_eval=None, model_overrides=None):
     except (TypeError, ValueError, RuntimeError) as e:
         raise ValueError(f"the {'model in' if own_code else 'checkpoint in'} {source} does not build a model: "
                          f"{e}") from e
-    return refuse_nonfinite(model.eval(), source if own_code else checkpoint_path(out_dir)), checkpoint
+    return refuse_nonfinite(model.eval(), source), checkpoint, source
 
 
 def refuse_nonfinite(model, source):
