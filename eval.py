@@ -57,7 +57,7 @@ import time
 from denoised_gpt.batches import ExampleLayout, TokenBatches, TokenIdError, check_token_ids, load_meta
 from denoised_gpt.checkpoint import CheckpointError, checkpoint_path, load_checkpoint
 from denoised_gpt.cli import (check_inference_source, check_ranges, check_writable_folder, fail, gpt2_encoding, log,
-                              prepare_device, print_result, quiet_ctrl_c, read_config)
+                              prepare_device, print_result, quiet_ctrl_c, read_config, run_dtype)
 from denoised_gpt.extras import require as require_extra
 from denoised_gpt.files import FileError, write_atomically
 from denoised_gpt.models import load_model, noise_on, trained_dtype
@@ -211,8 +211,9 @@ def load_compare_to():
     return other_model, other_info
 
 
+device, dtype = prepare_device(device, dtype)
 model, info = load(init_from, out_dir)
-device, dtype = prepare_device(device, dtype, info.pop('dtype'))
+dtype = run_dtype(dtype, device, info.pop('dtype'))
 ctx = autocast_context(device, dtype)
 model.to(device)
 if compare_to:

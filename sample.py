@@ -63,7 +63,7 @@ import torch
 
 from denoised_gpt.batches import load_meta, read_meta_pkl
 from denoised_gpt.cli import (check_inference_source, check_ranges, fail, gpt2_encoding, log, prepare_device,
-                              print_result, quiet_ctrl_c, read_config, refused_allocation)
+                              print_result, quiet_ctrl_c, read_config, refused_allocation, run_dtype)
 from denoised_gpt.models import load_model, noise_on, trained_dtype
 from denoised_gpt.files import MAX_PROMPT_BYTES, FileError, read_text
 from denoised_gpt.device import autocast_context, manual_seed, torch_dtype
@@ -137,6 +137,7 @@ else:
 # -----------------------------------------------------------------------------
 # model
 
+device, dtype = prepare_device(device, dtype)
 # the completions of a prompt are one batch: give each its own noise draw, as if it had been generated
 # alone (a shared draw would correlate them; see the top of this file)
 try:  # source: the checkpoint file or folder read, or init_from
@@ -144,7 +145,7 @@ try:  # source: the checkpoint file or folder read, or init_from
                                            model_overrides=dict(noise_per_sample=True))
 except ValueError as e:
     fail(e)
-device, dtype = prepare_device(device, dtype, trained_dtype(checkpoint if init_from == 'resume' else None))
+dtype = run_dtype(dtype, device, trained_dtype(checkpoint if init_from == 'resume' else None))
 attn_type = model.config.attn_type
 model.to(device)
 

@@ -138,20 +138,28 @@ def check_ranges(config, at_least_one=(), non_negative=(), unit_interval=(), pos
             raise ValueError(f"{key}={config[key]} must be a non-negative integer below 2**63")
 
 
-def prepare_device(device, dtype, trained_in='auto'):
-    """The device and dtype settings ('auto' or a name) resolved, and the device set up; exit 2 on a bad one.
-    trained_in: the dtype the model was trained in (models.trained_dtype's), which 'auto' takes where the device runs it."""
+def prepare_device(device, dtype):
+    """The device and dtype settings resolved and the device set up, before any model is loaded (a bad one: exit
+    2 at once); dtype 'auto' stays 'auto' until the model says what it was trained in (run_dtype)."""
     from denoised_gpt.device import resolve_device, resolve_dtype, setup
     try:
         device = resolve_device(device)
-        if dtype == 'auto' and trained_in != 'auto':
-            with contextlib.suppress(ValueError):  # float16 off CUDA: the device's own choice
-                dtype = resolve_dtype(trained_in, device, training=False)
-        dtype = resolve_dtype(dtype, device, training=False)  # sample.py and eval.py run a model, never train it
+        if dtype != 'auto':
+            dtype = resolve_dtype(dtype, device, training=False)  # sample.py and eval.py run a model, never train it
     except ValueError as e:
         fail(e)
     setup(device)
     return device, dtype
+
+
+def run_dtype(dtype, device, trained_in='auto'):
+    """The dtype to run the model in: prepare_device's dtype, or for 'auto' the one the model was trained in
+    (models.trained_dtype's) where the device runs it, else the device's own choice."""
+    from denoised_gpt.device import resolve_dtype
+    if dtype == 'auto' and trained_in != 'auto':
+        with contextlib.suppress(ValueError):  # float16 off CUDA: the device's own choice
+            return resolve_dtype(trained_in, device, training=False)
+    return resolve_dtype(dtype, device, training=False)
 
 
 def check_inference_source(init_from):
