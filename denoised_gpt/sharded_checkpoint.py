@@ -609,6 +609,9 @@ def load_sharded_state(folder, model, optimizer):
                 local, first = (tensor.to_local(), _global_offset(tensor)[0]) if isinstance(tensor, DTensor) \
                     else (tensor, 0)
                 _fill_rows(local, first, name, saved[name], readers)
+                if name.endswith('.step') and not (local.numel() == 1 and 0 <= float(local) < math.inf):
+                    raise FormatError(f"its {name} is {float(local.flatten()[0]):g}, not a count of updates "
+                                      f"(AdamW's bias correction would make every update non-finite)")
     except (ValueError, OSError) as e:  # a missing or damaged file, a checkpoint of another model
         reason = str(e) if isinstance(e, FormatError) else short_reason(e)
         raise CheckpointError(f"cannot resume from the sharded checkpoint {folder} ({reason})") from e

@@ -235,6 +235,23 @@ def test_a_fifo_swapped_in_after_the_file_is_opened_is_never_read(source, tmp_pa
     assert_same_checkpoint(loaded, load_checkpoint(source / 'ckpt.pt'))
 
 
+def test_an_adamw_step_that_is_no_count_is_refused_by_an_fsdp_resume(source, tmp_path):
+    """load_sharded_state (every rank of an fsdp resume) reads AdamW's step as it is: one below zero made every
+    update NaN. Refused in one line, as a ckpt.pt's is."""
+    from safetensors.torch import load_file, save_file
+    folder = folder_of(copy_of(source, tmp_path))
+    name = 'optimizer.transformer.wte.weight.step'
+    tensors = load_file(folder / 'rank-00000.safetensors')
+    tensors[name] = torch.tensor(-3.0)
+    save_file(tensors, folder / 'rank-00000.safetensors')
+    model = tiny_gpt('noiseformer_v1', seed=1)
+    optimizer = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), 'cpu')
+    with pytest.raises(CheckpointError) as e:
+        load_sharded_state(str(folder), model, optimizer)
+    assert str(e.value) == (f"cannot resume from the sharded checkpoint {folder} (its {name} is -3, not a count of "
+                            f"updates (AdamW's bias correction would make every update non-finite))")
+
+
 # ----------------------------------------------------------------------------------------------
 # ckpt.pt: nanoGPT's format (torch.save's zip) keeps its layout; parts that overlap or inflate are refused
 
