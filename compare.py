@@ -527,7 +527,8 @@ def on_stop_signal(signum, frame):
     as Ctrl-C does, its runs checkpointed (they die with compare.py otherwise: PR_SET_PDEATHSIG); SIGINT too
     where the shell that started compare.py in the background set it to be ignored (train.py does the same).
     The first ends the sweep: while runs train, as a KeyboardInterrupt that train_all handles (it passes the stop
-    on to them and waits for their checkpoints); anywhere else at once (end_sweep). A Ctrl-C after it quits at once (quit_now); a repeated SIGTERM or SIGHUP changes
+    on to them and waits for their checkpoints); anywhere else at once (end_sweep). A Ctrl-C after it quits at
+    once (quit_now); a repeated SIGTERM or SIGHUP changes
     nothing (schedulers repeat it), as in train.py."""
     if not stopping.is_set():
         stopping.set()

@@ -6,10 +6,10 @@ the cause and the fix (never a traceback), and so that a failed write loses noth
   file system, no permission): the package's one wording of them.
 - write_atomically: a file written whole or not at all, the previous one intact on failure.
 - lock_folder: one writer per folder, for folders that must hold nothing but their own files.
-- open_regular, require_regular_file, read_json, parse_json, read_text: what a user may hand over (meta.json, an export's
-  config.json and training_run.json, a run's metrics.jsonl, a prompts file) read without hanging on a FIFO,
-  reading a device for ever, holding an unbounded file in memory, or a RecursionError from JSON nested deeper
-  than Python's parser goes.
+- open_regular, require_regular_file, read_json, parse_json, read_text: what a user may hand over (meta.json,
+  an export's config.json and training_run.json, a run's metrics.jsonl, a prompts file) read without hanging on
+  a FIFO, reading a device for ever, holding an unbounded file in memory, or a RecursionError from JSON nested
+  deeper than Python's parser goes.
 It imports nothing from the package.
 """
 import contextlib

@@ -35,9 +35,9 @@ def load_model(init_from, out_dir, noise_at_eval=None, model_overrides=None):
     name, or a Hugging Face folder: a denoised_gpt one (export_hf.py) is read like a checkpoint, a GPT-2 one by
     GPT.from_pretrained. The checkpoint is None for GPT-2's weights; for an exported folder, a dict like
     load_checkpoint's with what its training_run.json records (iter_num, best_val_loss, config); for 'resume'
-    its config names the dtype it was trained in (trained_dtype). noise_at_eval: None keeps the checkpoint's setting; True /
-    False is refused for a model without NoiseFormer noise. model_overrides: model_args replaced where the
-    model has that setting (e.g. noise_per_sample for NoiseFormer). ValueError saying why, in one line, when
+    its config names the dtype it was trained in (trained_dtype). noise_at_eval: None keeps the checkpoint's
+    setting; True / False is refused for a model without NoiseFormer noise. model_overrides: model_args replaced
+    where the model has that setting (e.g. noise_per_sample for NoiseFormer). ValueError saying why, in one line, when
     init_from gives no model to run."""
     script = os.path.basename(sys.argv[0])
     try:

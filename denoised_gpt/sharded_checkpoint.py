@@ -43,7 +43,6 @@ import math
 import os
 import re
 import shutil
-import stat
 import warnings
 
 import torch
@@ -372,7 +371,8 @@ def read_index(folder):
     if not (isinstance(index, dict) and index.get('format') == FORMAT and isinstance(index.get('tensors'), dict)):
         raise FormatError(f"{INDEX_NAME} is not the index of a sharded checkpoint")
     if index.get('version') != VERSION:
-        raise FormatError(f"{INDEX_NAME} is of format version {str(index.get('version'))[:20]}, which this code does not "
+        raise FormatError(f"{INDEX_NAME} is of format version {str(index.get('version'))[:20]}, which this code does "
+                          f"not "
                          f"read (it reads version {VERSION}): update the code, or convert it where it was written")
     tensors = {}
     for name, entry in index['tensors'].items():
@@ -484,7 +484,8 @@ def _check_data(needed, held):
     HOLE_SLACK once for the folder (some file systems and copies, ZFS with compression or rsync -S, store a real
     file's runs of zeros as holes)."""
     if needed > 2 * held + HOLE_SLACK:
-        raise FormatError(f"{INDEX_NAME} declares {needed:,} bytes of tensors, but the files hold {held:,} bytes of data "
+        raise FormatError(f"{INDEX_NAME} declares {needed:,} bytes of tensors, but the files hold {held:,} bytes of "
+                          f"data "
                          f"(the rest are holes in sparse files)")
 
 
@@ -597,7 +598,8 @@ def load_sharded_state(folder, model, optimizer):
         index = read_index(folder)
         missing = sorted(set(template) - set(index['tensors']))
         if missing:
-            raise FormatError(f"it holds no {missing[0]}" + (f" (nor {len(missing) - 1} more)" if len(missing) > 1 else ""))
+            more = f" (nor {len(missing) - 1} more)" if len(missing) > 1 else ""
+            raise FormatError(f"it holds no {missing[0]}{more}")
         saved = {name: index['tensors'][name] for name in template}
         for name, tensor in template.items():
             dtype, shape, _ = saved[name]
