@@ -54,7 +54,8 @@ import time
 
 import torch
 
-from denoised_gpt.cli import check_attn_types, check_ranges, fail, print_result, read_config, refused_allocation
+from denoised_gpt.cli import (check_attn_types, check_ranges, fail, human_bytes, print_result, ram_bytes, read_config,
+                              refused_allocation)
 from denoised_gpt.device import (autocast_context, compile_model, cpu_tensor_peak, device_name, device_type,
                     fused_optimizer, grad_scaler, manual_seed, mark_step, max_memory_allocated, peak_flops,
                     resolve_compile, resolve_device, resolve_dtype, setup, spec_sheet_tflops,
@@ -124,14 +125,6 @@ def print(*args, **kwargs):
         print_result('')  # fails again on the same stdout, and says where and why in one line
 
 
-def human_bytes(n):
-    """n bytes in binary units, e.g. '1.5 GiB', '6.4 PiB'."""
-    for unit in ('B', 'KiB', 'MiB', 'GiB', 'TiB', 'PiB'):
-        if n < 1024 or unit == 'PiB':
-            return f"{n:,.0f} {unit}" if unit == 'B' else f"{n:,.1f} {unit}"
-        n /= 1024
-
-
 def least_parameters(s):
     """A lower bound of the parameters at the sizes s (n_layer, n_embd, block_size, vocab_size), whatever the
     attn_type, from arithmetic alone (building a model of 10^11 layers, even on the meta device, never ends):
@@ -153,8 +146,7 @@ def machine_memory(device):
     if device_type(device) == 'cuda':
         return torch.cuda.get_device_properties(torch.device(device)).total_memory
     if device_type(device) in ('cpu', 'mps'):
-        with contextlib.suppress(ValueError, OSError, AttributeError):
-            return os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
+        return ram_bytes()
     return None
 
 

@@ -84,22 +84,6 @@ def one_line_errors():
         sys.exit(2)
 
 
-def machine_memory():
-    """Bytes of RAM this machine has (None where the system does not say): what no run here can exceed."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
-def human_bytes(n):
-    """n bytes in binary units, e.g. '1.5 GiB', '6.4 PiB'."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
-        if n < 1024 or unit == "PiB":
-            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
-        n /= 1024
-
-
 def check_out_dir(out_dir):
     """Refuse, before any work, an --out_dir that cannot become a folder we write in: otherwise
     os.makedirs or the final renames fail only after the download and the tokenising. It is made and

@@ -104,6 +104,22 @@ def check_attn_types(names, all_allowed=False):
                          f"{choose} {', '.join(ATTENTION_TYPES)}")
 
 
+def ram_bytes():
+    """Bytes of RAM this machine has (None where the system does not say): what no run on its CPU can exceed."""
+    try:
+        return os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def human_bytes(n):
+    """n bytes in binary units, e.g. '1.5 GiB', '6.4 PiB'."""
+    for unit in ('B', 'KiB', 'MiB', 'GiB', 'TiB', 'PiB'):
+        if n < 1024 or unit == 'PiB':
+            return f"{n:,.0f} {unit}" if unit == 'B' else f"{n:,.1f} {unit}"
+        n /= 1024
+
+
 def refused_allocation(error):
     """The allocator's words when error is its refusal (MemoryError, torch's OutOfMemoryError, the CPU
     allocator's RuntimeError), else None: a size setting too large for the machine, said in one line."""

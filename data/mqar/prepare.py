@@ -38,8 +38,9 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # data/, for prepare_common
-from prepare_common import (PrepareError, atomic_outputs, check_out_dir, human_bytes, machine_memory, max_id,
-                            one_line_errors, write_array, write_json)
+from prepare_common import PrepareError, atomic_outputs, check_out_dir, max_id, one_line_errors, write_array, write_json
+
+from denoised_gpt.cli import human_bytes, ram_bytes  # (prepare_common put the repository on the path)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULTS = dict(vocab_size=64, seq_len=32, train_examples=50000, val_examples=500)  # the recall study's data
@@ -120,7 +121,7 @@ def check_memory(args):
     setting that, put back at its default, lowers the need most, and the memory needed."""
     sizes = {k: getattr(args, k) for k in DEFAULTS}
     need = memory_needed(num_kv_pairs=args.num_kv_pairs, **sizes)
-    room = machine_memory()
+    room = ram_bytes()
     if room is None or need <= room:
         return
     culprit = min((k for k in sizes if sizes[k] > DEFAULTS[k]), default="train_examples",
