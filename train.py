@@ -521,7 +521,8 @@ while True:
 
     # forward backward update, with optional gradient accumulation to simulate larger batch size
     # and using the GradScaler if data type is float16
-    step_rng = capture_rng_state(device_type(device))  # what a stop within the step puts back (abandon_step)
+    # what a stop within the step puts back (abandon_step); a step of one micro-batch is never stopped within
+    step_rng = capture_rng_state(device_type(device)) if gradient_accumulation_steps > 1 else None
     loss_sum = torch.zeros((), device=device)
     ce_sum = torch.zeros((), device=device)
     m = ddp_rank  # index of this rank's micro-batch among the iteration's micro-batches
