@@ -36,8 +36,10 @@ with them (1.24x to 1.36x base for the same variant in different runs, measured 
 """
 
 from configurator import answer_help
+from denoised_gpt.cpu_threads import wait_passively_if_busy
 
 answer_help(__file__)  # --help before the heavy imports below
+wait_passively_if_busy()  # before torch loads OpenMP, which reads its wait policy once
 
 import builtins
 import contextlib

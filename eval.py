@@ -47,8 +47,10 @@ need the GPT-2 vocabulary. See docs/eval.md.
 """
 
 from configurator import answer_help
+from denoised_gpt.cpu_threads import wait_passively_if_busy
 
 answer_help(__file__)  # --help before the heavy imports below
+wait_passively_if_busy()  # before torch loads OpenMP, which reads its wait policy once
 
 import json
 import os

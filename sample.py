@@ -50,8 +50,10 @@ outside data/, a note names the folder the vocabulary is read from.
 """
 
 from configurator import answer_help
+from denoised_gpt.cpu_threads import wait_passively_if_busy
 
 answer_help(__file__)  # --help before the heavy imports below
+wait_passively_if_busy()  # before torch loads OpenMP, which reads its wait policy once
 
 import contextlib
 import json

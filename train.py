@@ -27,8 +27,10 @@ over the ranks, so val losses compare across evals, runs and attention variants.
 """
 
 from configurator import answer_help
+from denoised_gpt.cpu_threads import wait_passively_if_busy
 
 answer_help(__file__)  # --help before the heavy imports below
+wait_passively_if_busy()  # before torch loads OpenMP, which reads its wait policy once
 
 import dataclasses
 import math
@@ -443,8 +445,8 @@ def save(reason, val_loss):
 stop_request = StopRequest(out_dir if master_process else None, distributed=ddp)
 if wandb_log and master_process:
     wandb = start_wandb(wandb_project, wandb_run_name, config, out_dir)
-speed = StepSpeed(raw_model, batch_size * gradient_accumulation_steps, lambda: peak_flops(device, dtype),
-                  device_type(device) == 'cpu', max_iters - iter_num, log_interval) if master_process else None
+speed = StepSpeed(raw_model, batch_size * gradient_accumulation_steps,
+                  None if device_type(device) == 'cpu' else peak_flops(device, dtype)) if master_process else None
 if master_process and decay_lr and (note := schedule_note(max_iters, learning_rate, warmup_iters, lr_decay_iters,
                                                           min_lr)):
     print(note)

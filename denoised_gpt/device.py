@@ -18,6 +18,8 @@ import time
 
 import torch
 
+from denoised_gpt import cpu_threads
+
 DEVICE_TYPES = ('cuda', 'hpu', 'mps', 'cpu')
 DTYPES = ('float32', 'bfloat16', 'float16')
 
@@ -107,57 +109,12 @@ def resolve_dtype(name, device, training=True):
     return name
 
 
-def idle_cores(interval=0.1, read_stat=None):
-    """How many of the machine's cores sat idle over the next `interval` seconds (this process sleeps through
-    it), from the kernel's CPU counters (/proc/stat, Linux); None where there are none to read."""
-    def counters():
-        try:
-            if read_stat:
-                text = read_stat()
-            else:
-                with open('/proc/stat') as f:
-                    text = f.read()
-        except OSError:
-            return None
-        lines = text.splitlines()
-        fields = [int(v) for v in lines[0].split()[1:9]]  # user nice system idle iowait irq softirq steal
-        cores = sum(1 for line in lines[1:] if line.startswith('cpu'))
-        return fields[3] + fields[4], sum(fields), cores
-    first = counters()
-    if first is None:
-        return None
-    time.sleep(interval)
-    second = counters()
-    if second is None:
-        return None
-    idle, total = second[0] - first[0], second[1] - first[1]
-    return second[2] * idle / total if total > 0 else None
-
-
-def choose_cpu_threads(idle=None):
-    """torch's thread count on a CPU: the cores idle now (at least 1), where fewer than torch would use. Its
-    OpenMP threads wait for each other at every operation, so one that shares its core with another busy
-    process stalls them all: steps swing from 0.1 to 5 s on a busy 2-core machine (docs/troubleshooting.md). An
-    OMP_NUM_THREADS the user set wins. Returns a one-line note when it chose fewer threads, else None."""
-    threads = torch.get_num_threads()
-    if 'OMP_NUM_THREADS' in os.environ or threads < 2:
-        return None
-    idle = idle_cores() if idle is None else idle
-    if idle is None or idle >= threads - 0.5:
-        return None
-    chosen = max(1, int(idle + 0.5))
-    torch.set_num_threads(chosen)
-    return (f"CPU: {idle:.1f} of {threads} cores idle, so torch uses {chosen} thread{'s' if chosen > 1 else ''} "
-            f"(set OMP_NUM_THREADS to choose)")
-
-
 def setup(device):
     """Per-process device settings before any tensor is made (DDP: device is 'cuda:<local_rank>'). On a CPU:
-    as many threads as there are idle cores (choose_cpu_threads), said on stderr when fewer than torch's."""
-    if device_type(device) == 'cpu':
-        note = choose_cpu_threads()
-        if note:
-            print(note, file=sys.stderr)
+    says on stderr how torch's threads wait when another process was busy as the script started
+    (cpu_threads.wait_passively_if_busy)."""
+    if device_type(device) == 'cpu' and cpu_threads.note:
+        print(cpu_threads.note, file=sys.stderr)
     if device_type(device) == 'cuda':
         index = torch.device(device).index
         if index is not None:  # plain 'cuda' is the current device; set_device would refuse it

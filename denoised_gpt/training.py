@@ -282,30 +282,31 @@ def compile_training_step(model, batch_size, block_size, device, ctx):
 class StepSpeed:
     """What the log line says about speed. MFU (GPT.estimate_mfu against the device's peak FLOP/s) is shown once
     it rests on settled steps: the median of the first MFU_START measurements, so one slow step (a cold
-    cache, another process) does not set it, then a moving average. On CPU, a note once when step times
-    swing: torch's OpenMP threads spin-wait for each other, so another busy process slows every step."""
+    cache, another process) does not set it, then a moving average. Not on a CPU: its peak is a measurement
+    that moves with the machine's load (one run read 10 % then 54 %), so the line shows ms and tokens/s only;
+    there, a note once when step times swing: torch's OpenMP threads spin-wait for each other, so another busy
+    process slows every step."""
     MFU_START = 5
     SETTLED_AFTER = 5  # steps of this process before the step time counts (train.py's `settled`)
     SWING = 3.0  # a step this many times the median of the recent ones counts as slowed down
 
-    def __init__(self, model, fwdbwd_per_iter, peak_flops, on_cpu, iters_left, log_interval):
-        """peak_flops: () -> the peak, called here only when the run logs enough settled steps to show MFU
-        (iters_left of them, one logged in log_interval): on a CPU it is measured, for a second."""
-        self.model, self.fwdbwd_per_iter, self.on_cpu = model, fwdbwd_per_iter, on_cpu
-        shows_mfu = (iters_left - self.SETTLED_AFTER) // log_interval >= self.MFU_START
-        self.peak_flops = peak_flops() if shows_mfu else None
+    def __init__(self, model, fwdbwd_per_iter, peak_flops):
+        """peak_flops: the device's peak FLOP/s (device.peak_flops), None on a CPU."""
+        self.model, self.fwdbwd_per_iter, self.peak_flops = model, fwdbwd_per_iter, peak_flops
+        self.on_cpu = peak_flops is None
         self.first, self.mfu, self.recent, self.warned = [], None, [], False
 
     def update(self, dt, settled):
         """Record a step of dt seconds; returns the MFU to show (None until it is measured)."""
-        if not settled or self.peak_flops is None:
+        if not settled:
             return self.mfu
-        mfu = self.model.estimate_mfu(self.fwdbwd_per_iter, dt, self.peak_flops)
-        if self.mfu is not None:
-            self.mfu = 0.9 * self.mfu + 0.1 * mfu
-        else:
-            self.first.append(mfu)
-            self.mfu = statistics.median(self.first) if len(self.first) == self.MFU_START else None
+        if self.peak_flops is not None:
+            mfu = self.model.estimate_mfu(self.fwdbwd_per_iter, dt, self.peak_flops)
+            if self.mfu is not None:
+                self.mfu = 0.9 * self.mfu + 0.1 * mfu
+            else:
+                self.first.append(mfu)
+                self.mfu = statistics.median(self.first) if len(self.first) == self.MFU_START else None
         self.recent = (self.recent + [dt])[-20:]
         note = self.swing_note()
         if note:
@@ -320,6 +321,8 @@ class StepSpeed:
         if len(slow) < 2:
             return None
         self.warned = True
+        passive = os.environ.get('OMP_WAIT_POLICY', '').upper() == 'PASSIVE'
         return (f"note: step times swing from {typical * 1000:.0f} ms to {max(slow) * 1000:.0f} ms: other processes "
-                f"are competing for the CPU cores, and torch's {torch.get_num_threads()} threads wait for each other. "
-                f"Set OMP_NUM_THREADS to the number of idle cores (e.g. OMP_NUM_THREADS=1) for steady steps")
+                f"are competing for the CPU cores, and torch's {torch.get_num_threads()} threads wait for each other"
+                + ("" if passive else "; started with OMP_WAIT_POLICY=PASSIVE, waiting threads sleep instead of "
+                   "spinning (docs/troubleshooting.md)"))

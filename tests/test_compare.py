@@ -20,7 +20,7 @@ from helpers import ROOT, SCRIPT_VARIABLES, TINY, make_dataset, run_script_in_pr
 
 # one xdist worker runs this whole file, so its module-scoped fixtures are built once (-n 2 --dist loadfile)
 
-ITERS = 24  # logged every 4th: too few logged steps to show MFU, so no run measures the CPU's peak (a second)
+ITERS = 24
 
 
 def sweep_args(out_dir, data, *args, attn_types='base,noiseformer_v2', seeds='1,2'):

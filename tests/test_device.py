@@ -4,14 +4,18 @@ tests/fake_gaudi.py, is the only mock in the suite). The fake makes 'hpu' tensor
 registers 'hccl' as a gloo process group and logs every call the training code makes into it;
 torch.cuda APIs raise."""
 import contextlib
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from denoised_gpt import device
+from denoised_gpt import cpu_threads, device
 from fake_gaudi import HAS_HABANA, events
-from helpers import make_dataset, run_script_in_process, run_train
+from helpers import ROOT, make_dataset, run_script_in_process, run_train, subprocess_env
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -186,27 +190,71 @@ def test_idle_cores_are_read_from_the_kernels_counters():
     """Between two reads of /proc/stat, 150 of 200 ticks idle (idle + iowait) on a 2-core machine: 1.5 cores."""
     snapshots = iter(["cpu  100 0 100 700 100 0 0 0 0 0\ncpu0 1 0 0 0 0 0 0 0\ncpu1 1 0 0 0 0 0 0 0\nintr 5\n",
                       "cpu  130 0 120 820 130 0 0 0 0 0\ncpu0 1 0 0 0 0 0 0 0\ncpu1 1 0 0 0 0 0 0 0\nintr 9\n"])
-    assert device.idle_cores(0, read_stat=lambda: next(snapshots)) == pytest.approx(1.5)
+    assert cpu_threads.idle_cores(0, read_stat=lambda: next(snapshots)) == (pytest.approx(1.5), 2)
 
     def missing():
         raise OSError("no /proc here")
-    assert device.idle_cores(0, read_stat=missing) is None
+    assert cpu_threads.idle_cores(0, read_stat=missing) is None
 
 
-@pytest.fixture
-def two_threads(monkeypatch):
-    monkeypatch.delenv('OMP_NUM_THREADS', raising=False)
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
+WAIT_POLICY = """
+import json, os, sys
+from denoised_gpt import cpu_threads
+note = cpu_threads.wait_passively_if_busy(measured=tuple(json.loads(sys.argv[1])))
+print(json.dumps([note, os.environ.get('OMP_WAIT_POLICY')]))
+"""
 
 
-def test_a_busy_cpu_gets_as_many_threads_as_it_has_idle_cores(two_threads, monkeypatch):
-    note = device.choose_cpu_threads(idle=0.3)
-    assert torch.get_num_threads() == 1
-    assert note == "CPU: 0.3 of 2 cores idle, so torch uses 1 thread (set OMP_NUM_THREADS to choose)"
-    torch.set_num_threads(2)
-    assert device.choose_cpu_threads(idle=1.7) is None and torch.get_num_threads() == 2  # idle enough: unchanged
-    monkeypatch.setenv('OMP_NUM_THREADS', '2')  # the user's choice wins
-    assert device.choose_cpu_threads(idle=0.0) is None and torch.get_num_threads() == 2
+@pytest.mark.parametrize('measured, env, policy', [
+    ((0.3, 2), {}, 'PASSIVE'),  # another process keeps 1.7 cores busy
+    ((1.4, 2), {'OMP_NUM_THREADS': '2'}, 'PASSIVE'),  # half a core or more busy
+    ((1.7, 2), {}, None),  # idle enough: torch's own (spinning) threads are the fastest
+    ((0.0, 2), {'OMP_WAIT_POLICY': 'ACTIVE'}, 'ACTIVE'),  # the user's choice wins
+    ((0.0, 2), {'OMP_NUM_THREADS': '1'}, None),  # one thread never waits for another
+], ids=['busy', 'half-busy', 'idle', 'user-policy', 'one-thread'])
+def test_a_busy_cpu_makes_torchs_threads_sleep_while_they_wait(measured, env, policy):
+    """Decided in a process without torch (OpenMP reads the policy once, as torch loads it)."""
+    env = {k: v for k, v in os.environ.items() if k not in ('OMP_WAIT_POLICY', 'OMP_NUM_THREADS')} | env
+    proc = subprocess.run([sys.executable, '-c', WAIT_POLICY, json.dumps(measured)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)
+    note, chosen = json.loads(proc.stdout)
+    assert chosen == policy
+    if env.get('OMP_WAIT_POLICY') is None and policy == 'PASSIVE':
+        assert note == (f"CPU: {measured[0]:.1f} of 2 cores idle, so torch's threads sleep while they wait for each "
+                        f"other (OMP_WAIT_POLICY=PASSIVE; set it to choose)")
+    else:
+        assert note is None
+    assert cpu_threads.wait_passively_if_busy(measured=(0.0, 2)) is None  # torch is loaded here: too late
+
+
+@pytest.mark.parametrize('script', ['train.py', 'sample.py', 'eval.py', 'bench.py', 'grow.py'])
+def test_the_scripts_settle_the_wait_policy_before_anything_imports_torch(script):
+    """The call comes before the first import other than configurator and cpu_threads (which import no torch);
+    test_sample_on_a_busy_cpu_says_how_the_threads_wait runs one end to end."""
+    import ast
+    body = ast.parse((ROOT / script).read_text()).body
+    calls = [i for i, node in enumerate(body) if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call)
+             and getattr(node.value.func, 'id', None) == 'wait_passively_if_busy']
+    imports = [i for i, node in enumerate(body) if isinstance(node, (ast.Import, ast.ImportFrom))
+               and getattr(node, 'module', None) not in ('configurator', 'denoised_gpt.cpu_threads')]
+    assert len(calls) == 1 and calls[0] < imports[0], script
+
+
+def test_sample_on_a_busy_cpu_says_how_the_threads_wait(tmp_path):
+    """sample.py in a process whose idle_cores reads a busy machine: the policy is set before torch loads and
+    said on stderr."""
+    import pickle
+    from helpers import VOCAB, tiny_checkpoint
+    data = make_dataset(tmp_path)
+    chars = [chr(ord('0') + i) for i in range(VOCAB)]
+    with open(data / 'meta.pkl', 'wb') as f:  # the characters, for sample.py
+        pickle.dump({'vocab_size': VOCAB, 'itos': dict(enumerate(chars)), 'stoi': {c: i for i, c in enumerate(chars)}}, f)
+    tiny_checkpoint(tmp_path / 'out', 'base', data)
+    run = ("import runpy, sys\nfrom denoised_gpt import cpu_threads\ncpu_threads.idle_cores = lambda: (0.2, 2)\n"
+           "sys.argv = sys.argv[1:]\nrunpy.run_path('sample.py', run_name='__main__')")
+    env = {k: v for k, v in subprocess_env().items() if k not in ('OMP_WAIT_POLICY', 'OMP_NUM_THREADS')}
+    proc = subprocess.run([sys.executable, '-c', run, 'sample.py', f'--out_dir={tmp_path / "out"}', '--device=cpu',
+                           '--num_samples=1', '--max_new_tokens=2', '--start=1'], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "CPU: 0.2 of 2 cores idle, so torch's threads sleep while they wait for each other" in proc.stderr

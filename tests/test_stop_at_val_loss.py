@@ -77,7 +77,7 @@ TARGET = math.log(VOCAB) - 0.5  # half a nat below the initial val loss: 1e-2 ge
 def tuning_sweep(data, out, learning_rates):
     """compare.py's arguments: base tuned over learning_rates on seed 5 to reach TARGET, then seed 1."""
     overrides = (f"--dataset={data} --max_iters={ITERS} --lr_decay_iters={ITERS} --eval_interval=5 --eval_iters=2 "
-                 f"--stop_at_val_loss={TARGET!r} --log_interval=10")  # (too few logged steps to measure MFU)
+                 f"--stop_at_val_loss={TARGET!r} --log_interval=10")
     return [f'--base_config={TINY}', f'--overrides={overrides}', '--attn_types=base', '--seeds=1', f'--out_dir={out}',
             '--samples=False', f"--tune={{'learning_rate': {learning_rates!r}}}", '--tune_seeds=5']
 

@@ -209,9 +209,7 @@ def test_every_attention_variant_trains(attn_type, tmp_path):
     assert val[50] < val[0] - 0.5, val  # the same val batches before and after: it learned
     kl = [float(m[4]) for m in ITER_LINE.finditer(out)]
     assert all(k > 0 for k in kl) if attn_type.startswith('noiseformer') else all(k == 0 for k in kl)
-    first = [line for line in out.splitlines() if line.startswith('iter 0:')][0]
-    assert 'mfu' not in first  # not measured yet: nothing shown (it used to print "mfu -100.00%")
-    assert re.search(r"^iter 45: .*, mfu \d+\.\d+%$", out, re.M)
+    assert re.search(r"^iter 45: .*ms/iter, [\d,]+ tok/s$", out, re.M)  # no MFU on a CPU (StepSpeed)
     assert load_checkpoint(tmp_path / 'out')['iter_num'] == 50
     # the metrics log's evaluation rows carry what the variant learns (see test_model for the values)
     evals = [json.loads(line) for line in (tmp_path / 'out' / 'metrics.jsonl').read_text().splitlines()
@@ -549,35 +547,33 @@ class ConstantFlops:
 
 def test_mfu_starts_from_the_median_of_settled_steps_not_one_slow_one(capsys):
     from denoised_gpt.training import StepSpeed
-    speed = StepSpeed(ConstantFlops(), 1, lambda: 1e10, False, iters_left=100, log_interval=1)
+    speed = StepSpeed(ConstantFlops(), 1, 1e10)
     assert speed.update(10.0, settled=False) is None  # warm-up steps are not measured
     shown = [speed.update(dt, settled=True) for dt in (1.0, 0.1, 0.1, 0.1, 0.1)]  # one slow step first
     assert shown[:4] == [None] * 4 and shown[4] == pytest.approx(1.0)  # the median: 1e9 / 0.1 / 1e10
     assert speed.update(0.05, settled=True) == pytest.approx(0.9 * 1.0 + 0.1 * 2.0)  # then a moving average
-    assert capsys.readouterr().out == ''  # not on a CPU: no note
-
-
-def test_the_peak_is_measured_only_for_a_run_that_shows_mfu():
-    """On a CPU the peak FLOP/s is measured (a second of matmuls): a run too short to log MFU_START settled steps
-    never shows MFU, so it never measures (most test runs, and every short run)."""
-    from denoised_gpt.training import StepSpeed
-    measured = []
-    for iters_left, log_interval in ((9, 1), (10, 1), (100, 20), (105, 20)):
-        StepSpeed(ConstantFlops(), 1, lambda: measured.append((iters_left, log_interval)) or 1e10, True,
-                  iters_left, log_interval)
-    assert measured == [(10, 1), (105, 20)]  # 5 warm-up steps, then 5 logged
-
-
-def test_swinging_cpu_steps_get_one_note_naming_omp_num_threads(capsys):
-    from denoised_gpt.training import StepSpeed
-    speed = StepSpeed(ConstantFlops(), 1, lambda: 1e10, True, iters_left=100, log_interval=1)
-    for dt in [0.1] * 12:
+    for dt in (0.5, 0.1, 0.6, 0.1, 0.7, 0.1, 0.1, 0.1):
         speed.update(dt, settled=True)
+    assert capsys.readouterr().out == ''  # not on a CPU: no note on swinging steps
+
+
+def test_swinging_cpu_steps_get_one_note_naming_the_wait_policy_and_no_mfu(capsys, monkeypatch):
+    """On a CPU (no peak: a measured one moves with the machine's load) MFU is never shown, and swinging step
+    times get one note, which names the passive wait policy where the threads spin."""
+    from denoised_gpt.training import StepSpeed
+    monkeypatch.delenv('OMP_WAIT_POLICY', raising=False)
+    speed = StepSpeed(ConstantFlops(), 1, None)
+    assert {speed.update(dt, settled=True) for dt in [0.1] * 12} == {None}
     assert capsys.readouterr().out == ''  # steady steps: nothing to say
-    for dt in (0.5, 0.1, 0.6, 0.1, 0.7):
-        speed.update(dt, settled=True)
+    for dt in (0.5, 0.1, 0.6, 0.1, 0.7, 0.1, 0.8):
+        assert speed.update(dt, settled=True) is None
     out = capsys.readouterr().out
-    assert out.count('note: step times swing from 100 ms to') == 1 and 'OMP_NUM_THREADS' in out
+    assert out.count('note: step times swing from 100 ms to') == 1 and 'OMP_WAIT_POLICY=PASSIVE' in out
+    monkeypatch.setenv('OMP_WAIT_POLICY', 'passive')  # already sleeping: nothing more to suggest
+    speed.warned = False
+    speed.update(0.9, settled=True)
+    out = capsys.readouterr().out
+    assert 'step times swing' in out and 'OMP_WAIT_POLICY' not in out
 
 
 def test_grad_clip_zero_trains_exactly_as_a_clip_that_never_binds(tmp_path):
