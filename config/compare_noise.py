@@ -32,7 +32,7 @@ samples = False  # the examples are token ids, not text
 # each variant at its own best constant rate: the tuned recall study chose 1e-2 for base, 1e-3 for symmetric,
 # NoiseFormer, DIFF and linear attention, 3e-4 for low-rank DINT and 1e-4 for DINT; these five half-decades
 # hold each choice with a value on either side but base's (the range grows where a choice lands on an edge).
-# Two tuning seeds: one seed chose between close candidates last time (DINT), and base's one-seed choice
+# Two tuning seeds: with one, DINT's choice fell between close candidates, and base's one-seed choice
 # stayed on the plateau for tens of thousands of iterations on a comparison seed
 # listed middle out (the order they train in): a candidate that reaches the target soon stops the slower
 # ones at its iteration count (out-ranked), so the slow edges cost least when they train last
