@@ -11,8 +11,8 @@ Two ways in, one split (`split_documents`) and one tokeniser (`encode_documents`
   reuses what was done;
 - local --input files skip `datasets`: each worker process reads its own byte range of a file (or
   parquet row group), parses and tokenises it, so nothing but a 0.1 s tokenizer load runs on one
-  core. On 2 cores that is ~2x a one-process tokenising loop; the `datasets` import and its
-  one-process JSON-to-Arrow conversion alone took ~2 s per 50 MB (docs/benchmarks.md).
+  core. On 2 cores that is ~2x a one-process tokenising loop; the `datasets` import (0.8-1.1 s) and its
+  one-process JSON-to-Arrow conversion (~0.5 s per 50 MB) would come first (docs/benchmarks.md).
 The scripts import this file by putting data/ on sys.path; it puts the repository there too, for what it
 shares with the package (the words for a failed write: denoised_gpt/files.py).
 """
