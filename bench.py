@@ -440,7 +440,6 @@ def train_steps(attn_type, compiled):
         sort = 'self_cuda_time_total' if kind == 'cuda' else 'self_cpu_time_total'
         print(f"\n--- {attn_type}{' (compiled)' if compiled else ''}: top operators over 3 steps ---")
         print(prof.key_averages().table(sort_by=sort, row_limit=15, max_name_column_width=60))
-    del optimizer
     return times, first, peak_mem, raw_model.get_num_params(), raw_model
 
 
