@@ -387,7 +387,7 @@ def estimate_loss():
                 continue
             s = batch_seed(seed, 2, SPLIT_KEYS[split], j % eval_iters)  # 2: evaluation (training uses (0, it, m))
             X, Y = get_batch(split, s)
-            manual_seed(s)  # the same noise every evaluation
+            manual_seed(s, device)  # the same noise every evaluation
             with ctx:
                 _, loss = net(X, Y)
             if j < eval_iters:
@@ -542,7 +542,7 @@ while True:
             # I really dislike that this bloats the code and forces us to repeat code
             # looking at the source of that context manager, it just toggles this variable
             model.require_backward_grad_sync = (micro_step == gradient_accumulation_steps - 1)
-        manual_seed(s)  # noise and dropout of micro-batch m
+        manual_seed(s, device)  # noise and dropout of micro-batch m
         with ctx:
             _, ce = model(X, Y, return_logits=False)  # fused, chunked lm_head + cross-entropy
             kl = kl_divergence()

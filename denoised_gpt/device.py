@@ -159,9 +159,20 @@ def grad_scaler(device, dtype):
     return torch.amp.GradScaler(device_type(device), enabled=enabled)
 
 
-def manual_seed(seed):
-    """Seed torch's global generators (CPU, CUDA, and Gaudi's own, which torch.manual_seed skips)."""
-    torch.manual_seed(seed)
+def manual_seed(seed, device=None):
+    """Seed torch's global generators: with no device all of them (torch.manual_seed: CPU, CUDA, MPS, ...), as
+    for a model's first weights; with one, the CPU's and that device's, all that a step draws from:
+    torch.manual_seed also seeds every device kind not started in this process, each queueing the seed with a
+    stack trace (~1 ms a call on a CPU; train.py seeds every micro-batch). Gaudi's own generator, which
+    torch.manual_seed skips, either way."""
+    if device is None:
+        torch.manual_seed(seed)
+    else:
+        torch.random.default_generator.manual_seed(seed)
+        if device_type(device) == 'cuda':
+            torch.cuda.manual_seed(seed)  # the current device: this rank's (setup's set_device)
+        elif device_type(device) == 'mps':
+            torch.mps.manual_seed(seed)
     if _hpu_ready:
         import habana_frameworks.torch.hpu.random as htrandom
         htrandom.manual_seed(seed)

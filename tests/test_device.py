@@ -184,6 +184,19 @@ def test_job_slots_get_their_own_gpus_where_there_are_enough_and_share_them_wher
     assert [device.slot_gpus(s, 1, 2) for s in range(4)] == [[0], [1], [0], [1]]
 
 
+def test_seeding_the_device_in_use_draws_as_seeding_every_generator():
+    """train.py seeds every micro-batch with manual_seed(s, device): only the CPU's generator and the device's
+    (torch.manual_seed also queues a seed, with a stack trace, for each device kind not started), drawing the
+    same numbers as torch.manual_seed(s) from whatever state the generators were in."""
+    torch.manual_seed(1)
+    torch.randn(7)  # some other state first
+    device.manual_seed(3, 'cpu')
+    ours = torch.randn(5), torch.rand(3), torch.nn.functional.dropout(torch.ones(8), 0.5)
+    torch.manual_seed(3)
+    theirs = torch.randn(5), torch.rand(3), torch.nn.functional.dropout(torch.ones(8), 0.5)
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
+
+
 # ----------------------------------------------------------------------------- CPU threads on a busy machine
 
 def test_idle_cores_are_read_from_the_kernels_counters():
