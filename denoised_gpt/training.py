@@ -321,8 +321,9 @@ class StepSpeed:
         if len(slow) < 2:
             return None
         self.warned = True
-        passive = os.environ.get('OMP_WAIT_POLICY', '').upper() == 'PASSIVE'
-        return (f"note: step times swing from {typical * 1000:.0f} ms to {max(slow) * 1000:.0f} ms: other processes "
-                f"are competing for the CPU cores, and torch's {torch.get_num_threads()} threads wait for each other"
-                + ("" if passive else "; started with OMP_WAIT_POLICY=PASSIVE, waiting threads sleep instead of "
-                   "spinning (docs/troubleshooting.md)"))
+        note = (f"note: step times swing from {typical * 1000:.0f} ms to {max(slow) * 1000:.0f} ms: other processes "
+                f"are competing for the CPU cores")
+        if torch.get_num_threads() == 1 or os.environ.get('OMP_WAIT_POLICY', '').upper() == 'PASSIVE':
+            return note  # no thread spins waiting for another: nothing to change here
+        return (f"{note}, and torch's {torch.get_num_threads()} threads spin while they wait for each other; started "
+                f"with OMP_WAIT_POLICY=PASSIVE, they sleep instead (docs/troubleshooting.md)")

@@ -562,6 +562,8 @@ def test_swinging_cpu_steps_get_one_note_naming_the_wait_policy_and_no_mfu(capsy
     times get one note, which names the passive wait policy where the threads spin."""
     from denoised_gpt.training import StepSpeed
     monkeypatch.delenv('OMP_WAIT_POLICY', raising=False)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # restored at the end
     speed = StepSpeed(ConstantFlops(), 1, None)
     assert {speed.update(dt, settled=True) for dt in [0.1] * 12} == {None}
     assert capsys.readouterr().out == ''  # steady steps: nothing to say
@@ -569,11 +571,19 @@ def test_swinging_cpu_steps_get_one_note_naming_the_wait_policy_and_no_mfu(capsy
         assert speed.update(dt, settled=True) is None
     out = capsys.readouterr().out
     assert out.count('note: step times swing from 100 ms to') == 1 and 'OMP_WAIT_POLICY=PASSIVE' in out
+    assert "torch's 2 threads spin while they wait" in out
     monkeypatch.setenv('OMP_WAIT_POLICY', 'passive')  # already sleeping: nothing more to suggest
     speed.warned = False
     speed.update(0.9, settled=True)
     out = capsys.readouterr().out
-    assert 'step times swing' in out and 'OMP_WAIT_POLICY' not in out
+    assert 'step times swing' in out and 'OMP_WAIT_POLICY' not in out and 'threads' not in out
+    monkeypatch.delenv('OMP_WAIT_POLICY')
+    torch.set_num_threads(1)  # one thread waits for none: the note names no thread and no policy
+    speed.warned = False
+    speed.update(0.9, settled=True)
+    out = capsys.readouterr().out
+    torch.set_num_threads(threads)
+    assert 'step times swing' in out and 'OMP_WAIT_POLICY' not in out and 'threads' not in out
 
 
 def test_grad_clip_zero_trains_exactly_as_a_clip_that_never_binds(tmp_path):
