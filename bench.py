@@ -77,6 +77,7 @@ vocab_size = 50304  # with --dataset, the dataset's own vocabulary size when it 
 bias = False  # biases in Linear and LayerNorm layers
 dropout = 0.0  # dropout probability
 qk_head_size = None  # base / symmetric: query/key head size (None: n_embd // n_head; see grow.py)
+noise_kernel = 'sdpa'  # noiseformer: 'sdpa' (the noise as SDPA's mask) or 'triton' (drawn inside one kernel: CUDA)
 dataset = ''  # '' = synthetic random tokens, else real batches from data/<dataset>/train.bin
 # the training step (as in train.py)
 learning_rate = 6e-4  # AdamW learning rate

@@ -18,6 +18,7 @@ References:
 import difflib
 import inspect
 import math
+import warnings
 from dataclasses import dataclass, fields
 
 import torch
@@ -43,6 +44,7 @@ class GPTConfig:
     noise_per_sample: bool = False  # one eps per sequence instead of one shared by the batch
     noise_param: str = 'sigma'  # learn 'sigma' directly, or 'logvar' = log(sigma^2)
     noise_at_eval: bool = True  # keep the noise on in eval mode and generation (as the paper)
+    noise_kernel: str = 'sdpa'  # 'sdpa': the noise as SDPA's mask; 'triton': drawn inside one kernel (CUDA)
     # dint_lowrank
     lowrank_rank: int = 32
     lowrank_score_divisor: float = 81.0  # second-branch scores use scale sqrt(81) / sqrt(d)
@@ -305,7 +307,7 @@ class NoiseFormerAttention(SymmetricAttention):
     drawn at every forward pass (reparameterisation trick), (1 or B, noise heads, T, T), one draw per layer.
     Softmax is shift-invariant along a row, so mu never changes the output (dCE/dmu = 0 up to rounding; only
     the KL term moves it): sigma is what matters."""
-    config_fields = ('noise_init_std', 'noise_per_sample', 'noise_param', 'noise_at_eval')
+    config_fields = ('noise_init_std', 'noise_per_sample', 'noise_param', 'noise_at_eval', 'noise_kernel')
     noise_heads = None  # 1: one (mu, sigma) per layer (v1); None: one per head (v2)
     materialise_noise = False  # True: the noise as a differentiable (B, H, T, T) mask, the slow reference path
 
@@ -316,6 +318,9 @@ class NoiseFormerAttention(SymmetricAttention):
         if config.noise_init_std < 0:
             raise ValueError(f"GPTConfig.noise_init_std={config.noise_init_std} must not be negative (it is a "
                              f"standard deviation; 0 starts the noise at zero)")
+        if config.noise_kernel not in ('sdpa', 'triton'):
+            raise ValueError(f"GPTConfig.noise_kernel={config.noise_kernel!r} must be 'sdpa' (the noise as SDPA's "
+                             f"mask) or 'triton' (drawn inside one Triton kernel)")
 
     def __init__(self, config, layer_idx):
         super().__init__(config, layer_idx)
@@ -323,6 +328,8 @@ class NoiseFormerAttention(SymmetricAttention):
         self.noise_per_sample = config.noise_per_sample
         self.noise_at_eval = config.noise_at_eval
         self.noise_param = config.noise_param
+        # the Triton kernel where it can run (training and prefill without attention dropout), else SDPA's path
+        self.fused = config.noise_kernel == 'triton' and load_noise_kernel(config.dropout) is not None
         self.noise_mu = nn.Parameter(config.noise_init_std * torch.randn(n))
         sigma = config.noise_init_std * torch.randn(n)
         if self.noise_param == 'sigma':
@@ -364,6 +371,10 @@ class NoiseFormerAttention(SymmetricAttention):
         return self.noise_mu.view(1, n, 1, 1) + self.sigma().view(1, n, 1, 1) * eps
 
     def attend(self, q, k, v, batch_size):
+        noisy = self.training or self.noise_at_eval
+        if noisy and self.fused and self.attn_dropout_p == 0 and q.size(-2) == k.size(-2) \
+                and noise_kernel_runs_on(q, v):  # k is q: the kernel reads q twice
+            return _noise_kernel.noise_attention(q, v, self.noise_mu, self.sigma(), self.noise_per_sample)
         eps = self.draw_noise(batch_size, q.size(-2), k.size(-2), like=q)
         if eps is None:
             return causal_attention(q, k, v, self.attn_dropout_p)
@@ -378,6 +389,43 @@ class NoiseFormerV1Attention(NoiseFormerAttention):
 
 class NoiseFormerV2Attention(NoiseFormerAttention):
     """noiseformer_v2: one (mu, sigma) pair per head and a different eps draw per head (noise_heads = n_head)."""
+
+
+# The fused kernel (denoised_gpt/noise_kernel.py, Triton): the noise drawn from a seed inside the attention kernel
+# and again in its backward, nothing T x T in memory. Optional: without triton, or where it cannot run, the SDPA
+# path below, said once.
+
+_noise_kernel = None  # the module once imported, False where it cannot be
+_said = set()
+
+
+def say_once(message):
+    if message not in _said and not torch.compiler.is_compiling():
+        _said.add(message)
+        warnings.warn(message, stacklevel=3)
+
+
+def load_noise_kernel(dropout):
+    """denoised_gpt.noise_kernel for noise_kernel='triton', or None where it cannot be used (said once)."""
+    global _noise_kernel
+    if _noise_kernel is None:
+        try:
+            from denoised_gpt import noise_kernel as module
+        except ImportError as e:  # no triton (or model.py copied without its package: an exported folder)
+            say_once(f"noise_kernel='triton': {e}; NoiseFormer uses its SDPA path (pip install triton, on CUDA)")
+            module = False
+        _noise_kernel = module
+    if _noise_kernel and dropout > 0:
+        say_once(f"noise_kernel='triton' has no attention dropout: with dropout={dropout} NoiseFormer trains on "
+                 f"its SDPA path (evaluation and sampling, without dropout, use the kernel)")
+    return _noise_kernel or None
+
+
+def noise_kernel_runs_on(q, v):
+    reason = _noise_kernel.unsupported(q, v)
+    if reason is not None:
+        say_once(f"noise_kernel='triton': {reason}; NoiseFormer uses its SDPA path here")
+    return reason is None
 
 
 # Why NoiseFormer has kernels of its own: as a float mask that requires grad, the noise sends SDPA to its math

@@ -103,6 +103,7 @@ noise_init_std = 0.01  # noiseformer: mu, sigma ~ noise_init_std * N(0, 1)
 noise_per_sample = False  # noiseformer: one noise draw per sequence instead of per batch
 noise_param = 'sigma'  # noiseformer: learn 'sigma' or 'logvar'
 noise_at_eval = True  # noiseformer: keep the noise on in evaluation and sampling (as the paper)
+noise_kernel = 'sdpa'  # noiseformer: 'sdpa' (the noise as SDPA's mask) or 'triton' (drawn inside one kernel: CUDA)
 lowrank_rank = 32  # dint_lowrank: rank r of the second branch's query/key factors
 lowrank_score_divisor = 81.0  # dint_lowrank: the second branch's scores are divided by this
 linear_chunk_size = 64  # linear: tokens per chunk of the chunked causal linear attention

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# One call on a GPU: our bench.py beside nanoGPT's bench.py, on the same card in the same call:
+# One call on a GPU: NoiseFormer's Triton kernel tested on the card, then our bench.py beside nanoGPT's bench.py, on
+# the same card in the same call:
 #   bash .ci/gpu_check.sh --prepare                    # here, once (gpu/ gets nanoGPT's scripts too)
 #   bash .ci/gpu_speed_check.sh OUT_DIR [BUDGET_SECONDS]   # there, with gpu/ carried along
-# Phase 1, in parallel: one short compiled run of every timed setting below, which fills the inductor
-# caches. Phase 2, one at a time: each setting timed (bench.py, median of 10 steps; nanoGPT's bench.py, mean
+# Phase 1, in parallel: the kernel's tests (tests/test_noise_kernel.py, tests/test_cuda.py: OUT/tests.log) and one
+# short compiled run of every timed setting below, which fills the inductor and Triton caches. Phase 2, one at a time: each setting timed (bench.py, median of 10 steps; nanoGPT's bench.py, mean
 # of 20), so the cold compile of one never overlaps another's timing. DEVICE=cpu SMALL=1: a dry run here.
 set -u
 OUT=${1:?OUT_DIR}; BUDGET=${2:-520}; DEVICE=${DEVICE:-cuda}; START=$(date +%s)
@@ -23,6 +24,8 @@ add base_noclip $REPO $BENCH --attn_types=base --grad_clip=0  # nanoGPT's bench.
 add base_profile $REPO $BENCH --attn_types=base --profile=True  # where base's step goes (top kernels)
 add nf2 $REPO $BENCH --attn_types=noiseformer_v2
 add nf1 $REPO $BENCH --attn_types=noiseformer_v1
+add nf2_triton $REPO $BENCH --attn_types=noiseformer_v2 --noise_kernel=triton
+add nf1_triton $REPO $BENCH --attn_types=noiseformer_v1 --noise_kernel=triton
 add base_b24 $REPO $BENCH --attn_types=base --batch_size=24
 add nanogpt_b24 $REPO/gpu/nanoGPT $NANO --batch_size=24
 add base_b32 $REPO $BENCH --attn_types=base --batch_size=32
@@ -31,7 +34,9 @@ add dint $REPO $BENCH --attn_types=dint
 
 nvidia-smi > "$OUT/env.log" 2>&1
 python3 -c "import torch, sys; print(sys.version); print(torch.__version__, torch.version.cuda, torch.cuda.is_available() and torch.cuda.get_device_name())" >> "$OUT/env.log" 2>&1
-echo "== phase 1 at $(( $(date +%s) - START ))s: warm compiles" | tee -a "$OUT/bench.log"
+echo "== phase 1 at $(( $(date +%s) - START ))s: the kernel's tests, warm compiles" | tee -a "$OUT/bench.log"
+(timeout -k 5 $(( BUDGET / 2 - 20 )) python3 -m pytest tests/test_noise_kernel.py tests/test_cuda.py -q -p no:cacheprovider \
+   > "$OUT/tests.log" 2>&1; echo "tests: exit $? at $(( $(date +%s) - START ))s" >> "$OUT/tests.log") &
 for name in "${NAMES[@]}"; do
   if [[ $name == nanogpt* ]]; then cmd="${ARGS[$name]}"; else cmd="${ARGS[$name]} --warmup_iters=1 --bench_iters=1"; fi
   (cd ${DIR[$name]} && TORCHINDUCTOR_COMPILE_THREADS=2 timeout -k 5 $(( BUDGET / 2 - 20 )) python3 $cmd > /tmp/warm-$name.log 2>&1

@@ -23,6 +23,13 @@ if "PYTEST_XDIST_WORKER" in os.environ:
     import torch
     torch.set_num_threads(1)  # in case a plugin imported torch before this file
 
+# Triton kernels (denoised_gpt/noise_kernel.py) run on a CPU under Triton's interpreter, which triton reads when it is
+# imported and when a kernel runs: set before anything imports triton. Nothing else uses triton without a GPU.
+if "TRITON_INTERPRET" not in os.environ:
+    import torch
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
@@ -31,7 +38,7 @@ os.environ.setdefault("WANDB_SILENT", "true")
 # the libraries whose APIs the project calls into, named with their versions at the top of every run:
 # README's "Tested with" table is this line of the last green run
 TESTED_WITH = ('torch', 'numpy', 'tiktoken', 'datasets', 'pyarrow', 'wandb', 'transformers', 'tokenizers',
-               'safetensors', 'huggingface_hub', 'peft', 'lm_eval', 'accelerate', 'matplotlib', 'pytest')
+               'safetensors', 'huggingface_hub', 'peft', 'lm_eval', 'accelerate', 'matplotlib', 'triton', 'pytest')
 
 
 def pytest_report_header(config):
