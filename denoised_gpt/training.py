@@ -295,6 +295,19 @@ class StepSpeed:
         self.model, self.fwdbwd_per_iter, self.peak_flops = model, fwdbwd_per_iter, peak_flops
         self.on_cpu = peak_flops is None
         self.first, self.mfu, self.recent, self.warned = [], None, [], False
+        self.eval_seconds = 0.0  # the last evaluation's time: each one still to come is counted at it
+
+    def time_left(self, steps_done, max_iters, eval_interval, evaluated=False):
+        """'12% done, 3m05s left': the steps still to take at the median of the recent settled ones (so it follows
+        the machine's load), and the evaluations still to come (at each multiple of eval_interval and at
+        max_iters; evaluated: the one at steps_done is done) at the last one's time; '' before a settled step."""
+        if not self.recent:
+            return ''
+        first = steps_done + evaluated  # the first iteration whose evaluation is still to come
+        evaluations = (max_iters // eval_interval - (first - 1) // eval_interval + bool(max_iters % eval_interval)
+                       if first <= max_iters else 0)
+        seconds = max(0, max_iters - steps_done) * statistics.median(self.recent) + evaluations * self.eval_seconds
+        return f"{100 * steps_done // max(max_iters, 1)}% done, {duration(seconds)} left"
 
     def update(self, dt, settled):
         """Record a step of dt seconds; returns the MFU to show (None until it is measured)."""
@@ -327,3 +340,15 @@ class StepSpeed:
             return note  # no thread spins waiting for another: nothing to change here
         return (f"{note}, and torch's {torch.get_num_threads()} threads spin while they wait for each other; started "
                 f"with OMP_WAIT_POLICY=PASSIVE, they sleep instead (docs/troubleshooting.md)")
+
+
+def duration(seconds):
+    """seconds as '45s', '3m05s', '2h07m' or '3d04h': the two units that matter."""
+    s = round(seconds)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"

@@ -209,7 +209,7 @@ def test_every_attention_variant_trains(attn_type, tmp_path):
     assert val[50] < val[0] - 0.5, val  # the same val batches before and after: it learned
     kl = [float(m[4]) for m in ITER_LINE.finditer(out)]
     assert all(k > 0 for k in kl) if attn_type.startswith('noiseformer') else all(k == 0 for k in kl)
-    assert re.search(r"^iter 45: .*ms/iter, [\d,]+ tok/s$", out, re.M)  # no MFU on a CPU (StepSpeed)
+    assert re.search(r"^iter 45: .*ms/iter, [\d,]+ tok/s, 92% done, \S+ left$", out, re.M)  # no MFU on a CPU
     assert load_checkpoint(tmp_path / 'out')['iter_num'] == 50
     # the metrics log's evaluation rows carry what the variant learns (see test_model for the values)
     evals = [json.loads(line) for line in (tmp_path / 'out' / 'metrics.jsonl').read_text().splitlines()
@@ -584,6 +584,38 @@ def test_swinging_cpu_steps_get_one_note_naming_the_wait_policy_and_no_mfu(capsy
     out = capsys.readouterr().out
     torch.set_num_threads(threads)
     assert 'step times swing' in out and 'OMP_WAIT_POLICY' not in out and 'threads' not in out
+
+
+def test_progress_shows_the_time_left_from_settled_steps_and_the_evaluations_to_come(tmp_path):
+    """Every log line from the first settled step on, and every evaluation, says how far the run is and how long is
+    left; the last evaluation has nothing left."""
+    from denoised_gpt.training import StepSpeed
+    out = run_train_in_process(tmp_path / 'out', make_dataset(tmp_path), '--max_iters=20', '--eval_interval=8').stdout
+    left = {int(m[1]): (int(m[2]), m[3]) for m in re.finditer(r"^iter (\d+): .* tok/s, (\d+)% done, (\S+) left$",
+                                                              out, re.M)}
+    assert sorted(left) == list(range(StepSpeed.SETTLED_AFTER, 20))  # none before a settled step
+    assert all(done == 100 * (i + 1) // 20 for i, (done, _) in left.items())
+    evaluations = re.findall(r"^step (\d+): train loss \S+, val loss \S+(.*)$", out, re.M)
+    assert evaluations[0] == ('0', '')  # before any step: nothing to estimate from
+    assert re.fullmatch(r" \(40% done, \d+s left\)", dict(evaluations)['8'])
+    assert dict(evaluations)['20'] == " (100% done, 0s left)"
+
+
+def test_time_left_follows_the_step_time_and_counts_the_evaluations_to_come():
+    from denoised_gpt.training import StepSpeed, duration
+    speed = StepSpeed(None, 1, None)
+    assert speed.time_left(10, 100, 25) == ''  # no settled step yet
+    for _ in range(5):
+        speed.update(1.0, settled=True)
+    speed.eval_seconds = 30.0
+    # 90 steps at 1 s, evaluations at 25, 50, 75 and 100 at 30 s each
+    assert speed.time_left(10, 100, 25) == f"10% done, {duration(90 + 4 * 30)} left" == "10% done, 3m30s left"
+    assert speed.time_left(25, 100, 25, evaluated=True) == "25% done, 2m45s left"  # 75 s + 3 evaluations
+    assert speed.time_left(95, 98, 25) == "96% done, 33s left"  # 3 s + the last one, at max_iters
+    for _ in range(10):  # the machine slows down: the estimate follows within a few steps
+        speed.update(3.0, settled=True)
+    assert speed.time_left(50, 100, 25) == f"50% done, {duration(50 * 3 + 3 * 30)} left"
+    assert [duration(s) for s in (0.4, 59.6, 3600 * 25 + 61)] == ['0s', '1m00s', '1d01h']
 
 
 def test_grad_clip_zero_trains_exactly_as_a_clip_that_never_binds(tmp_path):
