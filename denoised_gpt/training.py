@@ -213,7 +213,8 @@ def schedule_note(max_iters, learning_rate, warmup_iters, lr_decay_iters, min_lr
     reached = get_lr(max_iters, learning_rate, warmup_iters, lr_decay_iters, min_lr)
     if max_iters < warmup_iters:
         return (f"note: max_iters={max_iters} ends during the warmup (warmup_iters={warmup_iters}): the learning "
-                f"rate only reaches {reached:.3g} of learning_rate={learning_rate:g}")
+                f"rate only reaches {reached:.3g} of learning_rate={learning_rate:g}; for a short run give "
+                f"--warmup_iters={max_iters // 10} and --lr_decay_iters={max_iters}")
     if max_iters < lr_decay_iters:
         return (f"note: max_iters={max_iters} ends before lr_decay_iters={lr_decay_iters}: the learning rate decays "
                 f"only to {reached:.3g} (min_lr={min_lr:g}); pass --lr_decay_iters={max_iters} to decay over this run")

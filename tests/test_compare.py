@@ -546,6 +546,23 @@ def test_bad_sweep_settings_are_one_line(args, message, tmp_path):
     assert not (tmp_path / 'out').exists()
 
 
+def test_every_runs_settings_are_checked_once_before_any_run_starts(tmp_path):
+    """A short sweep that inherits its config's warmup is refused in one line naming the fix, before any run
+    starts; a setting only one variant's runs get is refused naming that run."""
+    data = make_dataset(tmp_path)
+    short = f"--dataset={data} --max_iters=50 --lr_decay_iters=50 --warmup_iters=50"
+    proc = compare([f'--base_config={TINY}', f'--overrides={short}', '--attn_types=base,diff',
+                    f'--out_dir={tmp_path / "a"}'])
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "compare.py: error: every run: lr_decay_iters=50 must be larger than warmup_iters=50" in proc.stderr
+    assert "give a shorter warmup, e.g. --warmup_iters=5 (below max_iters)" in proc.stderr
+    proc = compare([f'--base_config={TINY}', f'--overrides=--dataset={data}', '--attn_types=base,diff', '--chosen_by=x',
+                    "--chosen={'base': {'n_head': 2}, 'diff': {'n_head': 3}}", f'--out_dir={tmp_path / "b"}'])
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "compare.py: error: run diff: " in proc.stderr and "n_head" in proc.stderr
+    assert not (tmp_path / 'a').exists() and not (tmp_path / 'b').exists()  # no run was started
+
+
 # -----------------------------------------------------------------------------
 # tuning: each variant at its own best settings
 

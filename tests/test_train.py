@@ -252,7 +252,7 @@ def test_resume_continues_the_checkpoints_run_settings(tmp_path):
     first = train_in_process(str(TINY), f'--dataset={data}', f'--out_dir={out}', '--batch_size=2',
                              '--gradient_accumulation_steps=1', '--max_iters=2', '--eval_interval=2').stdout
     assert "tokens per iteration will be: 64" in first  # 1 x 2 x 32
-    assert "max_iters=2 ends during the warmup (warmup_iters=5)" in first
+    assert "max_iters=2 ends during the warmup (warmup_iters=5)" in first and "give --warmup_iters=0" in first
     # nanoGPT's way of resuming: no config file; batch, data and schedule come from the checkpoint
     second = train_in_process('--init_from=resume', f'--out_dir={out}', '--max_iters=4', '--learning_rate=0.001',
                               '--device=cpu', '--dtype=float32').stdout
@@ -327,6 +327,8 @@ BAD_SETTINGS = [
     (['--gradient_accumulation_steps=2000000'], "gradient_accumulation_steps=2000000 is over the limit of 1,048,576 "
                                                 "micro-batches per iteration"),
     (['--batch_size=100000'], "batch_size=100000 is over the limit of 65,536 sequences per micro-batch"),
+    # a short run cut from a config with a longer warmup: the fix it needs
+    (['--max_iters=50', '--lr_decay_iters=50', '--warmup_iters=50'], "e.g. --warmup_iters=5 (below max_iters)"),
 ]
 
 
