@@ -27,9 +27,11 @@ over the ranks, so val losses compare across evals, runs and attention variants.
 """
 
 from configurator import answer_help
+from denoised_gpt.cli import check_before_torch
 from denoised_gpt.cpu_threads import wait_passively_if_busy
 
 answer_help(__file__)  # --help before the heavy imports below
+check_before_torch(__file__)  # a mistyped key, attn_type or dataset: said at once, not after torch's import
 wait_passively_if_busy()  # before torch loads OpenMP, which reads its wait policy once
 
 import dataclasses
@@ -42,10 +44,11 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from denoised_gpt.batches import TokenBatches, TokenIdError, check_token_files, load_meta
+from denoised_gpt.batches import TokenBatches, TokenIdError, load_meta
 from denoised_gpt.checkpoint import CheckpointError, capture_rng_state, checkpoint_path
 from denoised_gpt.cli import fail, read_config, refused_allocation
 from denoised_gpt.extras import require as require_extra
+from denoised_gpt.files import check_token_files
 from denoised_gpt.device import (autocast_context, compile_model, ddp_backend, ddp_device_ids, device_type,
                                  fused_optimizer, grad_scaler, manual_seed, mark_step, peak_flops, resolve_compile,
                                  resolve_device, resolve_dtype, setup)

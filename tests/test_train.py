@@ -12,6 +12,7 @@ import runpy
 import signal
 import struct
 import subprocess
+import sys
 import termios
 import time
 
@@ -221,6 +222,28 @@ def test_every_attention_variant_trains(attn_type, tmp_path):
     assert evals[0]['time'] == 0 < evals[1]['time'] and evals[1]['peak_memory_mib'] > 0
     if learned:
         assert evals[0][min(learned)] != evals[1][min(learned)]  # they moved during training
+
+
+@pytest.mark.parametrize('arg,message', [
+    ('--learning_rat=1e-3', "unknown config key 'learning_rat'; did you mean 'learning_rate'?"),
+    ('--attn_type=noiseformer2', "attn_type='noiseformer2' is not a known attention variant; valid values: base, "),
+    ('--dataset=nosuch', "data/nosuch/train.bin not found: "),
+])
+def test_a_wrong_key_attn_type_or_dataset_is_said_before_torch_loads(arg, message):
+    """These are wrong on any machine: said before torch's import, which takes seconds on a busy CPU."""
+    probe = ("import runpy, sys\nsys.argv = ['train.py', 'config/train_shakespeare_char.py', sys.argv[1]]\n"
+             "try:\n    runpy.run_path('train.py', run_name='__main__')\n"
+             "finally:\n    print('torch loaded' if 'torch' in sys.modules else 'torch not loaded')")
+    proc = subprocess.run([sys.executable, '-c', probe, arg], cwd=ROOT, env=subprocess_env(), capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stdout == 'torch not loaded\n', proc.stdout + proc.stderr
+    assert proc.stderr.startswith("train.py: error: ") and message in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_the_attention_names_read_before_torch_loads_are_model_pys():
+    from denoised_gpt.cli import attention_names
+    assert attention_names(ROOT / 'model.py') == list(ATTENTION_TYPES)
 
 
 def test_config_typo_exits_2_with_the_suggestion(tmp_path):
