@@ -137,6 +137,18 @@ def check_attn_types(names, all_allowed=False):
                          f"{choose} {', '.join(ATTENTION_TYPES)}")
 
 
+def duration(seconds):
+    """seconds as '45s', '3m05s', '2h07m' or '3d04h': the two units that matter."""
+    s = round(seconds)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+
+
 def ram_bytes():
     """Bytes of RAM this machine has (None where the system does not say): what no run on its CPU can exceed."""
     try:

@@ -13,7 +13,7 @@ import torch
 
 from denoised_gpt.checkpoint import (checkpoint_path, load_checkpoint, optimizer_param_names, restore_rng_state,
                                      restore_training_state, save_checkpoint)
-from denoised_gpt.cli import check_ranges
+from denoised_gpt.cli import check_ranges, duration
 from denoised_gpt.device import device_type, mark_step
 from denoised_gpt.finetune import LORA_KEYS, check_finetune_settings
 from denoised_gpt.lr_schedule import check_schedule, get_lr
@@ -342,14 +342,3 @@ class StepSpeed:
         return (f"{note}, and torch's {torch.get_num_threads()} threads spin while they wait for each other; started "
                 f"with OMP_WAIT_POLICY=PASSIVE, they sleep instead (docs/troubleshooting.md)")
 
-
-def duration(seconds):
-    """seconds as '45s', '3m05s', '2h07m' or '3d04h': the two units that matter."""
-    s = round(seconds)
-    if s < 60:
-        return f"{s}s"
-    if s < 3600:
-        return f"{s // 60}m{s % 60:02d}s"
-    if s < 86400:
-        return f"{s // 3600}h{s % 3600 // 60:02d}m"
-    return f"{s // 86400}d{s % 86400 // 3600:02d}h"

@@ -627,7 +627,8 @@ def test_progress_shows_the_time_left_from_settled_steps_and_the_evaluations_to_
 
 
 def test_time_left_follows_the_step_time_and_counts_the_evaluations_to_come():
-    from denoised_gpt.training import StepSpeed, duration
+    from denoised_gpt.cli import duration
+    from denoised_gpt.training import StepSpeed
     speed = StepSpeed(None, 1, None)
     assert speed.time_left(10, 100, 25) == ''  # no settled step yet
     for _ in range(5):
