@@ -87,6 +87,17 @@ def test_report_numbers_are_the_metrics_rows(sweep):
     assert "### `base`" in report and "### `noiseformer_v2`" in report  # one sample each
 
 
+def test_the_val_loss_plot_titles_its_panels_alike(sweep):
+    """Both panels are titled in one size, what they share said once above them."""
+    from denoised_gpt.compare_report import TITLE_SIZE, by_variant, val_loss_figure
+    tmp, _, _ = sweep
+    results = json.loads((tmp / 'out' / 'report' / 'results.json').read_text())['runs']
+    fig = val_loss_figure(by_variant(results))
+    assert [ax.get_title() for ax in fig.axes] == ['against iterations', 'against training time']
+    assert {ax.title.get_fontsize() for ax in fig.axes} == {TITLE_SIZE}
+    assert fig.get_suptitle().startswith('val loss: mean over seeds')
+
+
 def test_paired_differences_are_the_metrics_rows(sweep):
     """Each variant against base, seed by seed: the final evaluation rows' differences, their mean and
     sample std, sign agreement and the reading, in results.json and report.md."""
@@ -118,7 +129,7 @@ def test_paired_differences_are_the_metrics_rows(sweep):
 def test_reading_calls_a_difference_only_when_every_seed_agrees():
     """The held-out sweep that unpaired spreads misread: symmetric was higher than base on every seed,
     noiseformer_v2 against symmetric had no consistent difference at all."""
-    from denoised_gpt.compare_report import paired_vs_base, reading
+    from denoised_gpt.compare_report import paired_cell, paired_vs_base, reading
     per_seed = {'base': [2.000, 2.100, 2.050], 'symmetric': [2.043, 2.133, 2.081],
                 'noiseformer_v2': [2.017, 2.159, 2.071]}
     results = [{'variant': a, 'seed': s, 'final_val_loss': v}
@@ -144,6 +155,9 @@ def test_reading_calls_a_difference_only_when_every_seed_agrees():
             for r in results if r['variant'] in ('base', 'symmetric')]
     assert not paired_vs_base(tied, 'symmetric')['same_sign']
     assert reading(paired_vs_base(tied, 'symmetric')).startswith("no consistent difference")
+    # the report's * marks agreement, which takes two seeds or more
+    assert paired_cell(sym) == "+0.036 ± 0.006*" and paired_cell(v2) == "-0.003 ± 0.027"
+    assert paired_cell(one) == "+0.033" and paired_cell(none) == ''
 
 
 def test_progress_bar_ends_each_run_done(sweep):
