@@ -271,7 +271,8 @@ def check_run_settings():
              f"run {run}: {why}" if len(problems) == 1 else f"{len(problems)} runs cannot start, e.g. {run}: {why}")
 
 
-check_run_settings()
+if not report_only:  # (a report of runs already trained needs none to start)
+    check_run_settings()
 
 
 class Run:

@@ -290,6 +290,7 @@ class StepSpeed:
     MFU_START = 5
     SETTLED_AFTER = 5  # steps of this process before the step time counts (train.py's `settled`)
     SWING = 3.0  # a step this many times the median of the recent ones counts as slowed down
+    LEFT_WINDOW = 5  # the time left is at the median of this many recent steps: one slow step does not move it
 
     def __init__(self, model, fwdbwd_per_iter, peak_flops):
         """peak_flops: the device's peak FLOP/s (device.peak_flops), None on a CPU."""
@@ -299,15 +300,16 @@ class StepSpeed:
         self.eval_seconds = 0.0  # the last evaluation's time: each one still to come is counted at it
 
     def time_left(self, steps_done, max_iters, eval_interval, evaluated=False):
-        """'12% done, 3m05s left': the steps still to take at the median of the recent settled ones (so it follows
-        the machine's load), and the evaluations still to come (at each multiple of eval_interval and at
+        """'12% done, 3m05s left': the steps still to take at the median of the last LEFT_WINDOW settled ones (so
+        it follows the machine's load), and the evaluations still to come (at each multiple of eval_interval and at
         max_iters; evaluated: the one at steps_done is done) at the last one's time; '' before a settled step."""
         if not self.recent:
             return ''
         first = steps_done + evaluated  # the first iteration whose evaluation is still to come
         evaluations = (max_iters // eval_interval - (first - 1) // eval_interval + bool(max_iters % eval_interval)
                        if first <= max_iters else 0)
-        seconds = max(0, max_iters - steps_done) * statistics.median(self.recent) + evaluations * self.eval_seconds
+        step = statistics.median(self.recent[-self.LEFT_WINDOW:])
+        seconds = max(0, max_iters - steps_done) * step + evaluations * self.eval_seconds
         return f"{100 * steps_done // max(max_iters, 1)}% done, {duration(seconds)} left"
 
     def update(self, dt, settled):

@@ -638,7 +638,9 @@ def test_time_left_follows_the_step_time_and_counts_the_evaluations_to_come():
     assert speed.time_left(10, 100, 25) == f"10% done, {duration(90 + 4 * 30)} left" == "10% done, 3m30s left"
     assert speed.time_left(25, 100, 25, evaluated=True) == "25% done, 2m45s left"  # 75 s + 3 evaluations
     assert speed.time_left(95, 98, 25) == "96% done, 33s left"  # 3 s + the last one, at max_iters
-    for _ in range(10):  # the machine slows down: the estimate follows within a few steps
+    speed.update(10.0, settled=True)  # one slow step does not move it
+    assert speed.time_left(10, 100, 25) == "10% done, 3m30s left"
+    for _ in range(3):  # the machine slows down: the estimate follows within a few steps
         speed.update(3.0, settled=True)
     assert speed.time_left(50, 100, 25) == f"50% done, {duration(50 * 3 + 3 * 30)} left"
     assert [duration(s) for s in (0.4, 59.6, 3600 * 25 + 61)] == ['0s', '1m00s', '1d01h']
