@@ -544,10 +544,10 @@ for r in range(rounds):
         print(f"{statistics.median(times) * 1000:.1f} ms/iter (1st step {first:.1f} s, "
               f"{time.perf_counter() - t_run:.0f} s in all)", flush=True)
         if r == i == 0 and len(runs) * rounds > 1:  # the whole run's length, long before round 1 ends
-            took = time.perf_counter() - t_run  # (later rounds skip the first step's one-time work, as below)
-            print(f"  the whole benchmark: about {duration(len(runs) * took + len(runs) * (rounds - 1) * (took - first))}"
-                  f" ({len(runs)} run(s) x {rounds} round(s) at {label}'s {took:.0f} s; other variants take more or "
-                  f"less)", flush=True)
+            took = time.perf_counter() - t_run
+            whole = len(runs) * took + len(runs) * (rounds - 1) * (took - first)  # later rounds: no one-time work
+            print(f"  the whole benchmark: about {duration(whole)} ({len(runs)} run(s) x {rounds} round(s) at "
+                  f"{label}'s {took:.0f} s; other variants take more or less)", flush=True)
 
 results = []
 for a, c in runs:

@@ -293,8 +293,8 @@ def retrieval_lines(summary, results, plots):
                      + f" | {paired_reading(s, 'copy_accuracy')} |")
     paired = {v: s for v, s in probed.items() if 'copy_accuracy_vs_base' in s}
     if paired:
-        lines += ["", "Copy accuracy minus base's at each distance, seed by seed (mean ± std; * two or more seeds, all "
-                  "the same sign):", "", "| variant | " + " | ".join(f"D={d}" for d in ds) + " |",
+        lines += ["", "Copy accuracy minus base's at each distance, seed by seed (mean ± std; * two or more seeds, "
+                  "all the same sign):", "", "| variant | " + " | ".join(f"D={d}" for d in ds) + " |",
                   "|---|" + "---|" * len(ds)]
         for variant, s in paired.items():
             lines.append(f"| `{variant}` | " + " | ".join(paired_cell(s.get(f'copy_accuracy@{d}_vs_base')) for d in ds)
