@@ -247,7 +247,7 @@ def plot_retrieval(results, report_dir):
     over seeds, bars = min..max, shifted apart sideways a little."""
     variants = {v: [r for r in runs if 'copy_accuracy' in r] for v, runs in by_variant(results).items()}
     variants = {v: runs for v, runs in variants.items() if runs}
-    fig, axes = plt.subplots(1, 3, figsize=(18, 4.5))
+    fig, axes = plt.subplots(3, 1, figsize=(8, 10), sharex=True)  # one above the other: 960 px wide, a page's width
     for ax, key, what in ((axes[0], 'copy_accuracy', 'copy accuracy'),
                           (axes[1], 'copy_signed_source_share', "copy head's signed share on the source"),
                           (axes[2], 'copy_layer_noise_share', "reading layer's share on noise")):
@@ -262,9 +262,9 @@ def plot_retrieval(results, report_dir):
             chance = next(iter(variants.values()))[0]['copy_chance']
             ax.axhline(chance, color='grey', linestyle=':', linewidth=1, label=f'chance ({chance:.3f})')
         ax.set_xscale('log', base=2)
-        ax.set_xlabel('tokens of text between the two copies')
         ax.set_ylabel(f'{what}\n(mean over seeds, bars = min..max)')
         ax.grid(alpha=0.3)
+    axes[-1].set_xlabel('tokens of text between the two copies')
     axes[0].legend(fontsize=8)
     fig.tight_layout()
     save_png(fig, os.path.join(report_dir, 'retrieval.png'))

@@ -7,6 +7,7 @@ import os
 import re
 import signal
 import statistics
+import struct
 import subprocess
 import sys
 import threading
@@ -718,6 +719,8 @@ def test_values_tuned_per_variant_and_the_retrieval_probe_reach_the_report(tuned
     assert paired['differences'] == [runs['linear']['copy_accuracy@5'] - runs['base']['copy_accuracy@5']]
     assert "## Copying a span from the text (retrieval probe)" in report and "| D=1 | D=2 | D=5 | D=11 |" in report
     assert (copy / 'report' / 'retrieval.png').read_bytes()[:4] == b'\x89PNG'
+    width, height = struct.unpack('>II', (copy / 'report' / 'retrieval.png').read_bytes()[16:24])  # its IHDR
+    assert width <= 1100 < height  # the three panels one above the other: readable at a page's width
 
 
 def test_tuning_ranks_candidates_and_warns_at_the_edge_of_the_range():
