@@ -56,8 +56,8 @@ import time
 
 import torch
 
-from denoised_gpt.cli import (check_attn_types, check_ranges, fail, human_bytes, print_result, ram_bytes, read_config,
-                              refused_allocation)
+from denoised_gpt.cli import (check_attn_types, check_ranges, duration, fail, human_bytes, print_result, ram_bytes,
+                              read_config, refused_allocation)
 from denoised_gpt.device import (autocast_context, compile_model, cpu_tensor_peak, device_name, device_type,
                     fused_optimizer, grad_scaler, manual_seed, mark_step, max_memory_allocated, peak_flops,
                     resolve_compile, resolve_device, resolve_dtype, setup, spec_sheet_tflops,
@@ -544,6 +544,11 @@ for r in range(rounds):
         del model
         print(f"{statistics.median(times) * 1000:.1f} ms/iter (1st step {first:.1f} s, "
               f"{time.perf_counter() - t_run:.0f} s in all)", flush=True)
+        if r == i == 0 and len(runs) * rounds > 1:  # the whole run's length, long before round 1 ends
+            took = time.perf_counter() - t_run
+            whole = len(runs) * took + len(runs) * (rounds - 1) * (took - first)  # later rounds: no one-time work
+            print(f"  the whole benchmark: about {duration(whole)} ({len(runs)} run(s) x {rounds} round(s) at "
+                  f"{label}'s {took:.0f} s; other variants take more or less)", flush=True)
 
 results = []
 for a, c in runs:

@@ -82,7 +82,7 @@ from denoised_gpt.evaluation.attention_noise import PARTS as SHARE_PARTS
 from denoised_gpt.evaluation.retrieval import PARTS as RETRIEVAL_PARTS
 from denoised_gpt.extras import require as require_extra
 from denoised_gpt.files import FileError, parse_json, read_json, require_regular_file, write_atomically, write_problem
-from denoised_gpt.training import NOT_RESUMED
+from denoised_gpt.training import NOT_RESUMED, check_training_settings
 from denoised_gpt.run_dir import METRICS_NAME, bounded_lines, dropped_note, lock_out_dir, metrics_rows
 from denoised_gpt.tuning import (METRICS, candidate_args, candidate_label, candidate_settings, candidate_tag, candidates,
                                  choose, edge_warnings, outranked, score, variant_tune)
@@ -245,6 +245,34 @@ if tune and tune_metric == 'accuracy' and not all(is_recall_data(c) for c in poi
 def variant_name(attn_type, label):
     """How the report names a variant at a grid point: 'diff' or 'diff n_embd=64'."""
     return f"{attn_type} {label}" if label else attn_type
+
+
+def check_run_settings():
+    """Every run's train.py settings checked as train.py checks them (the schedule, ranges, the model's shape), once,
+    before any run starts: a setting that cannot run stops the sweep in one line, not each run as it comes."""
+    problems, checked = {}, 0  # problems: the run's name -> why it cannot start
+    for args, tag, label in points:
+        for a in attn_types:
+            options = ([(candidate_label(c), candidate_settings(c, point_configs[tag]))
+                        for c in candidates(variant_tune(tune, a))] if tune
+                       else [('', candidate_settings(chosen[a], point_configs[tag]))] if chosen else [('', {})])
+            for name, settings in options:
+                given = set()
+                config = apply_config([base_config, *extra, *args, *candidate_args(settings), f'--attn_type={a}',
+                                       f'--seed={seeds[0]}', f'--out_dir={out_dir}'], train_defaults, given=given)
+                checked += 1
+                try:
+                    check_training_settings(config, given)
+                except ValueError as e:
+                    problems[' '.join(filter(None, (variant_name(a, label), name)))] = str(e)
+    if problems:
+        run, why = next(iter(problems.items()))
+        fail(f"every run: {why}" if len(problems) == checked and len(set(problems.values())) == 1 else
+             f"run {run}: {why}" if len(problems) == 1 else f"{len(problems)} runs cannot start, e.g. {run}: {why}")
+
+
+if not report_only:  # (a report of runs already trained needs none to start)
+    check_run_settings()
 
 
 class Run:

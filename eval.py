@@ -297,7 +297,7 @@ def write_shares(name, mine, measure, panels):
     of the other model's, measured by measure(model, info) on the same examples, beside them."""
     from denoised_gpt.evaluation.entropy import file_name_part, plot_heatmaps
     # the colour bar: a head's share is of its row's absolute weights, a layer's of what each key adds to it
-    label = "share (heads: |weight|; layer: additions)"
+    label = "share, 0 to 1 (a head: of its attention weights, by size; the layer: of what each key adds to its output)"
     write_json(f'{name}.json', mine)
     write_png(f'{name}.png', plot_heatmaps([(info['name'], panels(mine))], label))
     if compare_to:

@@ -27,9 +27,11 @@ over the ranks, so val losses compare across evals, runs and attention variants.
 """
 
 from configurator import answer_help
+from denoised_gpt.cli import check_before_torch
 from denoised_gpt.cpu_threads import wait_passively_if_busy
 
 answer_help(__file__)  # --help before the heavy imports below
+check_before_torch(__file__)  # a mistyped key, attn_type or dataset: said at once, not after torch's import
 wait_passively_if_busy()  # before torch loads OpenMP, which reads its wait policy once
 
 import dataclasses
@@ -42,10 +44,11 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from denoised_gpt.batches import TokenBatches, TokenIdError, check_token_files, load_meta
+from denoised_gpt.batches import TokenBatches, TokenIdError, load_meta
 from denoised_gpt.checkpoint import CheckpointError, capture_rng_state, checkpoint_path
 from denoised_gpt.cli import fail, read_config, refused_allocation
 from denoised_gpt.extras import require as require_extra
+from denoised_gpt.files import check_token_files
 from denoised_gpt.device import (autocast_context, compile_model, ddp_backend, ddp_device_ids, device_type,
                                  fused_optimizer, grad_scaler, manual_seed, mark_step, peak_flops, resolve_compile,
                                  resolve_device, resolve_dtype, setup)
@@ -496,7 +499,10 @@ while True:
         if finite and stop_at_val_loss and val_loss <= stop_at_val_loss and not eval_only:
             target_reached = done = True  # the same on every rank: the evaluation's losses are all-reduced
         if master_process:
-            print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
+            speed.eval_seconds = time.time() - t0  # (t0: the end of the last step)
+            left = speed.time_left(iter_num, max_iters, eval_interval, evaluated=True)
+            print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}"
+                  + (f" ({left})" if left else ""))
             if target_reached and iter_num < max_iters:
                 print(f"val loss {val_loss:.4f} <= stop_at_val_loss={stop_at_val_loss:g}: training ends at iter "
                       f"{iter_num} of max_iters={max_iters}")
@@ -619,8 +625,9 @@ while True:
     if iter_num % log_interval == 0 and master_process:
         mfu = speed.update(dt, settled=local_iter_num >= speed.SETTLED_AFTER)  # None until measured from settled steps
         mfu_text = f", mfu {mfu * 100:.2f}%" if mfu is not None else ""
+        left = speed.time_left(iter_num + 1, max_iters, eval_interval)
         print(f"iter {iter_num}: loss {loss_mean:.6f}, ce {ce_mean:.6f}, kl {kl_mean:.4g}, lr {lr:.3e}, "
-              f"{dt * 1000:.2f}ms/iter, {tokens_per_iter / dt:,.0f} tok/s{mfu_text}")
+              f"{dt * 1000:.2f}ms/iter, {tokens_per_iter / dt:,.0f} tok/s{mfu_text}" + (f", {left}" if left else ""))
         row = {"iter": iter_num, "loss": loss_mean, "ce": ce_mean, "kl": kl_mean, "lr": lr, "ms": dt * 1000, "time": train_time,
                "tokens_per_s": tokens_per_iter / dt, **({"mfu": mfu * 100} if mfu is not None else {})}
         log_row(out_dir, row)

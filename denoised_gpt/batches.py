@@ -11,12 +11,12 @@ which the model's losses ignore, everywhere else).
 import json
 import os
 import pickle
-import stat
 
 import numpy as np
 import torch
 
-from denoised_gpt.files import file_kind, read_json, require_regular_file
+from denoised_gpt.files import (PREPARE_AGAIN, missing_data_hint, permission_denied, read_json, require_regular_file,
+                                token_file_size)
 
 SCAN_CHUNK = 1 << 26  # tokens per step of the vocab check (128 MB of uint16): bounded work per call, stops early
 # Token files up to this many tokens (256 MB) have all their ids checked when TokenBatches opens them:
@@ -24,7 +24,6 @@ SCAN_CHUNK = 1 << 26  # tokens per step of the vocab check (128 MB of uint16): b
 # have changed since). A larger file (OpenWebText's train.bin: 9 G tokens, up to a minute per rank when
 # not in the page cache) is checked by its meta.json's max id, when that describes it, and batch by batch.
 FULL_SCAN_TOKENS = 1 << 27
-_PREPARE_AGAIN = "remove it and run that dataset's prepare.py again"
 # (true for every script: the vocabulary is the model's, from meta.json or a checkpoint, never a setting)
 _OTHER_TOKENIZER = ("the file was made with another tokenizer than the model's: prepare it again with its "
                     "prepare.py, or give the data the model was trained on (--dataset)")
@@ -33,54 +32,6 @@ _OTHER_TOKENIZER = ("the file was made with another tokenizer than the model's: 
 class TokenIdError(ValueError):
     """A token id the model has no embedding for (>= vocab_size), named with its file and position.
     A ValueError, which the scripts print as their one-line error."""
-
-
-def _permission_denied(path):
-    return ValueError(f"cannot read {path}: permission denied; give the user running this read access to it "
-                      f"and search (x) access to its folders (chmod/chown), or run as the user who prepared it")
-
-
-def _missing_data_hint(data_dir, path=None):
-    """What to run so that data_dir gets its train.bin/val.bin (or the labels file `path` of a recall
-    dataset): the dataset's own prepare.py when it has one (data/<name>/prepare.py), else what such a folder
-    needs."""
-    if path is not None and path.endswith("_labels.bin"):
-        return (f"{data_dir}'s meta.json marks labelled answers, which its prepare.py writes beside the tokens "
-                f"(e.g. python3 data/mqar/prepare.py --out_dir={data_dir}): prepare the dataset again")
-    script = os.path.join(data_dir, "prepare.py")
-    if os.path.isfile(script):
-        return f"run python3 {script} first (it writes train.bin and val.bin there)"
-    return (f"{data_dir} needs the train.bin and val.bin that a data/<name>/prepare.py writes (e.g. python3 "
-            f"data/shakespeare_char/prepare.py); set the `dataset` key (--dataset=<name> reads data/<name>/, "
-            f"or an absolute path) to a folder holding them")
-
-
-def _token_file_size(data_dir, path):
-    """Size in bytes of the token file `path`, once it is known to be a regular file we may read;
-    otherwise an error that says which of those it is not."""
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{path} not found: {_missing_data_hint(data_dir, path)}") from None
-    except NotADirectoryError:
-        raise ValueError(f"cannot read {path}: {data_dir} is not a folder; set the `dataset` key to the folder "
-                         f"holding train.bin and val.bin") from None
-    except PermissionError:  # a folder on the way lacks x permission (stat fails, so isfile() says False)
-        raise _permission_denied(path) from None
-    if not stat.S_ISREG(st.st_mode):
-        raise ValueError(f"cannot read {path}: it is a {file_kind(st.st_mode)}, not a token file; {_PREPARE_AGAIN}")
-    try:
-        open(path, "rb").close()  # now, rather than as a raw PermissionError at the first batch
-    except PermissionError:
-        raise _permission_denied(path) from None
-    return st.st_size
-
-
-def check_token_files(data_dir):
-    """data_dir's train.bin and val.bin exist and can be read: checked before a model is built, so that a
-    missing dataset is said at once (their sizes and ids are checked when TokenBatches opens them)."""
-    for split in ("train", "val"):
-        _token_file_size(data_dir, os.path.join(data_dir, f"{split}.bin"))
 
 
 def _id_error(path, token, at, vocab_size, vouched=None):
@@ -168,7 +119,7 @@ class ExampleLayout:
             raise ValueError(f"{path} has {num_tokens} tokens, not a whole number of {self.example_tokens}-token "
                              f"examples: it is truncated or from another preparation; run prepare.py again")
         if self.labels_path is not None:
-            label_bytes = _token_file_size(os.path.dirname(path), self.labels_path)
+            label_bytes = token_file_size(os.path.dirname(path), self.labels_path)
             if label_bytes != 4 * num_tokens:
                 raise ValueError(f"{self.labels_path} has {label_bytes} bytes but {path} has {num_tokens} tokens "
                                  f"(one int32 label per token): the files are from different preparations; run "
@@ -197,7 +148,7 @@ class TokenBatches:
     def __init__(self, data_dir, split, block_size, batch_size, device="cpu", seed=1337, vocab_size=None):
         self.path = os.path.join(data_dir, f"{split}.bin")
         self.block_size, self.batch_size, self.device = block_size, batch_size, device
-        nbytes = _token_file_size(data_dir, self.path)
+        nbytes = token_file_size(data_dir, self.path)
         if nbytes % 2:
             raise ValueError(f"{self.path} has an odd size ({nbytes} bytes), so it is not a uint16 token file: "
                              f"it is truncated or not a .bin from prepare.py; run prepare.py again")
@@ -295,12 +246,12 @@ class _PlainDataUnpickler(pickle.Unpickler):
 def read_meta_pkl(path):
     """nanoGPT's meta.pkl (vocab_size, itos, stoi) read safely: a file that references any class or
     function (a crafted pickle that would run code) raises ValueError instead of being executed."""
-    require_regular_file(path, _PREPARE_AGAIN)
+    require_regular_file(path, PREPARE_AGAIN)
     try:
         with open(path, "rb") as f:
             meta = _PlainDataUnpickler(f).load()
     except PermissionError:
-        raise _permission_denied(path) from None
+        raise permission_denied(path) from None
     except (ValueError, pickle.UnpicklingError, EOFError, AttributeError, ImportError, IndexError, TypeError) as e:
         raise ValueError(f"{path} is not a plain-data meta.pkl ({e}); it is not loaded because unpickling "
                          f"anything else can run code. Delete it and run that dataset's prepare.py again") from e
@@ -316,7 +267,7 @@ def _exists(path):
     try:
         os.stat(path)
     except PermissionError:
-        raise _permission_denied(path) from None
+        raise permission_denied(path) from None
     except (FileNotFoundError, NotADirectoryError):
         return False
     return True
@@ -373,7 +324,7 @@ def _read_meta_json(json_path):
     """meta.json as a dict whose known fields have their types: ValueError for a file that is not a
     JSON object or holds a wrong-typed field; OSError (FileNotFoundError, PermissionError) when it
     cannot be read."""
-    meta = read_json(json_path, _PREPARE_AGAIN)
+    meta = read_json(json_path, PREPARE_AGAIN)
     if not isinstance(meta, dict):
         raise ValueError(f"{json_path} holds a JSON {type(meta).__name__}, not an object; run that dataset's "
                          f"prepare.py again")
@@ -391,7 +342,7 @@ def load_meta(data_dir):
         try:
             meta = _read_meta_json(json_path)
         except PermissionError:
-            raise _permission_denied(json_path) from None
+            raise permission_denied(json_path) from None
     elif _exists(pkl_path):
         meta = read_meta_pkl(pkl_path)
         meta.setdefault("tokenizer", "char")  # nanoGPT writes meta.pkl only for its character-level datasets

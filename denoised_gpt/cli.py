@@ -89,6 +89,39 @@ def read_config(script, defaults, given=None, optional_bools=()):
         fail(e)
 
 
+def check_before_torch(script):
+    """train.py's settings that are wrong on any machine, said in one line (exit 2) before torch loads (1.5 s on an
+    idle 2-core CPU, 15-30 s on a busy one): an unknown key or a value of the wrong type, an attn_type model.py
+    does not register, a dataset without its token files. train.py checks everything again once torch is in."""
+    from configurator import script_defaults
+    from denoised_gpt.files import check_token_files
+    given = set()
+    config = read_config(script, script_defaults(script), given)
+    names = attention_names(os.path.join(os.path.dirname(os.path.abspath(script)), 'model.py'))
+    if names and config['attn_type'] not in names:
+        close = difflib.get_close_matches(str(config['attn_type']), names, n=1, cutoff=0.5)
+        fail(f"attn_type={config['attn_type']!r} is not a known attention variant; valid values: {', '.join(names)}."
+             + (f" Did you mean {close[0]!r}?" if close else ""))
+    if not config['merge_lora'] and (config['init_from'] != 'resume' or 'dataset' in given):  # else the checkpoint's
+        try:
+            check_token_files(os.path.join('data', config['dataset']))
+        except (FileNotFoundError, ValueError) as e:
+            fail(e)
+
+
+def attention_names(model_file):
+    """The keys of model.py's ATTENTION_TYPES, read from its source (importing it imports torch); [] where they
+    cannot be read that way, leaving the check to GPTConfig."""
+    import ast
+    with open(model_file) as f:
+        tree = ast.parse(f.read())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], 'id', None) == 'ATTENTION_TYPES' and \
+                isinstance(node.value, ast.Dict):
+            return [k.value for k in node.value.keys if isinstance(k, ast.Constant)]
+    return []
+
+
 def check_attn_types(names, all_allowed=False):
     """A list of attn_type names (compare.py's, bench.py's attn_types): ValueError naming each unknown one,
     with the closest valid name. all_allowed: the setting may also be 'all' (bench.py)."""
@@ -102,6 +135,18 @@ def check_attn_types(names, all_allowed=False):
         choose = "use 'all' or a comma-separated list of" if all_allowed else "choose from"
         raise ValueError(f"attn_types={names!r}: {'unknown ' + ', '.join(unknown) if unknown else 'empty'}; "
                          f"{choose} {', '.join(ATTENTION_TYPES)}")
+
+
+def duration(seconds):
+    """seconds as '45s', '3m05s', '2h07m' or '3d04h': the two units that matter."""
+    s = round(seconds)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
 
 
 def ram_bytes():

@@ -52,6 +52,16 @@ def reading(paired):
     return f"{'lower' if paired['mean'] < 0 else 'higher'} than base on every seed ({n}/{n}): {stat}"
 
 
+def paired_cell(paired, digits=3):
+    """A paired_vs_base result in a table cell: mean ± std, marked * where two or more seeds agree in sign (one
+    seed agrees with itself, which says nothing); '' where no seed was paired."""
+    if not paired or paired['mean'] is None:
+        return ''
+    agreed = paired['same_sign'] and len(paired['differences']) > 1
+    return (f"{paired['mean']:+.{digits}f}" + (f" ± {paired['std']:.{digits}f}" if paired['std'] is not None else '')
+            + ('*' if agreed else ''))
+
+
 def by_variant(results):
     variants = {}
     for r in results:
@@ -92,11 +102,12 @@ def save_png(fig, path):
         plt.close(fig)
 
 
-def write_plots(results, report_dir):
-    """val_loss.png (against iterations and training time) and learned.png (sigma / lambda over
-    training, where a variant learns them). Returns {name: file name} of the plots written."""
-    variants = by_variant(results)
-    written = {}
+TITLE_SIZE = 10  # every panel title of the report's plots, and a figure's own title
+
+
+def val_loss_figure(variants):
+    """val_loss.png's figure: each variant's val loss (variants: by_variant's) against iterations and against
+    training time, one title over both panels for what they share."""
     fig, (ax_it, ax_t) = plt.subplots(1, 2, figsize=(13, 5), sharey=True)
     for i, (attn_type, runs) in enumerate(variants.items()):
         color = f'C{i % 10}'
@@ -114,14 +125,23 @@ def write_plots(results, report_dir):
     ax_it.set_xlabel('iteration')
     ax_t.set_xlabel('training time (minutes, evaluation excluded)')
     ax_it.set_ylabel('val loss (cross-entropy, fixed eval batches)')
-    ax_it.set_title('val loss: mean over seeds, band = min..max;\nthin: a seed past the iterations all seeds reached',
-                    fontsize=10)
-    ax_t.set_title('the same against training time')
+    fig.suptitle('val loss: mean over seeds, band = min..max; thin: a seed past the iterations all seeds reached',
+                 fontsize=TITLE_SIZE)
+    ax_it.set_title('against iterations', fontsize=TITLE_SIZE)
+    ax_t.set_title('against training time', fontsize=TITLE_SIZE)
     for ax in (ax_it, ax_t):
         ax.grid(alpha=0.3)
     ax_it.legend(fontsize=8)
     fig.tight_layout()
-    save_png(fig, os.path.join(report_dir, 'val_loss.png'))
+    return fig
+
+
+def write_plots(results, report_dir):
+    """val_loss.png (against iterations and training time) and learned.png (sigma / lambda over
+    training, where a variant learns them). Returns {name: file name} of the plots written."""
+    variants = by_variant(results)
+    written = {}
+    save_png(val_loss_figure(variants), os.path.join(report_dir, 'val_loss.png'))
     written['val_loss'] = 'val_loss.png'
 
     if any('accuracy_by_pairs' in r for r in results):
@@ -142,7 +162,7 @@ def write_plots(results, report_dir):
                 values = [sum(abs(v) for v in p[name][layer]) / len(p[name][layer]) for p in run['learned']]
                 ax.plot(iters, values, label=f'layer {layer}', color=f'C{layer % 10}')
             what = 'mean |sigma| over heads' if name == 'sigma' else 'lambda'
-            ax.set_title(f"{attn_type}: {what} (seed {run['seed']})", fontsize=10)
+            ax.set_title(f"{attn_type}: {what} (seed {run['seed']})", fontsize=TITLE_SIZE)
             ax.set_xlabel('iteration')
             ax.set_ylabel(what)
             ax.grid(alpha=0.3)
@@ -172,7 +192,7 @@ def plot_accuracy(results, report_dir):
                         color=f'C{i % 10}', marker='o', markersize=4, capsize=3, label=attn_type)
         ax.set_xscale('log', base=2)
         ax.set_xlabel('key-value pairs per example')
-        ax.set_title(point or 'answer accuracy', fontsize=10)
+        ax.set_title(point or 'answer accuracy', fontsize=TITLE_SIZE)
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel('answer accuracy (mean over seeds, bars = min..max)')
     axes[0][-1].legend(fontsize=8)
@@ -227,7 +247,7 @@ def plot_retrieval(results, report_dir):
     over seeds, bars = min..max, shifted apart sideways a little."""
     variants = {v: [r for r in runs if 'copy_accuracy' in r] for v, runs in by_variant(results).items()}
     variants = {v: runs for v, runs in variants.items() if runs}
-    fig, axes = plt.subplots(1, 3, figsize=(18, 4.5))
+    fig, axes = plt.subplots(3, 1, figsize=(8, 10), sharex=True)  # one above the other: 960 px wide, a page's width
     for ax, key, what in ((axes[0], 'copy_accuracy', 'copy accuracy'),
                           (axes[1], 'copy_signed_source_share', "copy head's signed share on the source"),
                           (axes[2], 'copy_layer_noise_share', "reading layer's share on noise")):
@@ -242,9 +262,9 @@ def plot_retrieval(results, report_dir):
             chance = next(iter(variants.values()))[0]['copy_chance']
             ax.axhline(chance, color='grey', linestyle=':', linewidth=1, label=f'chance ({chance:.3f})')
         ax.set_xscale('log', base=2)
-        ax.set_xlabel('tokens of text between the two copies')
         ax.set_ylabel(f'{what}\n(mean over seeds, bars = min..max)')
         ax.grid(alpha=0.3)
+    axes[-1].set_xlabel('tokens of text between the two copies')
     axes[0].legend(fontsize=8)
     fig.tight_layout()
     save_png(fig, os.path.join(report_dir, 'retrieval.png'))
@@ -273,15 +293,12 @@ def retrieval_lines(summary, results, plots):
                      + f" | {paired_reading(s, 'copy_accuracy')} |")
     paired = {v: s for v, s in probed.items() if 'copy_accuracy_vs_base' in s}
     if paired:
-        lines += ["", "Copy accuracy minus base's at each distance, seed by seed (mean ± std; * every seed the same "
-                  "sign):", "", "| variant | " + " | ".join(f"D={d}" for d in ds) + " |", "|---|" + "---|" * len(ds)]
+        lines += ["", "Copy accuracy minus base's at each distance, seed by seed (mean ± std; * two or more seeds, "
+                  "all the same sign):", "", "| variant | " + " | ".join(f"D={d}" for d in ds) + " |",
+                  "|---|" + "---|" * len(ds)]
         for variant, s in paired.items():
-            cells = []
-            for d in ds:
-                p = s.get(f'copy_accuracy@{d}_vs_base')
-                cells.append('' if not p or p['mean'] is None else f"{p['mean']:+.3f}"
-                             + (f" ± {p['std']:.3f}" if p['std'] is not None else '') + ('*' if p['same_sign'] else ''))
-            lines.append(f"| `{variant}` | " + " | ".join(cells) + " |")
+            lines.append(f"| `{variant}` | " + " | ".join(paired_cell(s.get(f'copy_accuracy@{d}_vs_base')) for d in ds)
+                         + " |")
     for where, prefix, what, chosen in (
             ('copy head', 'copy_', "the layer and head with the highest mean signed source share over every distance "
              "(among the variant's own heads)", 'copy_head'),

@@ -181,3 +181,55 @@ def read_text(path, max_bytes, what, fix):
         return data.decode('utf-8')
     except UnicodeDecodeError as e:
         raise FileError(f"{what} {path} is not UTF-8 text ({e}); {fix}") from e
+
+
+# the token files of a dataset (data/<name>/train.bin, val.bin): said before torch loads, so kept here
+PREPARE_AGAIN = "remove it and run that dataset's prepare.py again"
+
+
+def permission_denied(path):
+    return ValueError(f"cannot read {path}: permission denied; give the user running this read access to it "
+                      f"and search (x) access to its folders (chmod/chown), or run as the user who prepared it")
+
+
+def missing_data_hint(data_dir, path=None):
+    """What to run so that data_dir gets its train.bin/val.bin (or the labels file `path` of a recall
+    dataset): the dataset's own prepare.py when it has one (data/<name>/prepare.py), else what such a folder
+    needs."""
+    if path is not None and path.endswith("_labels.bin"):
+        return (f"{data_dir}'s meta.json marks labelled answers, which its prepare.py writes beside the tokens "
+                f"(e.g. python3 data/mqar/prepare.py --out_dir={data_dir}): prepare the dataset again")
+    script = os.path.join(data_dir, "prepare.py")
+    if os.path.isfile(script):
+        return f"run python3 {script} first (it writes train.bin and val.bin there)"
+    return (f"{data_dir} needs the train.bin and val.bin that a data/<name>/prepare.py writes (e.g. python3 "
+            f"data/shakespeare_char/prepare.py); set the `dataset` key (--dataset=<name> reads data/<name>/, "
+            f"or an absolute path) to a folder holding them")
+
+
+def token_file_size(data_dir, path):
+    """Size in bytes of the token file `path`, once it is known to be a regular file we may read;
+    otherwise an error that says which of those it is not."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path} not found: {missing_data_hint(data_dir, path)}") from None
+    except NotADirectoryError:
+        raise ValueError(f"cannot read {path}: {data_dir} is not a folder; set the `dataset` key to the folder "
+                         f"holding train.bin and val.bin") from None
+    except PermissionError:  # a folder on the way lacks x permission (stat fails, so isfile() says False)
+        raise permission_denied(path) from None
+    if not stat.S_ISREG(st.st_mode):
+        raise ValueError(f"cannot read {path}: it is a {file_kind(st.st_mode)}, not a token file; {PREPARE_AGAIN}")
+    try:
+        open(path, "rb").close()  # now, rather than as a raw PermissionError at the first batch
+    except PermissionError:
+        raise permission_denied(path) from None
+    return st.st_size
+
+
+def check_token_files(data_dir):
+    """data_dir's train.bin and val.bin exist and can be read: checked before a model is built, so that a
+    missing dataset is said at once (their sizes and ids are checked when TokenBatches opens them)."""
+    for split in ("train", "val"):
+        token_file_size(data_dir, os.path.join(data_dir, f"{split}.bin"))

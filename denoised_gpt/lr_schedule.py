@@ -17,8 +17,11 @@ def check_schedule(learning_rate, warmup_iters, lr_decay_iters, min_lr):
     if warmup_iters < 0:
         raise ValueError(f"warmup_iters={warmup_iters} must be >= 0")
     if lr_decay_iters <= warmup_iters:
+        # a short run (max_iters and lr_decay_iters cut together) inherits its config's warmup: shorten that
+        fix = (f"for a run this short give a shorter warmup, e.g. --warmup_iters={lr_decay_iters // 10} (below "
+               f"max_iters)" if lr_decay_iters >= 2 else "give a larger lr_decay_iters, e.g. max_iters")
         raise ValueError(f"lr_decay_iters={lr_decay_iters} must be larger than warmup_iters={warmup_iters} "
-                         f"(the cosine runs from the end of warmup to lr_decay_iters); "
+                         f"(the cosine runs from the end of warmup to lr_decay_iters): {fix}; "
                          f"for a constant learning rate set decay_lr=False")
     if not 0 <= min_lr <= learning_rate:
         raise ValueError(f"min_lr={min_lr} must be between 0 and learning_rate={learning_rate}")

@@ -13,7 +13,7 @@ import torch
 
 from denoised_gpt.checkpoint import (checkpoint_path, load_checkpoint, optimizer_param_names, restore_rng_state,
                                      restore_training_state, save_checkpoint)
-from denoised_gpt.cli import check_ranges
+from denoised_gpt.cli import check_ranges, duration
 from denoised_gpt.device import device_type, mark_step
 from denoised_gpt.finetune import LORA_KEYS, check_finetune_settings
 from denoised_gpt.lr_schedule import check_schedule, get_lr
@@ -213,7 +213,8 @@ def schedule_note(max_iters, learning_rate, warmup_iters, lr_decay_iters, min_lr
     reached = get_lr(max_iters, learning_rate, warmup_iters, lr_decay_iters, min_lr)
     if max_iters < warmup_iters:
         return (f"note: max_iters={max_iters} ends during the warmup (warmup_iters={warmup_iters}): the learning "
-                f"rate only reaches {reached:.3g} of learning_rate={learning_rate:g}")
+                f"rate only reaches {reached:.3g} of learning_rate={learning_rate:g}; for a short run give "
+                f"--warmup_iters={max_iters // 10} and --lr_decay_iters={max_iters}")
     if max_iters < lr_decay_iters:
         return (f"note: max_iters={max_iters} ends before lr_decay_iters={lr_decay_iters}: the learning rate decays "
                 f"only to {reached:.3g} (min_lr={min_lr:g}); pass --lr_decay_iters={max_iters} to decay over this run")
@@ -289,12 +290,27 @@ class StepSpeed:
     MFU_START = 5
     SETTLED_AFTER = 5  # steps of this process before the step time counts (train.py's `settled`)
     SWING = 3.0  # a step this many times the median of the recent ones counts as slowed down
+    LEFT_WINDOW = 5  # the time left is at the median of this many recent steps: one slow step does not move it
 
     def __init__(self, model, fwdbwd_per_iter, peak_flops):
         """peak_flops: the device's peak FLOP/s (device.peak_flops), None on a CPU."""
         self.model, self.fwdbwd_per_iter, self.peak_flops = model, fwdbwd_per_iter, peak_flops
         self.on_cpu = peak_flops is None
         self.first, self.mfu, self.recent, self.warned = [], None, [], False
+        self.eval_seconds = 0.0  # the last evaluation's time: each one still to come is counted at it
+
+    def time_left(self, steps_done, max_iters, eval_interval, evaluated=False):
+        """'12% done, 3m05s left': the steps still to take at the median of the last LEFT_WINDOW settled ones (so
+        it follows the machine's load), and the evaluations still to come (at each multiple of eval_interval and at
+        max_iters; evaluated: the one at steps_done is done) at the last one's time; '' before a settled step."""
+        if not self.recent:
+            return ''
+        first = steps_done + evaluated  # the first iteration whose evaluation is still to come
+        evaluations = (max_iters // eval_interval - (first - 1) // eval_interval + bool(max_iters % eval_interval)
+                       if first <= max_iters else 0)
+        step = statistics.median(self.recent[-self.LEFT_WINDOW:])
+        seconds = max(0, max_iters - steps_done) * step + evaluations * self.eval_seconds
+        return f"{100 * steps_done // max(max_iters, 1)}% done, {duration(seconds)} left"
 
     def update(self, dt, settled):
         """Record a step of dt seconds; returns the MFU to show (None until it is measured)."""
@@ -327,3 +343,4 @@ class StepSpeed:
             return note  # no thread spins waiting for another: nothing to change here
         return (f"{note}, and torch's {torch.get_num_threads()} threads spin while they wait for each other; started "
                 f"with OMP_WAIT_POLICY=PASSIVE, they sleep instead (docs/troubleshooting.md)")
+

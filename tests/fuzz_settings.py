@@ -56,8 +56,9 @@ def fail_fast_args(script, tmp):
     missing = tmp / 'missing'
     out = f'--out_dir={tmp / "out"}'
     return {
-        'train.py': [str(ROOT / 'tests' / 'config_tiny.py'), f'--dataset={missing}', out, '--device=cpu',
-                     '--max_iters=2'],
+        # token files that are there (train.py looks for them before torch loads) but too short for a batch
+        'train.py': [str(ROOT / 'tests' / 'config_tiny.py'), f'--dataset={tmp.parent / "empty_data"}', out,
+                     '--device=cpu', '--max_iters=2'],
         'sample.py': [f'--out_dir={missing}', '--device=cpu'],
         'eval.py': [f'--out_dir={missing}', '--val_loss=True', '--device=cpu'],
         'bench.py': ['--attn_types=base', '--n_layer=1', '--n_head=2', '--n_embd=16', '--block_size=8',
@@ -77,6 +78,9 @@ def write_inputs(tmp):
     """The small inputs fail_fast_args names."""
     docs = [f"document {i}: " + "words of text " * (i % 7) for i in range(40)]
     (tmp / 'docs.jsonl').write_text(''.join(json.dumps({'text': d}) + '\n' for d in docs))
+    (tmp / 'empty_data').mkdir()
+    for split in ('train', 'val'):
+        (tmp / 'empty_data' / f'{split}.bin').touch()
     (tmp / 'input.txt').write_text("First Citizen:\nBefore we proceed any further, hear me speak.\n" * 20)
 
 

@@ -411,20 +411,20 @@ def test_unreadable_data_says_permission_denied(world_readable_dir):
         "ValueError", f"cannot read {d / 'train.bin'}: permission denied; give the user running this read access "
                       f"to it and search (x) access to its folders (chmod/chown), or run as the user who prepared it"]
     assert without_root_privileges(lambda: load_meta(d)) == [
-        "ValueError", batches._permission_denied(d / "meta.json").args[0]]
+        "ValueError", batches.permission_denied(d / "meta.json").args[0]]
     d.chmod(0o755)
     (d / "train.bin").chmod(0o000)  # the token file itself
     assert without_root_privileges(lambda: TokenBatches(d, "train", 8, 2)) == [
-        "ValueError", batches._permission_denied(d / "train.bin").args[0]]
+        "ValueError", batches.permission_denied(d / "train.bin").args[0]]
     (d / "meta.json").chmod(0o000)
     assert without_root_privileges(lambda: load_meta(d)) == [
-        "ValueError", batches._permission_denied(d / "meta.json").args[0]]
+        "ValueError", batches.permission_denied(d / "meta.json").args[0]]
     (d / "meta.json").unlink()
     with open(d / "meta.pkl", "wb") as f:
         pickle.dump({"vocab_size": 3}, f)
     (d / "meta.pkl").chmod(0o000)
     assert without_root_privileges(lambda: load_meta(d)) == [
-        "ValueError", batches._permission_denied(d / "meta.pkl").args[0]]
+        "ValueError", batches.permission_denied(d / "meta.pkl").args[0]]
     # and with the permissions back, the same calls work (what failed was the permission)
     for p in d.iterdir():
         p.chmod(0o644)

@@ -219,6 +219,10 @@ def test_rounds_that_disagree_are_called_so(tmp_path):
         assert len(r["round_ms"]) == 2
         assert r["round_spread"] == pytest.approx((max(r["round_ms"]) - min(r["round_ms"])) / r["ms_per_iter"])
     assert re.search(r"round 1 took \d+ s: 1 more to go, about \d+ s", proc.stdout)
+    # the whole run's length as soon as its first variant has a time, before the second starts
+    first, estimate, second = (proc.stdout.index(s) for s in ("1/2 base: ", "the whole benchmark: ", "2/2 diff: "))
+    assert first < estimate < second
+    assert re.search(r"the whole benchmark: about \d+s \(2 run\(s\) x 2 round\(s\) at base's \d+ s;", proc.stdout)
     if any(r["round_spread"] > 0.25 for r in results):
         worst = max(results, key=lambda r: r["round_spread"])
         assert f"warning: the rounds disagree: {worst['attn_type']} took " in proc.stdout

@@ -7,6 +7,7 @@ import os
 import re
 import signal
 import statistics
+import struct
 import subprocess
 import sys
 import threading
@@ -87,6 +88,17 @@ def test_report_numbers_are_the_metrics_rows(sweep):
     assert "### `base`" in report and "### `noiseformer_v2`" in report  # one sample each
 
 
+def test_the_val_loss_plot_titles_its_panels_alike(sweep):
+    """Both panels are titled in one size, what they share said once above them."""
+    from denoised_gpt.compare_report import TITLE_SIZE, by_variant, val_loss_figure
+    tmp, _, _ = sweep
+    results = json.loads((tmp / 'out' / 'report' / 'results.json').read_text())['runs']
+    fig = val_loss_figure(by_variant(results))
+    assert [ax.get_title() for ax in fig.axes] == ['against iterations', 'against training time']
+    assert {ax.title.get_fontsize() for ax in fig.axes} == {TITLE_SIZE}
+    assert fig.get_suptitle().startswith('val loss: mean over seeds')
+
+
 def test_paired_differences_are_the_metrics_rows(sweep):
     """Each variant against base, seed by seed: the final evaluation rows' differences, their mean and
     sample std, sign agreement and the reading, in results.json and report.md."""
@@ -118,7 +130,7 @@ def test_paired_differences_are_the_metrics_rows(sweep):
 def test_reading_calls_a_difference_only_when_every_seed_agrees():
     """The held-out sweep that unpaired spreads misread: symmetric was higher than base on every seed,
     noiseformer_v2 against symmetric had no consistent difference at all."""
-    from denoised_gpt.compare_report import paired_vs_base, reading
+    from denoised_gpt.compare_report import paired_cell, paired_vs_base, reading
     per_seed = {'base': [2.000, 2.100, 2.050], 'symmetric': [2.043, 2.133, 2.081],
                 'noiseformer_v2': [2.017, 2.159, 2.071]}
     results = [{'variant': a, 'seed': s, 'final_val_loss': v}
@@ -144,6 +156,9 @@ def test_reading_calls_a_difference_only_when_every_seed_agrees():
             for r in results if r['variant'] in ('base', 'symmetric')]
     assert not paired_vs_base(tied, 'symmetric')['same_sign']
     assert reading(paired_vs_base(tied, 'symmetric')).startswith("no consistent difference")
+    # the report's * marks agreement, which takes two seeds or more
+    assert paired_cell(sym) == "+0.036 ± 0.006*" and paired_cell(v2) == "-0.003 ± 0.027"
+    assert paired_cell(one) == "+0.033" and paired_cell(none) == ''
 
 
 def test_progress_bar_ends_each_run_done(sweep):
@@ -546,6 +561,23 @@ def test_bad_sweep_settings_are_one_line(args, message, tmp_path):
     assert not (tmp_path / 'out').exists()
 
 
+def test_every_runs_settings_are_checked_once_before_any_run_starts(tmp_path):
+    """A short sweep that inherits its config's warmup is refused in one line naming the fix, before any run
+    starts; a setting only one variant's runs get is refused naming that run."""
+    data = make_dataset(tmp_path)
+    short = f"--dataset={data} --max_iters=50 --lr_decay_iters=50 --warmup_iters=50"
+    proc = compare([f'--base_config={TINY}', f'--overrides={short}', '--attn_types=base,diff',
+                    f'--out_dir={tmp_path / "a"}'])
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "compare.py: error: every run: lr_decay_iters=50 must be larger than warmup_iters=50" in proc.stderr
+    assert "give a shorter warmup, e.g. --warmup_iters=5 (below max_iters)" in proc.stderr
+    proc = compare([f'--base_config={TINY}', f'--overrides=--dataset={data}', '--attn_types=base,diff', '--chosen_by=x',
+                    "--chosen={'base': {'n_head': 2}, 'diff': {'n_head': 3}}", f'--out_dir={tmp_path / "b"}'])
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "compare.py: error: run diff: " in proc.stderr and "n_head" in proc.stderr
+    assert not (tmp_path / 'a').exists() and not (tmp_path / 'b').exists()  # no run was started
+
+
 # -----------------------------------------------------------------------------
 # tuning: each variant at its own best settings
 
@@ -687,6 +719,8 @@ def test_values_tuned_per_variant_and_the_retrieval_probe_reach_the_report(tuned
     assert paired['differences'] == [runs['linear']['copy_accuracy@5'] - runs['base']['copy_accuracy@5']]
     assert "## Copying a span from the text (retrieval probe)" in report and "| D=1 | D=2 | D=5 | D=11 |" in report
     assert (copy / 'report' / 'retrieval.png').read_bytes()[:4] == b'\x89PNG'
+    width, height = struct.unpack('>II', (copy / 'report' / 'retrieval.png').read_bytes()[16:24])  # its IHDR
+    assert width <= 1100 < height  # the three panels one above the other: readable at a page's width
 
 
 def test_tuning_ranks_candidates_and_warns_at_the_edge_of_the_range():

@@ -168,6 +168,11 @@ def test_side_by_side_figure_shows_only_the_maps_that_exist_each_titled_by_run_a
     texts = [t.get_text() for t in fig.findobj(lambda a: hasattr(a, 'get_text'))]
     assert not any('has no' in t for t in texts)  # no placeholder panels
     assert len(fig.axes) == len(panels) + 1  # and nothing else but the colour bar
+    # three panels a row, so the figure reads at a page's width; the colour bar below them, in words
+    rows = [round(ax.get_position().y0, 3) for ax in panels]
+    assert rows[0] == rows[1] == rows[2] > rows[3]
+    assert fig.axes[-1].get_xlabel() == 'normalised entropy H / log(keys)'
+    assert fig.get_size_inches()[0] * 100 <= 1100
 
 
 def test_run_name_identifies_a_run_whose_directory_name_is_generic(tmp_path, monkeypatch):

@@ -30,6 +30,10 @@ def test_lr_schedule_warmup_cosine_floor():
 def test_lr_schedule_rejects_impossible_settings():
     with pytest.raises(ValueError, match="lr_decay_iters=100 must be larger than warmup_iters=100"):
         check_schedule(6e-4, 100, 100, 6e-5)
+    with pytest.raises(ValueError, match=r"give a shorter warmup, e\.g\. --warmup_iters=5 \(below max_iters\)"):
+        check_schedule(6e-4, 50, 50, 6e-5)  # a short run cut from a config that warms up for 50
+    with pytest.raises(ValueError, match="give a larger lr_decay_iters"):
+        check_schedule(6e-4, 0, 0, 6e-5)
     with pytest.raises(ValueError, match="min_lr"):
         check_schedule(6e-4, 10, 100, 1e-3)
     with pytest.raises(ValueError, match="warmup_iters"):

@@ -37,3 +37,12 @@ def test_ci_removes_what_it_built_when_it_fails(tmp_path):
     assert result.returncode == 3, result.stdout + result.stderr
     assert "=== torch" in result.stdout  # it got as far as making a virtual environment
     assert list(scratch.iterdir()) == [], f".ci/run left {list(scratch.iterdir())} behind"
+
+
+def test_the_docs_index_names_every_page_and_result_folder_and_its_links_resolve():
+    docs = ROOT / "docs"
+    index = (docs / "README.md").read_text()
+    links = re.findall(r"\]\(([^)#]+)", index)
+    assert all((docs / link).exists() for link in links), [link for link in links if not (docs / link).exists()]
+    named = {link.split("/")[0] for link in links} - {".."}  # (the top-level README)
+    assert sorted(named) == sorted(p.name for p in docs.iterdir() if p.name != "README.md")

@@ -2,6 +2,7 @@
 against generation's own next-token choice, its attention shares against an explicit float64 loop for every
 attn_type, causality, and eval.py on a char-level and a GPT-2 BPE checkpoint as a user runs it."""
 import json
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -180,6 +181,8 @@ def test_eval_script_probes_a_char_model_beside_another(tmp_path):
         assert written['attn_type'] == model.config.attn_type and written['examples'] == 3 * len(written['distances'])
     for png in ('retrieval.png', 'retrieval_vs_out-base.png'):
         assert (out / png).read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
+        width, height = struct.unpack('>II', (out / png).read_bytes()[16:24])  # the PNG header's IHDR
+        assert width <= 1100 and height > width / 3  # six and twelve panels in rows: readable at a page's width
     assert r.stdout.count('copy accuracy') == r.stdout.count('copy head L') == 2
 
 

@@ -12,6 +12,7 @@ import runpy
 import signal
 import struct
 import subprocess
+import sys
 import termios
 import time
 
@@ -209,7 +210,7 @@ def test_every_attention_variant_trains(attn_type, tmp_path):
     assert val[50] < val[0] - 0.5, val  # the same val batches before and after: it learned
     kl = [float(m[4]) for m in ITER_LINE.finditer(out)]
     assert all(k > 0 for k in kl) if attn_type.startswith('noiseformer') else all(k == 0 for k in kl)
-    assert re.search(r"^iter 45: .*ms/iter, [\d,]+ tok/s$", out, re.M)  # no MFU on a CPU (StepSpeed)
+    assert re.search(r"^iter 45: .*ms/iter, [\d,]+ tok/s, 92% done, \S+ left$", out, re.M)  # no MFU on a CPU
     assert load_checkpoint(tmp_path / 'out')['iter_num'] == 50
     # the metrics log's evaluation rows carry what the variant learns (see test_model for the values)
     evals = [json.loads(line) for line in (tmp_path / 'out' / 'metrics.jsonl').read_text().splitlines()
@@ -221,6 +222,28 @@ def test_every_attention_variant_trains(attn_type, tmp_path):
     assert evals[0]['time'] == 0 < evals[1]['time'] and evals[1]['peak_memory_mib'] > 0
     if learned:
         assert evals[0][min(learned)] != evals[1][min(learned)]  # they moved during training
+
+
+@pytest.mark.parametrize('arg,message', [
+    ('--learning_rat=1e-3', "unknown config key 'learning_rat'; did you mean 'learning_rate'?"),
+    ('--attn_type=noiseformer2', "attn_type='noiseformer2' is not a known attention variant; valid values: base, "),
+    ('--dataset=nosuch', "data/nosuch/train.bin not found: "),
+])
+def test_a_wrong_key_attn_type_or_dataset_is_said_before_torch_loads(arg, message):
+    """These are wrong on any machine: said before torch's import, which takes seconds on a busy CPU."""
+    probe = ("import runpy, sys\nsys.argv = ['train.py', 'config/train_shakespeare_char.py', sys.argv[1]]\n"
+             "try:\n    runpy.run_path('train.py', run_name='__main__')\n"
+             "finally:\n    print('torch loaded' if 'torch' in sys.modules else 'torch not loaded')")
+    proc = subprocess.run([sys.executable, '-c', probe, arg], cwd=ROOT, env=subprocess_env(), capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stdout == 'torch not loaded\n', proc.stdout + proc.stderr
+    assert proc.stderr.startswith("train.py: error: ") and message in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_the_attention_names_read_before_torch_loads_are_model_pys():
+    from denoised_gpt.cli import attention_names
+    assert attention_names(ROOT / 'model.py') == list(ATTENTION_TYPES)
 
 
 def test_config_typo_exits_2_with_the_suggestion(tmp_path):
@@ -252,7 +275,7 @@ def test_resume_continues_the_checkpoints_run_settings(tmp_path):
     first = train_in_process(str(TINY), f'--dataset={data}', f'--out_dir={out}', '--batch_size=2',
                              '--gradient_accumulation_steps=1', '--max_iters=2', '--eval_interval=2').stdout
     assert "tokens per iteration will be: 64" in first  # 1 x 2 x 32
-    assert "max_iters=2 ends during the warmup (warmup_iters=5)" in first
+    assert "max_iters=2 ends during the warmup (warmup_iters=5)" in first and "give --warmup_iters=0" in first
     # nanoGPT's way of resuming: no config file; batch, data and schedule come from the checkpoint
     second = train_in_process('--init_from=resume', f'--out_dir={out}', '--max_iters=4', '--learning_rate=0.001',
                               '--device=cpu', '--dtype=float32').stdout
@@ -327,6 +350,8 @@ BAD_SETTINGS = [
     (['--gradient_accumulation_steps=2000000'], "gradient_accumulation_steps=2000000 is over the limit of 1,048,576 "
                                                 "micro-batches per iteration"),
     (['--batch_size=100000'], "batch_size=100000 is over the limit of 65,536 sequences per micro-batch"),
+    # a short run cut from a config with a longer warmup: the fix it needs
+    (['--max_iters=50', '--lr_decay_iters=50', '--warmup_iters=50'], "e.g. --warmup_iters=5 (below max_iters)"),
 ]
 
 
@@ -584,6 +609,41 @@ def test_swinging_cpu_steps_get_one_note_naming_the_wait_policy_and_no_mfu(capsy
     out = capsys.readouterr().out
     torch.set_num_threads(threads)
     assert 'step times swing' in out and 'OMP_WAIT_POLICY' not in out and 'threads' not in out
+
+
+def test_progress_shows_the_time_left_from_settled_steps_and_the_evaluations_to_come(tmp_path):
+    """Every log line from the first settled step on, and every evaluation, says how far the run is and how long is
+    left; the last evaluation has nothing left."""
+    from denoised_gpt.training import StepSpeed
+    out = run_train_in_process(tmp_path / 'out', make_dataset(tmp_path), '--max_iters=20', '--eval_interval=8').stdout
+    left = {int(m[1]): (int(m[2]), m[3]) for m in re.finditer(r"^iter (\d+): .* tok/s, (\d+)% done, (\S+) left$",
+                                                              out, re.M)}
+    assert sorted(left) == list(range(StepSpeed.SETTLED_AFTER, 20))  # none before a settled step
+    assert all(done == 100 * (i + 1) // 20 for i, (done, _) in left.items())
+    evaluations = re.findall(r"^step (\d+): train loss \S+, val loss \S+(.*)$", out, re.M)
+    assert evaluations[0] == ('0', '')  # before any step: nothing to estimate from
+    assert re.fullmatch(r" \(40% done, \d+s left\)", dict(evaluations)['8'])
+    assert dict(evaluations)['20'] == " (100% done, 0s left)"
+
+
+def test_time_left_follows_the_step_time_and_counts_the_evaluations_to_come():
+    from denoised_gpt.cli import duration
+    from denoised_gpt.training import StepSpeed
+    speed = StepSpeed(None, 1, None)
+    assert speed.time_left(10, 100, 25) == ''  # no settled step yet
+    for _ in range(5):
+        speed.update(1.0, settled=True)
+    speed.eval_seconds = 30.0
+    # 90 steps at 1 s, evaluations at 25, 50, 75 and 100 at 30 s each
+    assert speed.time_left(10, 100, 25) == f"10% done, {duration(90 + 4 * 30)} left" == "10% done, 3m30s left"
+    assert speed.time_left(25, 100, 25, evaluated=True) == "25% done, 2m45s left"  # 75 s + 3 evaluations
+    assert speed.time_left(95, 98, 25) == "96% done, 33s left"  # 3 s + the last one, at max_iters
+    speed.update(10.0, settled=True)  # one slow step does not move it
+    assert speed.time_left(10, 100, 25) == "10% done, 3m30s left"
+    for _ in range(3):  # the machine slows down: the estimate follows within a few steps
+        speed.update(3.0, settled=True)
+    assert speed.time_left(50, 100, 25) == f"50% done, {duration(50 * 3 + 3 * 30)} left"
+    assert [duration(s) for s in (0.4, 59.6, 3600 * 25 + 61)] == ['0s', '1m00s', '1d01h']
 
 
 def test_grad_clip_zero_trains_exactly_as_a_clip_that_never_binds(tmp_path):

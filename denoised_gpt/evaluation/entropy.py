@@ -56,11 +56,14 @@ def plot_entropy(results, path=None):
     return plot_heatmaps(results, 'normalised entropy H / log(keys)', path)
 
 
+PER_ROW = 3  # heatmaps side by side in plot_heatmaps' figure
+
+
 def plot_heatmaps(results, colour_label, path=None):
     """results: [(run name, {panel name: [[per head] per layer]})] with values in [0, 1] -> a matplotlib
-    Figure with one row of heatmaps (layers x heads), one per panel that exists; a panel given as
-    {column name: [per layer]} has those named columns instead of heads (and no mean: its columns are
-    different quantities). The first run's panels
+    Figure of heatmaps (layers x heads) in rows of PER_ROW, one per panel that exists, the colour bar below; a
+    panel given as {column name: [per layer]} has those named columns instead of heads (and no mean: its columns
+    are different quantities). The first run's panels
     in their order, then the next run's, so that dint compared with base reads branch1, branch2,
     combined, attn, the combined map next to the one it replaces. Each panel is titled with its run and
     name; colours are fixed to [0, 1] so that panels compare. Writes a PNG to path when given. The figure
@@ -70,8 +73,15 @@ def plot_heatmaps(results, colour_label, path=None):
     panels = [(label, name, layers) for label, maps in results for name, layers in maps.items()]
     if not panels:
         raise ValueError("plot_heatmaps: nothing to plot")
-    fig = Figure(figsize=(3.2 * len(panels) + 1, 3.4), layout='constrained')
-    axes = fig.subplots(1, len(panels), squeeze=False)[0]
+    # at most PER_ROW panels a row, so that the PNG reads at a page's width (~1000 px) with fonts of 10 points
+    columns_n = min(PER_ROW, len(panels))
+    rows_n = -(-len(panels) // columns_n)
+    fig = Figure(figsize=(3.3 * columns_n + 0.4, 3.1 * rows_n + 0.9), layout='constrained')
+    grid = fig.subplots(rows_n, columns_n, squeeze=False)
+    axes = [ax for row in grid for ax in row]
+    for ax in axes[len(panels):]:  # the last row's empty places
+        fig.delaxes(ax)
+    axes = axes[:len(panels)]
     for ax, (label, name, layers) in zip(axes, panels):
         columns = list(layers) if isinstance(layers, dict) else None
         if columns:
@@ -79,17 +89,19 @@ def plot_heatmaps(results, colour_label, path=None):
         image = ax.imshow(torch.tensor(layers).numpy(), vmin=0, vmax=1, cmap='viridis', aspect='auto',
                           interpolation='nearest')
         if columns:
-            ax.set_title(f"{label}\n{name}", fontsize=8)
-            ax.set_xticks(range(len(columns)), columns, fontsize=7)
-            ax.set_xlabel('part (all heads together)', fontsize=8)
+            ax.set_title(f"{label}\n{name}", fontsize=10)
+            ax.set_xticks(range(len(columns)), columns, fontsize=9)
+            ax.set_xlabel('part (all heads together)', fontsize=10)
         else:
             mean = sum(map(sum, layers)) / sum(map(len, layers))
-            ax.set_title(f"{label}\n{name} (mean {mean:.3f})", fontsize=8)
+            ax.set_title(f"{label}\n{name} (mean {mean:.3f})", fontsize=10)
             ax.set_xticks(range(len(layers[0])))  # whole heads and layers, not fractional ticks
-            ax.set_xlabel('head', fontsize=8)
+            ax.set_xlabel('head', fontsize=10)
         ax.set_yticks(range(len(layers)))
-        ax.set_ylabel('layer', fontsize=8)
-    fig.colorbar(image, ax=list(axes), label=colour_label)
+        ax.set_ylabel('layer', fontsize=10)
+        ax.tick_params(labelsize=9)
+    bar = fig.colorbar(image, ax=axes, location='bottom', shrink=0.7, aspect=40)
+    bar.set_label(colour_label, fontsize=10)
     if path is not None:
         fig.savefig(path, dpi=100)
     return fig
