@@ -74,7 +74,12 @@ def test_non_finite_float_on_the_command_line_is_read_as_in_a_config_file(tmp_pa
 @pytest.mark.parametrize("value", ["inf", "-inf", "nan"])
 def test_train_names_a_non_finite_setting_alike_from_command_line_and_file(tmp_path, value):
     cfg = write(tmp_path, f"weight_decay = float({value!r})\n")
-    from_cli, from_file = (run_script_in_process('train.py', [TINY, *args, f'--out_dir={tmp_path / "out"}'])
+    data = tmp_path / "data"  # token files that are there (train.py looks for them before the settings)
+    data.mkdir()
+    for split in ("train", "val"):
+        (data / f"{split}.bin").touch()
+    from_cli, from_file = (run_script_in_process('train.py', [TINY, *args, f'--out_dir={tmp_path / "out"}',
+                                                              f'--dataset={data}'])
                            for args in ([f'--weight_decay={value}'], [cfg]))
     assert from_cli.returncode == from_file.returncode == 2
     assert from_cli.stderr == from_file.stderr == f"train.py: error: weight_decay={value} must be a finite number\n"

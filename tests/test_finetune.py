@@ -252,7 +252,11 @@ def test_bad_finetune_settings_fail_in_one_line(tmp_path, args, message):
     out = tmp_path / 'out'
     out.mkdir()
     (out / 'ckpt.pt').write_bytes(b'a checkpoint')
-    proc = train(out, tmp_path / 'no-data', *[a.replace('OUT', str(out)) for a in args], expect_rc=2)
+    data = tmp_path / 'empty-data'  # token files that are there (train.py looks for them before the settings)
+    data.mkdir()
+    for split in ('train', 'val'):
+        (data / f'{split}.bin').touch()
+    proc = train(out, data, *[a.replace('OUT', str(out)) for a in args], expect_rc=2)
     assert proc.stderr.startswith("train.py: error: ") and message in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
     assert (out / 'ckpt.pt').read_bytes() == b'a checkpoint'  # nothing already written is lost
