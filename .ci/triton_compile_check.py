@@ -22,7 +22,7 @@ from denoised_gpt import noise_kernel  # noqa: E402
 TARGET = GPUTarget('cuda', 90, 32)
 KERNELS = {  # kernel: the type of each pointer argument; 'x' stands for the inputs' dtype
     noise_kernel._forward_kernel: dict(Q='x', V='x', O='x', LSE='fp32', SIGMA='fp32', SEED='i64'),
-    noise_kernel._backward_query_kernel: dict(Q='x', V='x', DO='x', LSE='fp32', DELTA='fp32', DQ='fp32',
+    noise_kernel._backward_query_kernel: dict(Q='x', V='x', O='x', DO='x', LSE='fp32', DELTA='fp32', DQ='fp32',
                                               SIGMA='fp32', SEED='i64'),
     noise_kernel._backward_key_kernel: dict(Q='x', V='x', DO='x', LSE='fp32', DELTA='fp32', DQ='fp32', DQ_OUT='x',
                                             DV='x', DSIGMA='fp32', SIGMA='fp32', SEED='i64'),

@@ -7,14 +7,15 @@ and dL/dmu = 0 (only the KL term moves mu). The op still takes mu and gives it t
 does, so that every parameter has a gradient (DDP expects one for each).
 
 The noise: eps[b, h, i, j] is N(0, 1) from Philox (Triton's tl.randn4x) keyed by seed + b * noise_heads + h and
-counted by the score's position (four keys per draw: `_noise`). b is 0 unless noise_per_sample (one draw per sequence), h is 0 for noiseformer_v1 (one draw for
-every head) and the head for v2. `seed` is a 1-element int64 tensor that model.py draws from torch's generator at
-every forward, so torch.manual_seed replays a forward exactly, and DDP ranks, seeded apart, draw apart.
+counted by the score's position (four keys per draw: `_noise`). b is 0 unless noise_per_sample (one draw per
+sequence), h is 0 for noiseformer_v1 (one draw for every head) and the head for v2. `seed` is a 1-element int64
+tensor drawn from torch's generator at every forward, so torch.manual_seed replays a forward exactly, and DDP ranks,
+seeded apart, draw apart.
 `noise_eps` writes the eps a seed gives, for tests and analysis.
 
 Backward, with P = softmax(S), dS = P * (dP - D), dP = dO V^T, D = rowsum(dO * O) (flash attention 2):
-dV = P^T dO; Q is both query and key, so dQ = (dS Q + dS^T Q) / sqrt(d), the first from a kernel over query
-blocks, the second from one over key blocks; dsigma_h = sum(dS * eps), summed per key block by the second kernel.
+dV = P^T dO; Q is both query and key, so dQ = (dS Q + dS^T Q) / sqrt(d), the first (and D) from a kernel over
+query blocks, the second from one over key blocks; dsigma_h = sum(dS * eps), summed per key by the second kernel.
 
 Where it runs: CUDA (float32, float16, bfloat16; float32 accumulation), and CPU tensors under Triton's interpreter
 (TRITON_INTERPRET=1 before this module is imported), which the tests use. model.py keeps the SDPA path as the
@@ -136,19 +137,21 @@ def _score_gradient(q, k, v, do, lse, delta, sigma, eps, scale, offs_m, offs_n, 
 
 
 @triton.jit
-def _backward_query_kernel(Q, V, DO, LSE, DELTA, DQ, SIGMA, SEED, sq_b, sq_h, sq_t, sq_d, sv_b, sv_h, sv_t, sv_d,
-                           sdo_b, sdo_h, sdo_t, sdo_d, H, T, D, scale, NOISE_HEADS: tl.constexpr,
-                           PER_SAMPLE: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-                           BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    """dQ from Q's use as queries: dS Q / sqrt(d) for one block of query rows (float32, into DQ)."""
+def _backward_query_kernel(Q, V, O, DO, LSE, DELTA, DQ, SIGMA, SEED, sq_b, sq_h, sq_t, sq_d, sv_b, sv_h, sv_t, sv_d,
+                           so_b, so_h, so_t, so_d, sdo_b, sdo_h, sdo_t, sdo_d, H, T, D, scale,
+                           NOISE_HEADS: tl.constexpr, PER_SAMPLE: tl.constexpr, PRECISION: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """For one block of query rows: D = rowsum(dO * O) (into DELTA, for the key kernel) and dQ from Q's use as
+    queries, dS Q / sqrt(d) (float32, into DQ)."""
     start_m, bh = tl.program_id(0) * BLOCK_M, tl.program_id(1)
     b, h = bh // H, bh % H
-    Q, V, DO = Q + b * sq_b + h * sq_h, V + b * sv_b + h * sv_h, DO + b * sdo_b + h * sdo_h
+    Q, V, O, DO = Q + b * sq_b + h * sq_h, V + b * sv_b + h * sv_h, O + b * so_b + h * so_h, DO + b * sdo_b + h * sdo_h
     sigma = tl.load(SIGMA + h % NOISE_HEADS).to(tl.float32)
     offs_m, offs_d = start_m + tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_D)
     q, do = _rows(Q, sq_t, sq_d, offs_m, offs_d, T, D), _rows(DO, sdo_t, sdo_d, offs_m, offs_d, T, D)
     lse = tl.load(LSE + bh * T + offs_m, mask=offs_m < T, other=0.0)
-    delta = tl.load(DELTA + bh * T + offs_m, mask=offs_m < T, other=0.0)
+    delta = tl.sum(do.to(tl.float32) * _rows(O, so_t, so_d, offs_m, offs_d, T, D).to(tl.float32), 1)
+    tl.store(DELTA + bh * T + offs_m, delta, mask=offs_m < T)
     dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     for start_n in range(0, start_m + BLOCK_M, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -263,13 +266,13 @@ def _backward(do, q, v, o, lse, sigma, seed, per_sample):
     B, H, T, D = q.shape
     args, constants = _common(q, sigma, per_sample)
     do = do.to(q.dtype)
-    delta = (do.float() * o.float()).sum(-1)  # D_i = dO_i . O_i, (B, H, T) float32
+    delta = q.new_empty(B, H, T, dtype=torch.float32)  # D_i = dO_i . O_i, from the query kernel
     # dQ from the queries, float32, padded to BLOCK_D columns; the key kernel adds the keys' part into dq
     dq_queries = q.new_empty(B, H, T, constants['BLOCK_D'], dtype=torch.float32)
     dq, dv = torch.empty_like(q), torch.empty_like(v)  # the layouts the op's register_fake promises
     dsigma = q.new_empty(B, H, T, dtype=torch.float32)  # each key's sum of dS * eps
-    _launch(_backward_query_kernel, T, q, v, do, lse, delta, dq_queries, sigma, seed, *q.stride(), *v.stride(),
-            *do.stride(), *args, **constants)
+    _launch(_backward_query_kernel, T, q, v, o, do, lse, delta, dq_queries, sigma, seed, *q.stride(), *v.stride(),
+            *o.stride(), *do.stride(), *args, **constants)
     _launch(_backward_key_kernel, T, q, v, do, lse, delta, dq_queries, dq, dv, dsigma, sigma, seed, *q.stride(),
             *v.stride(), *do.stride(), *dq.stride(), *dv.stride(), *args, **constants)
     n = sigma.numel()  # v1: one sigma for every head
