@@ -4,14 +4,17 @@
 #   bash .ci/gpu_check.sh --prepare                    # here, once (gpu/ gets nanoGPT's scripts too)
 #   bash .ci/gpu_speed_check.sh OUT_DIR [BUDGET_SECONDS]   # there, with gpu/ carried along
 # Phase 1, in parallel: the kernel's tests (tests/test_noise_kernel.py, tests/test_cuda.py: OUT/tests.log) and one
-# short compiled run of every timed setting below, which fills the inductor and Triton caches. Phase 2, one at a time: each setting timed (bench.py, median of 10 steps; nanoGPT's bench.py, mean
-# of 20), so the cold compile of one never overlaps another's timing. DEVICE=cpu SMALL=1: a dry run here.
+# short compiled run of every timed setting below, which fills the inductor and Triton caches. Phase 2, one at a
+# time: NoiseFormer's attention alone (.ci/noise_attention_bench.py), then each setting timed (bench.py, median of
+# 10 steps; nanoGPT's bench.py, mean of 20), so the cold compile of one never overlaps another's timing.
+# DEVICE=cpu SMALL=1: a dry run here.
 set -u
 OUT=${1:?OUT_DIR}; BUDGET=${2:-520}; DEVICE=${DEVICE:-cuda}; START=$(date +%s)
 export PYTHONUNBUFFERED=1 WANDB_MODE=offline OMP_NUM_THREADS=2
 mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd); REPO=$PWD
 if [ "${SMALL:-0}" = 1 ]; then SIZE="--n_layer=2 --n_head=2 --n_embd=64 --block_size=64"; NANO_SIZE="--block_size=64 --batch_size=2"
-else SIZE=""; NANO_SIZE=""; fi
+  ATTN_SIZE="--B=1 --H=2 --T=64 --d=32 --iters=2"
+else SIZE=""; NANO_SIZE=""; ATTN_SIZE=""; fi
 # setting NAME: directory, then the command's arguments (nanoGPT's own bench.py for the nanogpt* ones)
 declare -A DIR ARGS
 add() { DIR[$1]=$2; ARGS[$1]="${*:3}"; NAMES+=("$1"); }
@@ -44,6 +47,8 @@ for name in "${NAMES[@]}"; do
 done
 wait
 echo "== phase 2 at $(( $(date +%s) - START ))s: timings, one at a time" | tee -a "$OUT/bench.log"
+# NoiseFormer's attention alone (SDPA path against the Triton kernel, beside base's flash attention)
+timeout -k 5 120 python3 .ci/noise_attention_bench.py --device=$DEVICE $ATTN_SIZE >> "$OUT/bench.log" 2>&1
 for name in "${NAMES[@]}"; do
   t=$(( BUDGET - ($(date +%s) - START) - 5 )); [ $t -gt 90 ] && t=90
   if [ $t -lt 15 ]; then echo "== SKIPPED (no time left): $name" | tee -a "$OUT/bench.log"; continue; fi
