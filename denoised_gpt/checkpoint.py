@@ -36,6 +36,7 @@ nanoGPT interoperability:
 """
 
 import concurrent.futures
+import errno
 import glob
 import math
 import os
@@ -51,6 +52,7 @@ import torch
 
 from denoised_gpt.checkpoint_base import (CheckpointError, clean_name, first_damaged_record, nanogpt_param_names,
                                           short_reason, train_state_problem, untrusted_file_error)
+from denoised_gpt.checkpoint_pickle import RefusedPickle, check_pickle
 from denoised_gpt.files import FileError, open_regular, opened_path, write_problem
 from denoised_gpt.sharded_checkpoint import (POINTER_NAME, FormatError, is_old_format, is_sharded_checkpoint,
                                              newest_sharded, pointer_problem, read_index, read_old_format,
@@ -186,9 +188,8 @@ def checkpoint_path(out_dir_or_file):
     if not os.path.isfile(path) or not is_sharded_checkpoint(folder):
         return folder if not os.path.isfile(path) else path
     try:  # both: e.g. an fsdp run resumed in one process, or a sharded checkpoint consolidated
-        with open(path, 'rb') as f:
-            check_zip_parts(f, path)  # (before torch.load, which would inflate a compressed part)
-        file_iter = torch.load(path, map_location='cpu', weights_only=True, mmap=True)['iter_num']
+        with _open_checkpoint(path, "") as f:  # checked as every reader checks it
+            file_iter = _read_checkpoint_file(f, path, 'cpu', True, False, "")[0]['iter_num']
     except Exception:
         return path  # damaged: load_checkpoint says so, naming the fallback
     try:
@@ -237,13 +238,8 @@ def read_checkpoint(out_dir_or_file, map_location='cpu', metadata_only=False, mo
             raise CheckpointError(f"no checkpoint at {path}. {use_prev}")
         raise FileNotFoundError(f"no checkpoint at {path}: train one first (init_from='scratch'), "
                                 f"or point out_dir at the directory that holds ckpt.pt")
-    try:
-        with open_regular(path, f"put a checkpoint file there. {use_prev}") as f:
-            ckpt, damaged = _read_checkpoint_file(f, path, map_location, metadata_only, model_only, use_prev)
-    except FileError as e:  # a FIFO or a device in its place
-        raise CheckpointError(str(e)) from e
-    except OSError as e:
-        raise CheckpointError(f"cannot read {path}: {e.strerror or e}") from e
+    with _open_checkpoint(path, use_prev) as f:
+        ckpt, damaged = _read_checkpoint_file(f, path, map_location, metadata_only, model_only, use_prev)
     if damaged:
         raise CheckpointError(f"checkpoint {path} is truncated or corrupt ({damaged} does not "
                               f"match its CRC-32). {use_prev}")
@@ -262,6 +258,21 @@ def read_checkpoint(out_dir_or_file, map_location='cpu', metadata_only=False, mo
     return path, ckpt
 
 
+def _open_checkpoint(path, use_prev):
+    """The checkpoint file at path, opened once for every read of it (files.open_regular: a FIFO or a device in
+    its place is refused, never waited on), not through a symbolic link. CheckpointError otherwise. (Its link
+    count is not asked: save_checkpoint hard-links it as ckpt.prev.pt for an instant.)"""
+    try:
+        return open_regular(path, f"put a checkpoint file there. {use_prev}", follow_links=False)
+    except FileError as e:
+        raise CheckpointError(str(e)) from e
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise CheckpointError(f"checkpoint {path} is a symbolic link, which is not followed: load the file it "
+                                  f"names by its own path, or copy it there (cp -L)") from e
+        raise CheckpointError(f"cannot read {path}: {e.strerror or e}") from e
+
+
 def _read_checkpoint_file(f, path, map_location, metadata_only, model_only, use_prev):
     """(the checkpoint in the open file f, the name of its first damaged record or None), see load_checkpoint.
     torch reads the file f is (f's /proc/self/fd path where there is one), whatever path names by then."""
@@ -274,8 +285,11 @@ def _read_checkpoint_file(f, path, map_location, metadata_only, model_only, use_
                               f"or crafted one can ask for any amount of memory (train.py and nanoGPT write the zip "
                               f"format). To convert a file you trust: python3 -c \"import torch; p = '{path}'; "
                               f"torch.save(torch.load(p, weights_only=True), p)\"")
-    try:  # a compressed part would be inflated by torch.load, to whatever size it declares
+    try:  # before torch.load, which would inflate a compressed part and build whatever the pickle asks
         check_zip_parts(f, f"checkpoint {path}")
+        check_pickle(f, f"checkpoint {path}")
+    except RefusedPickle as e:
+        raise CheckpointError(str(e) if e.runs_code else f"{e}, so it is not read. {use_prev}") from e
     except ValueError as e:
         raise CheckpointError(f"{e}, so it is not read. {use_prev}") from e
     opened = opened_path(f)

@@ -5,11 +5,13 @@ with plain pickle). Each is refused in one line that says what the file is or ho
 code, never torch's advice to load it with weights_only=False), before any payload runs, by the library and
 by the scripts that read it. The sharded format's own checks: test_sharded_format.py."""
 import inspect
+import io
 import json
 import os
 import pickle
 import re
 import shutil
+import struct
 import subprocess
 import sys
 import warnings
@@ -198,6 +200,110 @@ def test_a_gpt2_folder_holding_code_is_refused_in_one_line(script, tmp_path):
     assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert_refused(errors[0], marker)
     assert "weights_only" not in proc.stdout + proc.stderr
+
+
+# ----------------------------------------------------------------------------------------------
+# a ckpt.pt whose pickle builds more than its file holds: torch's weights-only unpickler runs no code, but calls
+# _codecs.encode and bytearray as often as the pickle asks, on one memoised string
+
+def _text(t):
+    return pickle.BINUNICODE + struct.pack('<I', len(t)) + t
+
+
+def memo_bomb(call, n, size=1 << 20):
+    """A pickle of one object: (s, call, 'latin1') and the tuple of n calls call(s, 'latin1'), s a memoised string
+    of `size` bytes: n x size bytes built from size + 16 n bytes (memo slots far above torch.save's own)."""
+    def put(slot):
+        return pickle.LONG_BINPUT + struct.pack('<I', (1 << 30) + slot)
+
+    def get(slot):
+        return pickle.LONG_BINGET + struct.pack('<I', (1 << 30) + slot)
+
+    return b''.join([_text(b'x' * size), put(0), pickle.GLOBAL + call.replace('.', '\n').encode() + b'\n', put(1),
+                     _text(b'latin1'), put(2), pickle.TUPLE3,
+                     pickle.MARK, (get(1) + get(0) + get(2) + pickle.TUPLE2 + pickle.REDUCE) * n, pickle.TUPLE,
+                     pickle.TUPLE2])
+
+
+def with_memo_bomb(path, call, n=3000):
+    """The checkpoint at path with memo_bomb(call, n) under the key 'extra', laid out as torch.save lays it out."""
+    marker = 'MEMO-BOMB-HERE'
+    checkpoint = torch.load(path, weights_only=True)
+    with open(path, 'wb') as f:
+        torch.save({**checkpoint, 'extra': marker}, f)
+    saved = path.read_bytes()
+    with zipfile.ZipFile(io.BytesIO(saved)) as src, zipfile.ZipFile(path, 'w') as dst:
+        for info in src.infolist():
+            data = src.read(info)
+            if info.filename.endswith('/data.pkl'):
+                grown = data.replace(_text(marker.encode()), memo_bomb(call, n))
+                data = grown + bytes(-(len(grown) - len(data)) % 64)  # (after STOP) the tensors stay aligned
+            dst.writestr(info, data)
+
+
+LOAD_EVERY_WAY = """
+import resource, sys
+from denoised_gpt.checkpoint import CheckpointError, checkpoint_path, load_checkpoint
+print(checkpoint_path(sys.argv[1]))
+for way in ({}, {'metadata_only': True}, {'model_only': True}):
+    try:
+        print('loaded iter', load_checkpoint(sys.argv[1], **way)['iter_num'])
+    except CheckpointError as e:
+        print(e)
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss >> 10)  # the peak, in MiB
+"""
+
+
+def load_every_way(out):
+    """What checkpoint_path(out) and each kind of load_checkpoint(out) give, in a fresh process, and its peak
+    memory (MiB)."""
+    proc = subprocess.run([sys.executable, '-c', LOAD_EVERY_WAY, str(out)], cwd=ROOT, env=subprocess_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    *lines, peak = proc.stdout.splitlines()
+    return lines, int(peak)
+
+
+@pytest.mark.parametrize('call', ['_codecs.encode', 'builtins.bytearray'])
+def test_a_pickle_that_builds_more_than_its_file_is_refused_before_it_is_built(source, tmp_path, call):
+    """3,000 calls on one memoised 1 MiB string: 3 GB from a 1 MB file. Refused by every load and by
+    checkpoint_path's look at ckpt.pt beside the sharded checkpoint (which then names ckpt.pt, for load_checkpoint
+    to say why), in one line, with no more memory than loading the real checkpoint takes."""
+    out = tmp_path / 'out'
+    shutil.copytree(source, out)
+    with_memo_bomb(out / 'ckpt.pt', call)
+    assert (out / 'ckpt.pt').stat().st_size < (source / 'ckpt.pt').stat().st_size + 1.1e6
+    (path, *refusals), peak = load_every_way(out)
+    assert path == str(out / 'ckpt.pt')
+    expected = ("would build more than" if call == '_codecs.encode' else
+                "references builtins.bytearray, which torch.save does not write for a checkpoint")
+    for message in refusals:
+        assert message.startswith(f"checkpoint {out / 'ckpt.pt'} ") and expected in message, message
+        assert "can run code" not in message and "No previous checkpoint" in message, message
+    _, baseline = load_every_way(source)  # the real checkpoint: torch, the model, its tensors
+    assert peak < baseline + 64, (peak, baseline)
+
+
+@pytest.mark.parametrize('command', ['sample.py', 'eval.py', 'export_hf.py', 'train.py resume'])
+def test_every_script_refuses_a_pickle_that_builds_more_than_its_file(command, source, tmp_path):
+    out = tmp_path / 'out'
+    shutil.copytree(source, out)
+    shutil.rmtree(folder_of(out))
+    (out / 'ckpt.sharded').unlink()
+    with_memo_bomb(out / 'ckpt.pt', '_codecs.encode')
+    error = refusal_of(command, out, source, tmp_path)
+    assert f"checkpoint {out / 'ckpt.pt'} would build more than" in error, error
+
+
+def test_the_pickles_of_real_checkpoints_are_far_below_the_bound(source):
+    """What train.py writes (and the fixture of an earlier version: test_old_checkpoint.py) builds a small part
+    of what its file size allows."""
+    from denoised_gpt.checkpoint_pickle import _walk, pickle_bound
+    for path in (source / 'ckpt.pt', ROOT / 'tests' / 'fixtures' / 'ckpt-23a31c2' / 'ckpt.pt'):
+        with zipfile.ZipFile(path) as archive:
+            info = next(i for i in archive.infolist() if i.filename.endswith('/data.pkl'))
+            with archive.open(info) as stream:
+                assert _walk(stream, pickle_bound(path.stat().st_size)) < pickle_bound(0) / 10
 
 
 def test_a_legacy_ckpt_pt_is_refused_and_the_conversion_it_names_makes_it_load(source, tmp_path):
