@@ -11,6 +11,7 @@ import os
 import pickle
 import re
 import shutil
+import signal
 import struct
 import subprocess
 import sys
@@ -20,6 +21,7 @@ import zipfile
 import pytest
 import torch
 
+from denoised_gpt import checkpoint as checkpoint_module
 from denoised_gpt.checkpoint import CheckpointError, checkpoint_path, load_checkpoint
 from denoised_gpt.sharded_checkpoint import checkpoint_as_sharded, save_sharded
 from helpers import ROOT, make_dataset, run_script_in_process, subprocess_env
@@ -243,6 +245,7 @@ def with_memo_bomb(path, call, n=3000):
 
 LOAD_EVERY_WAY = """
 import resource, sys
+from denoised_gpt import checkpoint as checkpoint_module
 from denoised_gpt.checkpoint import CheckpointError, checkpoint_path, load_checkpoint
 print(checkpoint_path(sys.argv[1]))
 for way in ({}, {'metadata_only': True}, {'model_only': True}):
@@ -439,29 +442,75 @@ def test_a_damaged_json_file_of_an_exported_folder_is_one_line(exported, tmp_pat
     assert not (tmp_path / 'new').exists()
 
 
-@pytest.mark.parametrize('pointer', ['elsewhere', 'fifo', 'link out'])
+@pytest.mark.parametrize('pointer', ['elsewhere', 'fifo', 'link out', 'symbolic link', 'hard link'])
 def test_the_pointer_to_the_newest_sharded_checkpoint_names_a_folder_of_the_run_or_is_refused(source, tmp_path,
                                                                                                pointer):
     """out_dir/ckpt.sharded names the newest sharded folder: one naming a folder elsewhere (another run's
-    checkpoint, read and perhaps exported through this one) is not followed, and one that is a FIFO does not
-    hang the reader; scripts say so in one line."""
+    checkpoint, read and perhaps exported through this one) is not followed, one that is a FIFO does not hang
+    the reader, and one that is a link (a file from anywhere) is not read; scripts say so in one line."""
     out = tmp_path / 'out'
     shutil.copytree(source, out)
     elsewhere = tmp_path / 'other-run'
     shutil.copytree(folder_of(out), elsewhere / 'ckpt.sharded-0000099')
     (out / 'ckpt.pt').unlink()
+    says = {'fifo': "is a FIFO, not a regular file, and is not read (reading it could wait forever): remove it",
+            'symbolic link': "is a link, and is not read: a sharded checkpoint reads only its own files",
+            'hard link': "has 1 other hard link(s), so it may be a file from outside its folder, and is not read"
+            }.get(pointer, "folder in")
     if pointer == 'elsewhere':
         (out / 'ckpt.sharded').write_text('../other-run/ckpt.sharded-0000099\n')
     elif pointer == 'link out':
         (out / 'ckpt.sharded-0000099').symlink_to(elsewhere / 'ckpt.sharded-0000099')
         (out / 'ckpt.sharded').write_text('ckpt.sharded-0000099\n')
-    else:
+    elif pointer == 'fifo':
         (out / 'ckpt.sharded').unlink()
         os.mkfifo(out / 'ckpt.sharded')
+    else:
+        os.replace(out / 'ckpt.sharded', tmp_path / 'pointer')
+        if pointer == 'symbolic link':
+            (out / 'ckpt.sharded').symlink_to(tmp_path / 'pointer')
+        else:
+            os.link(tmp_path / 'pointer', out / 'ckpt.sharded')
     for script, args in (('sample.py', ['--num_samples=1', '--max_new_tokens=2']), ('eval.py', ['--val_loss=True'])):
         proc = subprocess.run([sys.executable, script, f'--out_dir={out}', '--device=cpu', *args], cwd=ROOT,
                               env=subprocess_env(), capture_output=True, text=True, timeout=60)
         assert proc.returncode != 0 and 'Traceback' not in proc.stderr, proc.stderr
         last = proc.stderr.strip().splitlines()[-1]
-        assert last.startswith(f"{script}: error: {out / 'ckpt.sharded'} "), last
-        assert ("is a FIFO, not the file naming" if pointer == 'fifo' else "folder in") in last, last
+        assert last.startswith(f"{script}: error: {out / 'ckpt.sharded'} ") and says in last, last
+
+
+def test_a_ckpt_pt_that_is_a_symbolic_link_is_not_followed(source, tmp_path):
+    out = tmp_path / 'out'
+    out.mkdir()
+    (out / 'ckpt.pt').symlink_to(source / 'ckpt.pt')
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(out)
+    assert_one_line(e, f"checkpoint {out / 'ckpt.pt'} is a symbolic link, which is not followed: load the file it "
+                       f"names by its own path, or copy it there (cp -L)")
+
+
+def test_a_fifo_swapped_in_while_checkpoint_path_looks_at_ckpt_pt_is_never_read(source, tmp_path, monkeypatch):
+    """checkpoint_path reads the iteration of ckpt.pt beside a sharded checkpoint from the file it opened and
+    checked, once: a FIFO put in its place meanwhile is never opened (which waits for ever). SIGALRM ends a
+    regression."""
+    out = tmp_path / 'out'
+    shutil.copytree(source, out)
+    check = checkpoint_module.check_zip_parts
+
+    def check_then_swap(file, what):
+        check(file, what)
+        os.replace(out / 'ckpt.pt', out / 'aside.pt')
+        os.mkfifo(out / 'ckpt.pt')
+
+    monkeypatch.setattr(checkpoint_module, 'check_zip_parts', check_then_swap)
+
+    def hung(*args):
+        raise TimeoutError("the FIFO was opened")
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(30)
+    try:
+        assert checkpoint_path(out) == str(folder_of(out))  # as new as ckpt.pt, as the file it opened said
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert (out / 'ckpt.pt').is_fifo()
