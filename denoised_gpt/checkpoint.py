@@ -51,7 +51,8 @@ import numpy as np
 import torch
 
 from denoised_gpt.checkpoint_base import (CheckpointError, clean_name, first_damaged_record, nanogpt_param_names,
-                                          short_reason, train_state_problem, untrusted_file_error)
+                                          optimizer_state_by_name, short_reason, train_state_problem,
+                                          untrusted_file_error)
 from denoised_gpt.checkpoint_pickle import RefusedPickle, check_pickle
 from denoised_gpt.files import FileError, open_regular, opened_path, write_problem
 from denoised_gpt.sharded_checkpoint import (POINTER_NAME, FormatError, is_old_format, is_sharded_checkpoint,
@@ -449,6 +450,32 @@ def load_optimizer_state(optimizer, model, checkpoint):
             slot += 1
         groups.append({**saved_group, 'params': ids})  # the saved lr, betas, weight_decay, ...
     optimizer.load_state_dict({'state': state, 'param_groups': groups})
+
+
+def check_optimizer_state(checkpoint):
+    """CheckpointError for an optimizer state that a resume would refuse (load_optimizer_state, or an fsdp run's
+    load_sharded_state): param groups its names do not fit, a state for no parameter of the model, a moment of
+    another shape than its parameter, a step that is no count. For a conversion, which so writes only what its
+    readers read."""
+    saved = checkpoint['optimizer']
+    if saved is None:
+        return
+    try:
+        names = checkpoint.get('optimizer_param_names') or nanogpt_param_names(checkpoint, None)
+        sizes, named = [len(g['params']) for g in saved['param_groups']], [len(n) for n in names]
+        if sizes != named:
+            raise CheckpointError(f"the checkpoint's optimizer has param groups of {sizes} tensors but names "
+                                  f"{named}: its state cannot be matched to parameters")
+        state, _ = optimizer_state_by_name(checkpoint)
+        for name, param_state in state.items():
+            if name not in checkpoint['model']:
+                raise CheckpointError(f"the checkpoint's optimizer state names {name[:80]!r}, which its model lacks")
+            _check_state_shapes(name, param_state, checkpoint['model'][name])
+    except CheckpointError:
+        raise
+    except (KeyError, TypeError, AttributeError, ValueError, RuntimeError) as e:
+        raise CheckpointError(f"the checkpoint's optimizer state is not as torch's AdamW writes one "
+                              f"({type(e).__name__}: {short_reason(e)[:80]})") from e
 
 
 def _check_same_groups(own_names, saved_names):

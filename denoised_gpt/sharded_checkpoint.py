@@ -178,6 +178,14 @@ def save_sharded(weights, optimizer_state, param_groups, train_state, out_dir, w
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     name = f"{POINTER_NAME}-{train_state['iter_num']:07d}"
     final, tmp = os.path.join(out_dir, name), os.path.join(out_dir, name + '.tmp')
+    state_tensors, too_large = {}, None
+    if writer:
+        state = _to_json({**train_state, 'optimizer_param_groups': param_groups}, state_tensors)
+        too_large = _index_size_problem(json.dumps(state).encode())  # its index would be refused by every reader
+        if too_large:
+            too_large = f"the training state cannot be saved in a sharded checkpoint's index: as JSON it {too_large}"
+            if not distributed:  # (the other ranks learn it below, once they have written their files)
+                raise CheckpointError(f"{too_large}; nothing was written")
     if writer:
         os.makedirs(out_dir, exist_ok=True)
         for stale in glob.glob(os.path.join(out_dir, POINTER_NAME + '-*.tmp')):
@@ -186,9 +194,6 @@ def save_sharded(weights, optimizer_state, param_groups, train_state, out_dir, w
     if distributed:
         dist.barrier()  # tmp is there, and clean, before any rank writes into it
     current = newest_sharded(out_dir)
-    state_tensors = {}
-    if writer:
-        state = _to_json({**train_state, 'optimizer_param_groups': param_groups}, state_tensors)
     file = f'rank-{rank:05d}.safetensors'
     chunks, failure = {}, None
     try:
@@ -204,7 +209,7 @@ def save_sharded(weights, optimizer_state, param_groups, train_state, out_dir, w
         failure = e
     every_rank = [None] * world
     if distributed:
-        dist.all_gather_object(every_rank, (file, chunks, _reason(failure)))
+        dist.all_gather_object(every_rank, (file, chunks, _reason(failure) or too_large))
     else:
         every_rank = [(file, chunks, _reason(failure))]
     failed = next((reason for _, _, reason in every_rank if reason), None)
@@ -385,17 +390,24 @@ def _parse_index(path):
     of Python objects from as few as 2 bytes of JSON)."""
     with _open_regular(path) as f:
         data = f.read(MAX_INDEX_BYTES + 1)
-    if len(data) > MAX_INDEX_BYTES:
-        raise FormatError(f"{INDEX_NAME} is larger than {MAX_INDEX_BYTES >> 20} MiB, which no index is (a "
-                          f"1,000-layer model's is some 8 MiB)")
-    values = data.count(b',') + data.count(b'[') + data.count(b'{')  # (at least one for each value but the first)
-    if values > MAX_INDEX_VALUES:
-        raise FormatError(f"{INDEX_NAME} holds {values:,} values or more, which no index does (a 1,000-layer "
-                          f"model's holds under {MAX_INDEX_VALUES:,})")
+    problem = _index_size_problem(data)
+    if problem:
+        raise FormatError(f"{INDEX_NAME} {problem}")
     try:
         return parse_json(data.decode('utf-8'))
     except ValueError as e:  # a UnicodeDecodeError is one too
         raise FormatError(f"{INDEX_NAME} is not valid JSON ({short_reason(e)})") from e
+
+
+def _index_size_problem(data):
+    """Why the JSON text `data` is too large to be read as an index (read_index), or None."""
+    if len(data) > MAX_INDEX_BYTES:
+        return (f"is larger than {MAX_INDEX_BYTES >> 20} MiB, which no index is (a 1,000-layer model's is some "
+                f"8 MiB)")
+    values = data.count(b',') + data.count(b'[') + data.count(b'{')  # (at least one for each value but the first)
+    if values > MAX_INDEX_VALUES:
+        return f"holds {values:,} values or more, which no index does (a 1,000-layer model's holds under 750,000)"
+    return None
 
 
 def _checked_entry(name, entry):

@@ -214,17 +214,21 @@ def _text(t):
 
 def memo_bomb(call, n, size=1 << 20):
     """A pickle of one object: (s, call, 'latin1') and the tuple of n calls call(s, 'latin1'), s a memoised string
-    of `size` bytes: n x size bytes built from size + 16 n bytes (memo slots far above torch.save's own)."""
+    of `size` bytes: n x size bytes built from size + 16 n bytes (memo slots far above torch.save's own). call
+    None: (s,) and the tuple of n references to s (one string, but n x size bytes of JSON or of repr)."""
     def put(slot):
         return pickle.LONG_BINPUT + struct.pack('<I', (1 << 30) + slot)
 
     def get(slot):
         return pickle.LONG_BINGET + struct.pack('<I', (1 << 30) + slot)
 
-    return b''.join([_text(b'x' * size), put(0), pickle.GLOBAL + call.replace('.', '\n').encode() + b'\n', put(1),
-                     _text(b'latin1'), put(2), pickle.TUPLE3,
-                     pickle.MARK, (get(1) + get(0) + get(2) + pickle.TUPLE2 + pickle.REDUCE) * n, pickle.TUPLE,
-                     pickle.TUPLE2])
+    if call is None:
+        head, use = [_text(b'x' * size), put(0), pickle.TUPLE1], get(0)
+    else:
+        head = [_text(b'x' * size), put(0), pickle.GLOBAL + call.replace('.', '\n').encode() + b'\n', put(1),
+                _text(b'latin1'), put(2), pickle.TUPLE3]
+        use = get(1) + get(0) + get(2) + pickle.TUPLE2 + pickle.REDUCE
+    return b''.join(head + [pickle.MARK, use * n, pickle.TUPLE, pickle.TUPLE2])
 
 
 def with_memo_bomb(path, call, n=3000):
@@ -296,6 +300,44 @@ def test_every_script_refuses_a_pickle_that_builds_more_than_its_file(command, s
     with_memo_bomb(out / 'ckpt.pt', '_codecs.encode')
     error = refusal_of(command, out, source, tmp_path)
     assert f"checkpoint {out / 'ckpt.pt'} would build more than" in error, error
+
+
+def with_optimizer_state(path, field, value):
+    """The checkpoint at path with `value` as the AdamW state `field` of its first parameter."""
+    checkpoint = torch.load(path, weights_only=True)
+    checkpoint['optimizer']['state'][0][field] = value
+    torch.save(checkpoint, path)
+
+
+@pytest.mark.parametrize('case, says', [
+    ('shared string', "would build more than"),
+    ('long string', "the training state cannot be saved in a sharded checkpoint's index: as JSON it is larger than "
+                    "16 MiB, which no index is"),
+    ('step', "the checkpoint's optimizer state step for transformer.wte.weight is -5, not a count of updates"),
+    ('shape', "the checkpoint's optimizer state exp_avg for transformer.wte.weight has shape (3, 3) but the model's "
+              "parameter has (48, 32)"),
+])
+def test_convert_checkpoint_refuses_before_writing_what_its_readers_would_refuse(case, says, source, tmp_path):
+    """It wrote, exit 0, a 3.1 GB checkpoint.json from a 1.4 MB ckpt.pt (a string referenced over and over), and
+    checkpoints whose AdamW state every resume refuses. Now each is one line, and nothing is written."""
+    out = tmp_path / 'out'
+    shutil.copytree(source, out)
+    shutil.rmtree(folder_of(out))
+    (out / 'ckpt.sharded').unlink()
+    path = out / 'ckpt.pt'
+    if case == 'shared string':
+        with_memo_bomb(path, None)
+    elif case == 'long string':
+        checkpoint = torch.load(path, weights_only=True)
+        torch.save({**checkpoint, 'config': {**checkpoint['config'], 'notes': 'x' * (17 << 20)}}, path)
+    elif case == 'step':
+        with_optimizer_state(path, 'step', torch.tensor(-5.0))
+    else:
+        with_optimizer_state(path, 'exp_avg', torch.zeros(3, 3))
+    before = sorted(os.listdir(out))
+    error = refusal_of('convert_checkpoint.py', out, source, tmp_path, '--to=sharded')
+    assert says in error, error
+    assert sorted(set(os.listdir(out)) - {'.lock'}) == before  # (the lock's file: one writer per out_dir)
 
 
 def test_the_pickles_of_real_checkpoints_are_far_below_the_bound(source):
