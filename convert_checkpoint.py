@@ -18,8 +18,8 @@ answer_help(__file__)  # --help before the heavy imports below
 
 import os
 
-from denoised_gpt.checkpoint import (CKPT_NAME, CheckpointError, check_optimizer_state, checkpoint_path, load_checkpoint,
-                                     save_checkpoint)
+from denoised_gpt.checkpoint import (CKPT_NAME, CheckpointError, check_optimizer_state, checkpoint_path,
+                                     load_checkpoint, save_checkpoint)
 from denoised_gpt.cli import fail, read_config
 from denoised_gpt.run_dir import lock_out_dir
 from denoised_gpt.sharded_checkpoint import (checkpoint_as_sharded, is_sharded_checkpoint, newest_sharded,
