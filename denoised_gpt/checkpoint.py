@@ -521,9 +521,14 @@ def restore_training_state(checkpoint, model, optimizer, scaler, train_batches, 
         for group, own in zip(optimizer.param_groups, settings):
             group.update(own)
     if 'rng' in checkpoint:  # written by our train.py (a nanoGPT checkpoint has model and optimizer only)
-        scaler.load_state_dict(checkpoint['scaler'])
-        restore_rng_state(checkpoint['rng'], device_type)
-        train_batches.load_state_dict(checkpoint['train_batches'])
+        for key, restore in (('scaler', scaler.load_state_dict), ('rng', lambda s: restore_rng_state(s, device_type)),
+                             ('train_batches', train_batches.load_state_dict)):
+            try:
+                restore(checkpoint[key])
+            except (KeyError, TypeError, ValueError, IndexError, AttributeError, RuntimeError) as e:
+                what = f"lacks {e}" if isinstance(e, KeyError) else f"holds what cannot be restored ({short_reason(e)})"
+                raise CheckpointError(f"the checkpoint's {key} state is not as train.py writes it: it {what[:200]}. "
+                                      f"Resume from a checkpoint train.py wrote") from e
     return note
 
 

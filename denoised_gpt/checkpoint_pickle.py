@@ -19,7 +19,7 @@ import torch
 OBJECT, SLOT = 64, 8  # bytes counted for each object built (at least what Python takes), and each container slot
 MAX_PICKLE_BYTES = 64 << 20  # a checkpoint's pickle is kilobytes: its tensors are records of their own
 # the opcodes of pickle protocol 2 (torch.save's) for those objects
-LEAVES = {'NONE', 'NEWTRUE', 'NEWFALSE', 'BININT', 'BININT1', 'BININT2', 'LONG1', 'LONG4', 'BINFLOAT', 'BINUNICODE',
+LEAVES = {'NONE', 'NEWTRUE', 'NEWFALSE', 'BININT', 'BININT1', 'BININT2', 'LONG1', 'BINFLOAT', 'BINUNICODE',
           'EMPTY_DICT', 'EMPTY_LIST', 'EMPTY_TUPLE'}
 TUPLES = {'TUPLE': None, 'TUPLE1': 1, 'TUPLE2': 2, 'TUPLE3': 3}  # how many items each takes (None: to the mark)
 FILLS = {'APPEND': 1, 'APPENDS': None, 'SETITEM': 2, 'SETITEMS': None, 'BUILD': 1}  # items added to the object below
@@ -143,6 +143,8 @@ def _walk(stream, bound):
         elif name == 'BINPERSID':  # a storage: its bytes are a record of the zip, not built from the pickle
             new = _Built(OBJECT + take(1)[0].size)
             cost = OBJECT
+        elif name == 'LONG4':  # (torch's reader refuses it too, as if it were code)
+            raise _Refused("holds an integer of more than 255 bytes, which no checkpoint does")
         elif name == 'PROTO':
             if arg != 2:
                 raise _Refused(f"is a pickle of protocol {arg}, which torch.save does not write (it writes 2)")

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from denoised_gpt.checkpoint import (CKPT_NAME, PREV_NAME, SHARDED_GLOB, CheckpointError, checkpoint_path,
                                      load_checkpoint)
+from denoised_gpt.checkpoint_base import MAX_COUNT, is_float_value
 from denoised_gpt.cli import fail
 from denoised_gpt.sharded_checkpoint import POINTER_NAME
 from denoised_gpt.device import max_memory_allocated
@@ -250,11 +251,11 @@ def metrics_row_problem(row):
     if not isinstance(row, dict):
         kind = {list: 'an array', str: 'a string', bool: 'true or false', type(None): 'null'}.get(type(row), 'a number')
         return f"{kind}, not a JSON object"
-    number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)  # noqa: E731
+    number = is_float_value  # (a JSON integer of 400 digits is no float: the report's arithmetic would fail)
     if 'iter' not in row:
         return "it has no iter"
-    if not (isinstance(row['iter'], int) and number(row['iter']) and row['iter'] >= 0):
-        return f"its iter is {_shown(row['iter'])}, not a non-negative integer"
+    if not (isinstance(row['iter'], int) and number(row['iter']) and 0 <= row['iter'] <= MAX_COUNT):
+        return f"its iter is {_shown(row['iter'])}, not a non-negative integer up to 2**63 - 1"
     kind = 'val_loss' if 'val_loss' in row else 'loss' if 'loss' in row else None
     if kind is None:
         return "neither an iteration's row (loss) nor an evaluation's (val_loss)"

@@ -432,9 +432,12 @@ def test_every_script_refuses_a_checkpoint_whose_iter_num_is_a_string_in_one_lin
     ('best_val_loss', 'low', "best_val_loss is 'low' (a str), not a number"),
     ('best_val_loss', True, "best_val_loss is True (a bool), not a number"),
     ('iter_num', -1, "iter_num is -1 (a int), not a non-negative integer"),
-    ('best_iter', 2.0, "best_iter is 2.0 (a float), not a non-negative integer or null"),
-    ('val_loss', [1.5], "val_loss is [1.5] (a list), not a number or null"),
+    ('best_iter', 2.0, "best_iter is 2.0 (a float), not a non-negative integer up to 2**63 - 1, or null"),
+    ('val_loss', [1.5], "val_loss is [1.5] (a list), not a number a float holds, or null"),
     ('train_time', None, "train_time is None (a NoneType), not a number"),
+    ('best_val_loss', 10**400, "best_val_loss is 100000000000000000...0000000000000000000 (a int), not a number a "
+                               "float holds"),  # (float() of it: an OverflowError in sample.py, train.py)
+    ('iter_num', 2**64, "iter_num is 18446744073709551616 (a int), not a non-negative integer up to 2**63 - 1"),
     ('config', 'x', "config is 'x' (a str), not a dict"),
 ])
 def test_load_checkpoint_names_a_counter_of_the_wrong_type(source, tmp_path, key, value, expected):
@@ -447,6 +450,36 @@ def test_load_checkpoint_names_a_counter_of_the_wrong_type(source, tmp_path, key
     # what train.py and nanoGPT write loads: nanoGPT's best_val_loss is the 0-d tensor of its evaluation
     out = with_counter(source, tmp_path / 'nanogpt', 'ckpt.pt', 'best_val_loss', torch.tensor(2.5))
     assert load_checkpoint(out)['best_val_loss'] == 2.5
+
+
+def test_an_integer_too_long_for_torchs_reader_is_said_as_such_not_as_code(source, tmp_path):
+    """pickle writes an int of more than 255 bytes as LONG4, which torch's weights-only reader refuses as if it
+    were code."""
+    path = tmp_path / 'ckpt.pt'
+    torch.save({**torch.load(source / 'ckpt.pt', weights_only=True), 'best_val_loss': 10**4000}, path)
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(path)
+    assert_one_line(e, f"checkpoint {path} holds an integer of more than 255 bytes, which no checkpoint does")
+    assert "run code" not in str(e.value)
+
+
+@pytest.mark.parametrize('key, says', [
+    ('train_batches', "the checkpoint's train_batches state is not as train.py writes it: it lacks 'generator'"),
+    ('rng', "the checkpoint's rng state is not as train.py writes it: it holds what cannot be restored"),
+])
+def test_a_train_state_train_py_cannot_restore_is_one_line_at_resume(tmp_path, key, says):
+    """The batches' sampler state without its generator was a KeyError's traceback (train.py's own checkpoint
+    of an earlier version, tests/fixtures, with one part of its state emptied)."""
+    fixture = ROOT / 'tests' / 'fixtures' / 'ckpt-23a31c2'
+    out = tmp_path / 'out'
+    out.mkdir()
+    checkpoint = torch.load(fixture / 'ckpt.pt', weights_only=True)
+    torch.save({**checkpoint, key: {} if key == 'train_batches' else {**checkpoint['rng'], 'torch': 'x'}},
+               out / 'ckpt.pt')
+    proc = run_script_in_process('train.py', ['--init_from=resume', f'--out_dir={out}', f'--dataset={fixture / "data"}',
+                                              '--device=cpu', '--dtype=float32', '--compile=False'])
+    assert proc.returncode == 2 and 'Traceback' not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith(f"train.py: error: {says}"), proc.stderr
 
 
 # ----------------------------------------------------------------------------------------------
@@ -464,7 +497,8 @@ def exported(source, tmp_path_factory):
     ('config.json', '{"a": ' * 100_000 + '1' + '}' * 100_000, "config.json is not valid JSON (nested too deeply)"),
     ('training_run.json', '[' * 100_000 + ']' * 100_000, "training_run.json is not valid JSON (nested too deeply)"),
     ('training_run.json', '{"iter_num": "7", "best_val_loss": 2.5, "config": {}}',
-     "training_run.json is not as export_hf.py writes it: its iter_num is '7' (a str), not a non-negative integer"),
+     "training_run.json is not as export_hf.py writes it: its iter_num is '7' (a str), not a non-negative integer up "
+     "to 2**63 - 1"),
 ], ids=['config.json nested', 'training_run.json nested', 'iter_num a string'])
 @pytest.mark.parametrize('script, args', [
     ('sample.py', ['--num_samples=1', '--max_new_tokens=2']),
