@@ -130,9 +130,19 @@ def refused_allocation(error):
     return None
 
 
-def check_ranges(config, at_least_one=(), non_negative=(), unit_interval=(), positive=(), seeds=()):
+MAX_BATCH_SIZE = 1 << 16  # batch_size: sequences per forward pass (and rank); GPT-2's recipe uses 12
+MAX_STEPS = 10 ** 6  # a benchmark's steps, an evaluation's batches: hours at a millisecond each
+
+
+def check_ranges(config, at_least_one=(), non_negative=(), unit_interval=(), positive=(), seeds=(), at_most=None):
     """Numeric settings that cannot work: ValueError naming the first one. Every float must be finite
-    too (a typed 1e309 is inf); seeds are non-negative integers below 2**63 (torch's generators)."""
+    too (a typed 1e309 is inf); seeds are non-negative integers below 2**63 (torch's generators); at_most:
+    {key: (limit, what the limit is of)} for counts that would run for ever or exhaust memory beyond it."""
+    for key, (limit, what) in (at_most or {}).items():
+        if config[key] > limit:
+            value = str(config[key])
+            value = value if len(value) <= 20 else f"{value[:12]}... ({len(value):,} digits)"
+            raise ValueError(f"{key}={value} is over the limit of {limit:,} {what}")
     for key, value in config.items():
         if isinstance(value, float) and not math.isfinite(value):
             raise ValueError(f"{key}={value} must be a finite number")

@@ -327,6 +327,9 @@ BAD_SETTINGS = [
     (['--gradient_accumulation_steps=2000000'], "gradient_accumulation_steps=2000000 is over the limit of 1,048,576 "
                                                 "micro-batches per iteration"),
     (['--batch_size=100000'], "batch_size=100000 is over the limit of 65,536 sequences per micro-batch"),
+    # base has no KL term: the weight of none was accepted without a word
+    (['--kl_weight=1e7'], "kl_weight=1e+07 weighs the KL term of NoiseFormer's noise, which attn_type='base' does not "
+                          "have: leave kl_weight at 5e-06, or train a noiseformer attn_type"),
 ]
 
 
