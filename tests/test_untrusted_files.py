@@ -482,6 +482,21 @@ def test_a_train_state_train_py_cannot_restore_is_one_line_at_resume(tmp_path, k
     assert proc.stderr.strip().splitlines()[-1].startswith(f"train.py: error: {says}"), proc.stderr
 
 
+@pytest.mark.parametrize('command', ['sample.py', 'eval.py', 'export_hf.py'])
+def test_a_model_size_torch_cannot_hold_is_one_line(command, source, tmp_path):
+    """n_embd=2**70: torch's error carried a 19-line C++ stack into the one line."""
+    out = tmp_path / 'out'
+    out.mkdir()
+    checkpoint = torch.load(source / 'ckpt.pt', weights_only=True)
+    torch.save({**checkpoint, 'model_args': {**checkpoint['model_args'], 'n_embd': 2**70}}, out / 'ckpt.pt')
+    args = [a.format(out=out, tmp=tmp_path) for a in SCRIPTS[command]]
+    proc = run_script_in_process(command, args)
+    assert proc.returncode == 2 and "frame #" not in proc.stderr, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith(f"{command}: error: ")]
+    assert len(errors) == 1 and "does not build a model: " in errors[0] and "Overflow" in errors[0], proc.stderr
+    assert proc.stderr.strip().endswith(errors[0]), proc.stderr  # (nothing after it)
+
+
 # ----------------------------------------------------------------------------------------------
 # an exported folder's JSON files (export_hf.py writes them; sample.py, eval.py and train.py read them back)
 
