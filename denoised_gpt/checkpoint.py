@@ -17,7 +17,9 @@ the existing ckpt.pt and ckpt.prev.pt are untouched.
 A checkpoint is a dict: model, optimizer, model_args, iter_num, best_val_loss, config (every
 training setting), plus what train.py needs to continue exactly (RNG and sampler states,
 GradScaler, optimizer_param_names). Only tensors and plain Python values are stored, so loading
-uses torch.load(weights_only=True) and never runs code from the file.
+uses torch.load(weights_only=True) and never runs code from the file; before it, the file's zip parts
+(check_zip_parts) and its pickle (checkpoint_pickle.check_pickle: what it builds, bounded by the file's size)
+are checked, on the file opened once (_open_checkpoint).
 
 nanoGPT interoperability:
 - model_args on disk holds nanoGPT's seven GPTConfig fields (NANOGPT_MODEL_ARGS); attn_type and

@@ -95,8 +95,8 @@ def _read_pointer(out_dir):  # (folder or None, problem or None)
     if not os.path.lexists(pointer):
         return None, None
     try:
-        with _open_regular(pointer, what=pointer, fix="remove it (or put the file naming the newest sharded "
-                                                         "checkpoint back)") as f:
+        with _open_regular(pointer, what=pointer, fix="remove it, or put back the file naming the newest sharded "
+                                                         "checkpoint") as f:
             name = f.read(256).decode(errors='replace').strip()  # (written as one folder name)
     except CheckpointError as e:
         return None, str(e)
@@ -463,8 +463,8 @@ def _open_regular(path, what=None, fix=None):
                               f"forever): {fix}") from e
     except OSError as e:
         if e.errno == errno.ELOOP:
-            raise CheckpointError(f"{what} is a link, and is not read: a sharded checkpoint reads only its own files "
-                                  f"({fix or 'copy the file there, cp -L'})") from e
+            raise CheckpointError(f"{what} is a link, and is not read: a sharded checkpoint reads only its own files; "
+                                  f"{fix or 'copy the file there (cp -L)'}") from e
         raise
     links = os.fstat(f.fileno()).st_nlink
     if links > 1:
