@@ -303,7 +303,7 @@ def _read_checkpoint_file(f, path, map_location, metadata_only, model_only, use_
             return ckpt, _first_damaged_tensor(opened, ckpt['model'])
         return ckpt, None if metadata_only else first_damaged_record(opened)
     except pickle.UnpicklingError as e:
-        refused = untrusted_file_error(path, e)  # holds code: refused as such
+        refused = untrusted_file_error(path, e, opened)  # holds code: refused as such
         if refused:
             raise refused from e
         raise CheckpointError(f"checkpoint {path} is truncated or corrupt ({short_reason(e)}). {use_prev}") from e

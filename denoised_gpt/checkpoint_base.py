@@ -61,14 +61,15 @@ def train_state_problem(state):
     return None
 
 
-def untrusted_file_error(path, e):
+def untrusted_file_error(path, e, opened=None):
     """The CheckpointError for a file (or a folder of them) at path that torch.load(weights_only=True)
     refused (e) because it holds pickled objects other than tensors and plain values; None when e is any
     other error or the file is damaged (bytes that read as garbage, not as code). The message names what
-    was refused, and never repeats torch's advice to load the file some other way."""
+    was refused, and never repeats torch's advice to load the file some other way. opened: a path to the file
+    already opened (files.opened_path), read instead of path, which may name another file by now."""
     text = str(e).lower()
     if not isinstance(e, pickle.UnpicklingError) or not ('weights_only' in text or 'weights only' in text) \
-            or _is_damaged(path):
+            or _is_damaged(opened or path):
         return None
     refused = re.search(r"GLOBAL ([\w.]+)", str(e))
     what = f" (it references {refused[1]})" if refused else ""
