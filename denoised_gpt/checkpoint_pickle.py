@@ -7,6 +7,7 @@ tuples, str, bytes, numbers, bools, None, OrderedDict, torch.Size, tensors and t
 everything it builds, a memoised object counted in full each time it is used again, at most pickle_bound of the
 file's size. It imports nothing from the package.
 """
+import _compat_pickle
 import io
 import os
 import pickletools
@@ -27,6 +28,10 @@ FILLS = {'APPEND': 1, 'APPENDS': None, 'SETITEM': 2, 'SETITEMS': None, 'BUILD': 
 CALLS = {'collections OrderedDict', 'torch Size', '_codecs encode',  # (protocol 2 writes bytes as _codecs.encode)
          'torch._utils _rebuild_tensor_v2', 'torch._utils _rebuild_parameter',
          'torch._utils _rebuild_parameter_with_state'}
+# the values a persistent id (a tensor's storage) names: its storage type and dtype (vars: no lazy imports)
+STORAGES = {f'{module} {name}' for module in ('torch', 'torch.cuda') for name, value in vars(torch).items()
+            if name.endswith('Storage') and isinstance(value, type)}
+DTYPES = {f'torch {name}' for name, value in vars(torch).items() if isinstance(value, torch.dtype)}
 
 
 def pickle_bound(file_size):
@@ -172,9 +177,7 @@ def _payload(arg):
 def _check_global(name):
     """_Refused unless `name` ('module attribute', as genops gives it) is one of CALLS, a storage type or a dtype:
     what torch.save writes for tensors and plain values."""
-    module, _, attribute = name.partition(' ')
-    if name in CALLS or (module in ('torch', 'torch.cuda') and attribute.endswith('Storage')) \
-            or (module == 'torch' and isinstance(getattr(torch, attribute, None), torch.dtype)):
+    if name in CALLS or name in STORAGES or name in DTYPES:
         return
     try:  # what torch's own weights-only unpickler refuses can run code; the rest merely is not a checkpoint's
         from torch._weights_only_unpickler import _get_allowed_globals
@@ -188,4 +191,8 @@ def _check_global(name):
 
 
 def _dotted(name):
-    return name.replace(' ', '.')
+    """'module attribute' as Python 3 names it (pickle protocol 2 writes builtins as __builtin__)."""
+    module, _, attribute = name.partition(' ')
+    module, attribute = _compat_pickle.NAME_MAPPING.get(
+        (module, attribute), (_compat_pickle.IMPORT_MAPPING.get(module, module), attribute))
+    return f"{module}.{attribute}"

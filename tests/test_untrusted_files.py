@@ -340,11 +340,52 @@ def test_convert_checkpoint_refuses_before_writing_what_its_readers_would_refuse
     assert sorted(set(os.listdir(out)) - {'.lock'}) == before  # (the lock's file: one writer per out_dir)
 
 
-def test_the_pickles_of_real_checkpoints_are_far_below_the_bound(source):
-    """What train.py writes (and the fixture of an earlier version: test_old_checkpoint.py) builds a small part
-    of what its file size allows."""
-    from denoised_gpt.checkpoint_pickle import _walk, pickle_bound
-    for path in (source / 'ckpt.pt', ROOT / 'tests' / 'fixtures' / 'ckpt-23a31c2' / 'ckpt.pt'):
+def _holding_itself():
+    x = []
+    x.append(x)
+    return x
+
+
+@pytest.mark.parametrize('extra, protocol, says', [
+    ({1, 2}, 2, "references builtins.set, which torch.save does not write for a checkpoint"),
+    (bytearray(b'x'), 2, "references builtins.bytearray, which torch.save does not write for a checkpoint"),
+    (1j, 2, "references builtins.complex, which torch.save does not write for a checkpoint"),
+    (_holding_itself(), 2, "changes an object after using it (APPEND), which torch.save does not write"),
+    (None, 4, "is a pickle of protocol 4, which torch.save does not write (it writes 2)"),
+], ids=['set', 'bytearray', 'complex', 'list holding itself', 'protocol 4'])
+def test_a_checkpoint_holding_what_torch_save_does_not_write_for_one_is_refused(source, tmp_path, extra, protocol,
+                                                                                says):
+    """What torch's weights-only reader allows but no checkpoint holds is refused before it is built, in one line
+    that does not say it runs code."""
+    path = tmp_path / 'ckpt.pt'
+    torch.save({**torch.load(source / 'ckpt.pt', weights_only=True), 'extra': extra}, path, pickle_protocol=protocol)
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(path)
+    assert_one_line(e, f"checkpoint {path} {says}, so it is not read")
+    assert "run code" not in str(e.value)
+
+
+def test_what_torch_save_writes_for_checkpoints_passes_far_below_the_bound(source, tmp_path):
+    """What train.py writes, nanoGPT's train.py (its model, AdamW state, config) and the fixture of an earlier
+    version (test_old_checkpoint.py), and every kind of value a checkpoint may hold, build a small part of what
+    their files' sizes allow."""
+    from collections import OrderedDict
+
+    from denoised_gpt.checkpoint_pickle import _walk, check_pickle, pickle_bound
+    from nanogpt_reference import BETAS, LR, WD, NanoConfig, NanoGPT, nano_checkpoint
+    cfg = NanoConfig(block_size=16, vocab_size=32, n_layer=1, n_head=2, n_embd=16, dropout=0.0, bias=True)
+    model = NanoGPT(cfg)
+    torch.save(nano_checkpoint(model, model.configure_optimizers(WD, LR, BETAS), cfg, compiled=True),
+               tmp_path / 'nanogpt.pt')
+    values = {f'{dtype}': torch.zeros(2, 3, dtype=dtype) for dtype in (torch.float32, torch.bfloat16, torch.float16,
+                                                                       torch.int64, torch.bool, torch.uint8)}
+    torch.save({**values, 'bytes': b'\x00\xff', 'size': torch.Size([2, 3]), 'parameter': torch.nn.Parameter(
+        torch.ones(2)), 'ordered': OrderedDict(a=1), 'text': 'é', 'nothing': None, 'flags': [True, False],
+        'big': 2**100, 'pair': (1.5, -3), 'tied': [values['torch.float32']] * 2}, tmp_path / 'values.pt')
+    for path in (source / 'ckpt.pt', ROOT / 'tests' / 'fixtures' / 'ckpt-23a31c2' / 'ckpt.pt', tmp_path / 'nanogpt.pt',
+                 tmp_path / 'values.pt'):
+        with open(path, 'rb') as f:
+            check_pickle(f, str(path))
         with zipfile.ZipFile(path) as archive:
             info = next(i for i in archive.infolist() if i.filename.endswith('/data.pkl'))
             with archive.open(info) as stream:
