@@ -87,6 +87,7 @@ def save_checkpoint(state, out_dir):
     try:
         os.makedirs(out_dir, exist_ok=True)  # (a read-only place fails here: said as a failed save)
         _write_synced(state, tmp)
+        _check_readable(tmp, path)
         if os.path.exists(path):
             _keep_as_previous(path, prev)
         os.replace(tmp, path)
@@ -128,6 +129,18 @@ def _write_synced(state, tmp):
             os.fsync(f.fileno())  # the bytes are on disk before the rename makes them "the" checkpoint
     finally:
         torch.serialization.set_crc32_options(crc32_was)
+
+
+def _check_readable(tmp, path):
+    """CheckpointError unless the checkpoint just written to tmp passes the checks every reader makes of it
+    (check_pickle: a training state of a million tiny values builds more than its file allows): never saved as
+    path, then, to be refused on every load."""
+    with open(tmp, 'rb') as f:
+        try:
+            check_pickle(f, "the checkpoint")
+        except RefusedPickle as e:
+            raise CheckpointError(f"{e}: it is not saved, as every reader would refuse it ({path} is as it "
+                                  f"was)") from e
 
 
 def _os_error_behind(e):

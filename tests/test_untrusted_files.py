@@ -340,6 +340,23 @@ def test_convert_checkpoint_refuses_before_writing_what_its_readers_would_refuse
     assert sorted(set(os.listdir(out)) - {'.lock'}) == before  # (the lock's file: one writer per out_dir)
 
 
+def test_convert_checkpoint_to_a_file_refuses_a_state_its_readers_would_refuse(source, tmp_path):
+    """A sharded train state of 900,000 small values (1.8 MB of JSON, within the index's caps) pickles to a
+    ckpt.pt that builds more than its size allows: it was written, and every load refused it. Checked before it
+    replaces anything, as every save is."""
+    out = tmp_path / 'out'
+    shutil.copytree(source, out)
+    (out / 'ckpt.pt').unlink()
+    index = json.loads((folder_of(out) / 'checkpoint.json').read_text())
+    index['train_state']['padding'] = [0] * 900_000
+    (folder_of(out) / 'checkpoint.json').write_text(json.dumps(index))
+    before = sorted(os.listdir(out))
+    error = refusal_of('convert_checkpoint.py', out, source, tmp_path)
+    assert "the checkpoint would build more than " in error and "it is not saved, as every reader would refuse it" \
+        in error, error
+    assert sorted(set(os.listdir(out)) - {'.lock'}) == before
+
+
 def _holding_itself():
     x = []
     x.append(x)
