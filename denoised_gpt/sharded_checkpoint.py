@@ -84,9 +84,10 @@ def newest_sharded(out_dir):
 
 
 def pointer_problem(out_dir):
-    """Why out_dir/ckpt.sharded is not followed, or None: it is not a file (a FIFO would hang the reader), or
-    it names something other than a ckpt.sharded-* folder inside out_dir (a folder elsewhere would load
-    another run's checkpoint through this one)."""
+    """Why out_dir/ckpt.sharded is not followed, or None: it is not a regular file of out_dir's own (a FIFO would
+    hang the reader; a link, symbolic or hard, may be a file from anywhere), or it names something other than a
+    ckpt.sharded-* folder inside out_dir (a folder elsewhere would load another run's checkpoint through this
+    one)."""
     return _read_pointer(out_dir)[1]
 
 
