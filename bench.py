@@ -56,8 +56,8 @@ import time
 
 import torch
 
-from denoised_gpt.cli import (check_attn_types, check_ranges, duration, fail, human_bytes, print_result, ram_bytes,
-                              read_config, refused_allocation)
+from denoised_gpt.cli import (MAX_STEPS, check_attn_types, check_ranges, duration, fail, human_bytes, print_result,
+                              ram_bytes, read_config, refused_allocation)
 from denoised_gpt.device import (autocast_context, compile_model, cpu_tensor_peak, device_name, device_type,
                     fused_optimizer, grad_scaler, manual_seed, mark_step, max_memory_allocated, peak_flops,
                     resolve_compile, resolve_device, resolve_dtype, setup, spec_sheet_tflops,
@@ -256,7 +256,9 @@ try:
                  at_least_one=('batch_size', 'block_size', 'n_layer', 'n_head', 'n_embd', 'vocab_size', 'warmup_iters',
                                'bench_iters', 'rounds', 'max_new_tokens', 'gen_prompt_len'),
                  non_negative=('grad_clip', 'weight_decay', 'kl_weight'), unit_interval=('beta1', 'beta2', 'dropout'),
-                 positive=('learning_rate',), seeds=('seed',))
+                 positive=('learning_rate',), seeds=('seed',),
+                 at_most={'warmup_iters': (MAX_STEPS, "steps"), 'bench_iters': (MAX_STEPS, "steps"),
+                          'rounds': (MAX_STEPS, "rounds")})
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     if device_type(device) in ('cpu', 'mps'):

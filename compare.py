@@ -81,7 +81,7 @@ from denoised_gpt.evaluation import mean_std
 from denoised_gpt.evaluation.attention_noise import PARTS as SHARE_PARTS
 from denoised_gpt.evaluation.retrieval import PARTS as RETRIEVAL_PARTS
 from denoised_gpt.extras import require as require_extra
-from denoised_gpt.files import FileError, parse_json, read_json, require_regular_file, write_atomically, write_problem
+from denoised_gpt.files import FileError, open_log, parse_json, read_json, write_atomically, write_problem
 from denoised_gpt.training import NOT_RESUMED, check_training_settings
 from denoised_gpt.run_dir import METRICS_NAME, bounded_lines, dropped_note, lock_out_dir, metrics_rows
 from denoised_gpt.tuning import (METRICS, candidate_args, candidate_label, candidate_settings, candidate_tag, candidates,
@@ -296,6 +296,7 @@ class Run:
 SHARED_SETTINGS = ('learning_rate', 'min_lr', 'weight_decay', 'beta2', 'warmup_iters', 'batch_size',
                    'gradient_accumulation_steps', 'max_iters', 'dropout')
 CHANGES_NAME = 'settings_changes.jsonl'  # in out_dir: each run continued with other settings, and from when
+MAX_CHANGES_BYTES = 64 << 20  # a line of some hundred bytes for each time a run was continued so
 DIVERGED_NAME = 'diverged.txt'  # in a tuning run's folder: train.py stopped it for a non-finite loss (exit 3)
 
 
@@ -381,13 +382,14 @@ def check_settings_unchanged(runs):
 def change_rows(path):
     """(line, row) for each line of a CHANGES_NAME file, line as bytes; row None for a line record_change did not
     write as it is (damaged, edited: the report leaves it out); a line too long to be one is skipped (bounded_lines).
-    A file that is not a regular one ends compare.py in one line."""
+    A file that is not a regular one, or larger than any such file is, ends compare.py in one line."""
     try:
-        require_regular_file(path, "remove it (it lists runs continued with changed settings)")
+        f = open_log(path, MAX_CHANGES_BYTES, "settings changes log",
+                     "remove it (it lists runs continued with changed settings)")
     except FileError as e:
         fail(e)
-    with open(path, 'rb') as f:
-        for line in bounded_lines(f):
+    with f:
+        for line in bounded_lines(f, MAX_CHANGES_BYTES):
             if line is None:  # longer than any line record_change writes: left out, never held whole
                 continue
             if not line.strip():

@@ -18,7 +18,8 @@ answer_help(__file__)  # --help before the heavy imports below
 
 import os
 
-from denoised_gpt.checkpoint import CKPT_NAME, CheckpointError, checkpoint_path, load_checkpoint, save_checkpoint
+from denoised_gpt.checkpoint import (CKPT_NAME, CheckpointError, check_optimizer_state, checkpoint_path,
+                                     load_checkpoint, save_checkpoint)
 from denoised_gpt.cli import fail, read_config
 from denoised_gpt.run_dir import lock_out_dir
 from denoised_gpt.sharded_checkpoint import (checkpoint_as_sharded, is_sharded_checkpoint, newest_sharded,
@@ -64,6 +65,10 @@ if not os.path.samefile(newest, source):  # never an older training state over a
 try:
     checkpoint = load_checkpoint(source, map_location='cpu', trust_old_format=trust_old_format)
     refuse_nonfinite_state(checkpoint, source)
+    try:  # what a resume from the converted one would refuse, refused before writing it
+        check_optimizer_state(checkpoint)
+    except CheckpointError as e:
+        fail(f"{source} is not converted: {e}")
     if to == 'file':
         written = save_checkpoint(checkpoint, out_dir)  # the ckpt.pt there before becomes ckpt.prev.pt
     else:

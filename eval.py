@@ -58,8 +58,9 @@ import time
 
 from denoised_gpt.batches import ExampleLayout, TokenBatches, TokenIdError, check_token_ids, load_meta
 from denoised_gpt.checkpoint import CheckpointError, checkpoint_path, load_checkpoint
-from denoised_gpt.cli import (check_inference_source, check_ranges, check_writable_folder, fail, gpt2_encoding, log,
-                              prepare_device, print_result, quiet_ctrl_c, read_config, run_dtype)
+from denoised_gpt.cli import (MAX_BATCH_SIZE, MAX_STEPS, check_inference_source, check_ranges, check_writable_folder,
+                              fail, gpt2_encoding, log, prepare_device, print_result, quiet_ctrl_c, read_config,
+                              run_dtype)
 from denoised_gpt.extras import require as require_extra
 from denoised_gpt.files import FileError, write_atomically
 from denoised_gpt.models import load_model, noise_on, trained_dtype
@@ -121,7 +122,9 @@ check_inference_source(init_from)
 try:
     check_ranges({k: globals()[k] for k in config_keys}, seeds=('seed',),
                  at_least_one=('batch_size', 'entropy_batches', 'glue_epochs', 'glue_noise_draws', 'max_gen_toks',
-                               'retrieval_examples'))
+                               'retrieval_examples'),
+                 at_most={'batch_size': (MAX_BATCH_SIZE, "sequences per forward pass"),
+                          'entropy_batches': (MAX_STEPS, "batches")})
 except ValueError as e:
     fail(e)
 for key in ('entropy_block_size', 'glue_batch_size', 'glue_max_examples', 'lm_eval_limit'):

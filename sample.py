@@ -64,8 +64,9 @@ import time
 import torch
 
 from denoised_gpt.batches import load_meta, read_meta_pkl
-from denoised_gpt.cli import (check_inference_source, check_ranges, fail, gpt2_encoding, log, prepare_device,
+from denoised_gpt.cli import (MAX_STEPS, check_inference_source, check_ranges, fail, gpt2_encoding, log, prepare_device,
                               print_result, quiet_ctrl_c, read_config, refused_allocation, run_dtype)
+from denoised_gpt.checkpoint_base import MAX_COUNT
 from denoised_gpt.models import load_model, noise_on, trained_dtype
 from denoised_gpt.files import MAX_PROMPT_BYTES, FileError, read_text
 from denoised_gpt.device import autocast_context, manual_seed, torch_dtype
@@ -98,7 +99,9 @@ globals().update(config)
 if format not in FORMATS:
     fail(f"format={format!r} is not one of {', '.join(FORMATS)}")
 try:
-    check_ranges(config, at_least_one=('num_samples', 'max_new_tokens'), seeds=('seed',))
+    check_ranges(config, at_least_one=('num_samples', 'max_new_tokens'), seeds=('seed',),
+                 at_most={'num_samples': (MAX_COUNT, "completions per prompt (torch's int64)"),
+                          'max_new_tokens': (MAX_STEPS, "tokens")})  # (beyond the memory check below: a traceback)
 except ValueError as e:
     fail(e)
 if temperature < 0 or top_k < 0:

@@ -15,7 +15,7 @@ import pickle
 import numpy as np
 import torch
 
-from denoised_gpt.files import (PREPARE_AGAIN, missing_data_hint, permission_denied, read_json, require_regular_file,
+from denoised_gpt.files import (PREPARE_AGAIN, permission_denied, read_json, require_regular_file,
                                 token_file_size)
 
 SCAN_CHUNK = 1 << 26  # tokens per step of the vocab check (128 MB of uint16): bounded work per call, stops early

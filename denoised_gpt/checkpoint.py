@@ -17,7 +17,9 @@ the existing ckpt.pt and ckpt.prev.pt are untouched.
 A checkpoint is a dict: model, optimizer, model_args, iter_num, best_val_loss, config (every
 training setting), plus what train.py needs to continue exactly (RNG and sampler states,
 GradScaler, optimizer_param_names). Only tensors and plain Python values are stored, so loading
-uses torch.load(weights_only=True) and never runs code from the file.
+uses torch.load(weights_only=True) and never runs code from the file; before it, the file's zip parts
+(check_zip_parts) and its pickle (checkpoint_pickle.check_pickle: what it builds, bounded by the file's size)
+are checked, on the file opened once (_open_checkpoint).
 
 nanoGPT interoperability:
 - model_args on disk holds nanoGPT's seven GPTConfig fields (NANOGPT_MODEL_ARGS); attn_type and
@@ -36,6 +38,7 @@ nanoGPT interoperability:
 """
 
 import concurrent.futures
+import errno
 import glob
 import math
 import os
@@ -50,7 +53,9 @@ import numpy as np
 import torch
 
 from denoised_gpt.checkpoint_base import (CheckpointError, clean_name, first_damaged_record, nanogpt_param_names,
-                                          short_reason, train_state_problem, untrusted_file_error)
+                                          optimizer_state_by_name, short_reason, train_state_problem,
+                                          untrusted_file_error)
+from denoised_gpt.checkpoint_pickle import RefusedPickle, check_pickle
 from denoised_gpt.files import FileError, open_regular, opened_path, write_problem
 from denoised_gpt.sharded_checkpoint import (POINTER_NAME, FormatError, is_old_format, is_sharded_checkpoint,
                                              newest_sharded, pointer_problem, read_index, read_old_format,
@@ -82,6 +87,7 @@ def save_checkpoint(state, out_dir):
     try:
         os.makedirs(out_dir, exist_ok=True)  # (a read-only place fails here: said as a failed save)
         _write_synced(state, tmp)
+        _check_readable(tmp, path)
         if os.path.exists(path):
             _keep_as_previous(path, prev)
         os.replace(tmp, path)
@@ -123,6 +129,18 @@ def _write_synced(state, tmp):
             os.fsync(f.fileno())  # the bytes are on disk before the rename makes them "the" checkpoint
     finally:
         torch.serialization.set_crc32_options(crc32_was)
+
+
+def _check_readable(tmp, path):
+    """CheckpointError unless the checkpoint just written to tmp passes the checks every reader makes of it
+    (check_pickle: a training state of a million tiny values builds more than its file allows): never saved as
+    path, then, to be refused on every load."""
+    with open(tmp, 'rb') as f:
+        try:
+            check_pickle(f, "the checkpoint")
+        except RefusedPickle as e:
+            raise CheckpointError(f"{e}: it is not saved, as every reader would refuse it ({path} is as it "
+                                  f"was)") from e
 
 
 def _os_error_behind(e):
@@ -186,9 +204,8 @@ def checkpoint_path(out_dir_or_file):
     if not os.path.isfile(path) or not is_sharded_checkpoint(folder):
         return folder if not os.path.isfile(path) else path
     try:  # both: e.g. an fsdp run resumed in one process, or a sharded checkpoint consolidated
-        with open(path, 'rb') as f:
-            check_zip_parts(f, path)  # (before torch.load, which would inflate a compressed part)
-        file_iter = torch.load(path, map_location='cpu', weights_only=True, mmap=True)['iter_num']
+        with _open_checkpoint(path, "") as f:  # checked as every reader checks it
+            file_iter = _read_checkpoint_file(f, path, 'cpu', True, False, "")[0]['iter_num']
     except Exception:
         return path  # damaged: load_checkpoint says so, naming the fallback
     try:
@@ -237,13 +254,8 @@ def read_checkpoint(out_dir_or_file, map_location='cpu', metadata_only=False, mo
             raise CheckpointError(f"no checkpoint at {path}. {use_prev}")
         raise FileNotFoundError(f"no checkpoint at {path}: train one first (init_from='scratch'), "
                                 f"or point out_dir at the directory that holds ckpt.pt")
-    try:
-        with open_regular(path, f"put a checkpoint file there. {use_prev}") as f:
-            ckpt, damaged = _read_checkpoint_file(f, path, map_location, metadata_only, model_only, use_prev)
-    except FileError as e:  # a FIFO or a device in its place
-        raise CheckpointError(str(e)) from e
-    except OSError as e:
-        raise CheckpointError(f"cannot read {path}: {e.strerror or e}") from e
+    with _open_checkpoint(path, use_prev) as f:
+        ckpt, damaged = _read_checkpoint_file(f, path, map_location, metadata_only, model_only, use_prev)
     if damaged:
         raise CheckpointError(f"checkpoint {path} is truncated or corrupt ({damaged} does not "
                               f"match its CRC-32). {use_prev}")
@@ -262,6 +274,21 @@ def read_checkpoint(out_dir_or_file, map_location='cpu', metadata_only=False, mo
     return path, ckpt
 
 
+def _open_checkpoint(path, use_prev):
+    """The checkpoint file at path, opened once for every read of it (files.open_regular: a FIFO or a device in
+    its place is refused, never waited on), not through a symbolic link. CheckpointError otherwise. (Its link
+    count is not asked: save_checkpoint hard-links it as ckpt.prev.pt for an instant.)"""
+    try:
+        return open_regular(path, f"put a checkpoint file there. {use_prev}", follow_links=False)
+    except FileError as e:
+        raise CheckpointError(str(e)) from e
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise CheckpointError(f"checkpoint {path} is a symbolic link, which is not followed: load the file it "
+                                  f"names by its own path, or copy it there (cp -L)") from e
+        raise CheckpointError(f"cannot read {path}: {e.strerror or e}") from e
+
+
 def _read_checkpoint_file(f, path, map_location, metadata_only, model_only, use_prev):
     """(the checkpoint in the open file f, the name of its first damaged record or None), see load_checkpoint.
     torch reads the file f is (f's /proc/self/fd path where there is one), whatever path names by then."""
@@ -274,8 +301,11 @@ def _read_checkpoint_file(f, path, map_location, metadata_only, model_only, use_
                               f"or crafted one can ask for any amount of memory (train.py and nanoGPT write the zip "
                               f"format). To convert a file you trust: python3 -c \"import torch; p = '{path}'; "
                               f"torch.save(torch.load(p, weights_only=True), p)\"")
-    try:  # a compressed part would be inflated by torch.load, to whatever size it declares
+    try:  # before torch.load, which would inflate a compressed part and build whatever the pickle asks
         check_zip_parts(f, f"checkpoint {path}")
+        check_pickle(f, f"checkpoint {path}")
+    except RefusedPickle as e:
+        raise CheckpointError(str(e) if e.runs_code else f"{e}, so it is not read. {use_prev}") from e
     except ValueError as e:
         raise CheckpointError(f"{e}, so it is not read. {use_prev}") from e
     opened = opened_path(f)
@@ -286,7 +316,7 @@ def _read_checkpoint_file(f, path, map_location, metadata_only, model_only, use_
             return ckpt, _first_damaged_tensor(opened, ckpt['model'])
         return ckpt, None if metadata_only else first_damaged_record(opened)
     except pickle.UnpicklingError as e:
-        refused = untrusted_file_error(path, e)  # holds code: refused as such
+        refused = untrusted_file_error(path, e, opened)  # holds code: refused as such
         if refused:
             raise refused from e
         raise CheckpointError(f"checkpoint {path} is truncated or corrupt ({short_reason(e)}). {use_prev}") from e
@@ -437,6 +467,32 @@ def load_optimizer_state(optimizer, model, checkpoint):
     optimizer.load_state_dict({'state': state, 'param_groups': groups})
 
 
+def check_optimizer_state(checkpoint):
+    """CheckpointError for an optimizer state that a resume would refuse (load_optimizer_state, or an fsdp run's
+    load_sharded_state): param groups its names do not fit, a state for no parameter of the model, a moment of
+    another shape than its parameter, a step that is no count. For a conversion, which so writes only what its
+    readers read."""
+    saved = checkpoint['optimizer']
+    if saved is None:
+        return
+    try:
+        names = checkpoint.get('optimizer_param_names') or nanogpt_param_names(checkpoint, None)
+        sizes, named = [len(g['params']) for g in saved['param_groups']], [len(n) for n in names]
+        if sizes != named:
+            raise CheckpointError(f"the checkpoint's optimizer has param groups of {sizes} tensors but names "
+                                  f"{named}: its state cannot be matched to parameters")
+        state, _ = optimizer_state_by_name(checkpoint)
+        for name, param_state in state.items():
+            if name not in checkpoint['model']:
+                raise CheckpointError(f"the checkpoint's optimizer state names {name[:80]!r}, which its model lacks")
+            _check_state_shapes(name, param_state, checkpoint['model'][name])
+    except CheckpointError:
+        raise
+    except (KeyError, TypeError, AttributeError, ValueError, RuntimeError) as e:
+        raise CheckpointError(f"the checkpoint's optimizer state is not as torch's AdamW writes one "
+                              f"({type(e).__name__}: {short_reason(e)[:80]})") from e
+
+
 def _check_same_groups(own_names, saved_names):
     if len(own_names) != len(saved_names):
         raise CheckpointError(f"the checkpoint's optimizer has {len(saved_names)} parameter groups, this "
@@ -480,9 +536,14 @@ def restore_training_state(checkpoint, model, optimizer, scaler, train_batches, 
         for group, own in zip(optimizer.param_groups, settings):
             group.update(own)
     if 'rng' in checkpoint:  # written by our train.py (a nanoGPT checkpoint has model and optimizer only)
-        scaler.load_state_dict(checkpoint['scaler'])
-        restore_rng_state(checkpoint['rng'], device_type)
-        train_batches.load_state_dict(checkpoint['train_batches'])
+        for key, restore in (('scaler', scaler.load_state_dict), ('rng', lambda s: restore_rng_state(s, device_type)),
+                             ('train_batches', train_batches.load_state_dict)):
+            try:
+                restore(checkpoint[key])
+            except (KeyError, TypeError, ValueError, IndexError, AttributeError, RuntimeError) as e:
+                what = f"lacks {e}" if isinstance(e, KeyError) else f"holds what cannot be restored ({short_reason(e)})"
+                raise CheckpointError(f"the checkpoint's {key} state is not as train.py writes it: it {what[:200]}. "
+                                      f"Resume from a checkpoint train.py wrote") from e
     return note
 
 

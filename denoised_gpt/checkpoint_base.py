@@ -7,6 +7,7 @@ first sentence; a checkpoint's optimizer state by parameter name. It imports not
 import pickle
 import re
 import reprlib
+import sys
 import zipfile
 
 
@@ -14,25 +15,33 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used; the message says why and what to do instead."""
 
 
+MAX_COUNT = 2 ** 63 - 1  # what torch's int64 holds: iteration counts are used in tensor arithmetic
+
+
 def _is_count(v):
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_COUNT
 
 
 def _is_number(v):
     # nanoGPT stores best_val_loss as the 0-d tensor its evaluation returned
     if hasattr(v, 'dim') and hasattr(v, 'is_floating_point'):
         return v.dim() == 0 and v.is_floating_point()
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
+    return is_float_value(v)
+
+
+def is_float_value(v):
+    """Whether v is a float, or an int that a float holds (10**400 is not: float() of it is an OverflowError)."""
+    return isinstance(v, float) or (isinstance(v, int) and not isinstance(v, bool) and abs(v) <= sys.float_info.max)
 
 
 # The train state as train.py writes it (key: (what it must be, the check)); an optional key may be absent
 # (a checkpoint of an older version, or nanoGPT's) or None where train.py writes None
 TRAIN_STATE = {
-    'iter_num': ("a non-negative integer", _is_count),
-    'best_val_loss': ("a number", _is_number),
-    'best_iter': ("a non-negative integer or null", lambda v: v is None or _is_count(v)),
-    'val_loss': ("a number or null", lambda v: v is None or _is_number(v)),
-    'train_time': ("a number", _is_number),
+    'iter_num': ("a non-negative integer up to 2**63 - 1", _is_count),
+    'best_val_loss': ("a number a float holds", _is_number),
+    'best_iter': ("a non-negative integer up to 2**63 - 1, or null", lambda v: v is None or _is_count(v)),
+    'val_loss': ("a number a float holds, or null", lambda v: v is None or _is_number(v)),
+    'train_time': ("a number a float holds", _is_number),
     'model_args': ("a dict", lambda v: isinstance(v, dict)),
     'config': ("a dict", lambda v: isinstance(v, dict)),
     'attn_args': ("a dict", lambda v: isinstance(v, dict)),  # the variant's model_args (checkpoint.py)
@@ -52,14 +61,15 @@ def train_state_problem(state):
     return None
 
 
-def untrusted_file_error(path, e):
+def untrusted_file_error(path, e, opened=None):
     """The CheckpointError for a file (or a folder of them) at path that torch.load(weights_only=True)
     refused (e) because it holds pickled objects other than tensors and plain values; None when e is any
     other error or the file is damaged (bytes that read as garbage, not as code). The message names what
-    was refused, and never repeats torch's advice to load the file some other way."""
+    was refused, and never repeats torch's advice to load the file some other way. opened: a path to the file
+    already opened (files.opened_path), read instead of path, which may name another file by now."""
     text = str(e).lower()
     if not isinstance(e, pickle.UnpicklingError) or not ('weights_only' in text or 'weights only' in text) \
-            or _is_damaged(path):
+            or _is_damaged(opened or path):
         return None
     refused = re.search(r"GLOBAL ([\w.]+)", str(e))
     what = f" (it references {refused[1]})" if refused else ""

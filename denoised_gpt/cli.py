@@ -175,28 +175,42 @@ def refused_allocation(error):
     return None
 
 
-def check_ranges(config, at_least_one=(), non_negative=(), unit_interval=(), positive=(), seeds=()):
+MAX_BATCH_SIZE = 1 << 16  # batch_size: sequences per forward pass (and rank); GPT-2's recipe uses 12
+MAX_STEPS = 10 ** 6  # a benchmark's steps, an evaluation's batches: hours at a millisecond each
+
+
+def check_ranges(config, at_least_one=(), non_negative=(), unit_interval=(), positive=(), seeds=(), at_most=None):
     """Numeric settings that cannot work: ValueError naming the first one. Every float must be finite
-    too (a typed 1e309 is inf); seeds are non-negative integers below 2**63 (torch's generators)."""
+    too (a typed 1e309 is inf); seeds are non-negative integers below 2**63 (torch's generators); at_most:
+    {key: (limit, what the limit is of)} for counts that would run for ever or exhaust memory beyond it."""
+    def shown(key):  # key=value, a value of thousands of digits shortened
+        value = str(config[key])
+        if len(value) > 20:
+            value = f"{value[:12]}... ({len(value.lstrip('-')):,} digits)"
+        return f"{key}={value}"
+
     for key, value in config.items():
         if isinstance(value, float) and not math.isfinite(value):
             raise ValueError(f"{key}={value} must be a finite number")
     for key in at_least_one:
         if config[key] < 1:
-            raise ValueError(f"{key}={config[key]} must be at least 1")
+            raise ValueError(f"{shown(key)} must be at least 1")
     for key in non_negative:
         if not config[key] >= 0:
-            raise ValueError(f"{key}={config[key]} must not be negative" +
+            raise ValueError(f"{shown(key)} must not be negative" +
                              (" (0 turns clipping off)" if key == 'grad_clip' else ""))
     for key in unit_interval:
         if not 0 <= config[key] < 1:
-            raise ValueError(f"{key}={config[key]} must be in [0, 1)")
+            raise ValueError(f"{shown(key)} must be in [0, 1)")
     for key in positive:
         if not config[key] > 0:
-            raise ValueError(f"{key}={config[key]} must be positive")
+            raise ValueError(f"{shown(key)} must be positive")
     for key in seeds:
         if not 0 <= config[key] < 2 ** 63:
-            raise ValueError(f"{key}={config[key]} must be a non-negative integer below 2**63")
+            raise ValueError(f"{shown(key)} must be a non-negative integer below 2**63")
+    for key, (limit, what) in (at_most or {}).items():
+        if config[key] > limit:
+            raise ValueError(f"{shown(key)} is over the limit of {limit:,} {what}")
 
 
 def prepare_device(device, dtype):

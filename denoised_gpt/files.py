@@ -6,10 +6,10 @@ the cause and the fix (never a traceback), and so that a failed write loses noth
   file system, no permission): the package's one wording of them.
 - write_atomically: a file written whole or not at all, the previous one intact on failure.
 - lock_folder: one writer per folder, for folders that must hold nothing but their own files.
-- open_regular, require_regular_file, read_json, parse_json, read_text: what a user may hand over (meta.json,
-  an export's config.json and training_run.json, a run's metrics.jsonl, a prompts file) read without hanging on
-  a FIFO, reading a device for ever, holding an unbounded file in memory, or a RecursionError from JSON nested
-  deeper than Python's parser goes.
+- open_regular, require_regular_file, read_json, parse_json, read_text, open_log: what a user may hand over
+  (meta.json, an export's config.json and training_run.json, a run's metrics.jsonl, a prompts file) read without
+  hanging on a FIFO, reading a device or a sparse file for ever, holding an unbounded file in memory, or a
+  RecursionError from JSON nested deeper than Python's parser goes.
 It imports nothing from the package.
 """
 import contextlib
@@ -113,6 +113,19 @@ def read_at_most(path, max_bytes, fix):
     with open_regular(path, fix) as f:
         data = f.read(max_bytes + 1)
     return data if len(data) <= max_bytes else None
+
+
+def open_log(path, max_bytes, what, fix):
+    """The regular file at path (open_regular), open for reading, when it holds at most max_bytes (asked of the
+    open file: a sparse file of a terabyte takes no disk, and would be read for hours). FileError naming `what`,
+    the file and `fix` otherwise. Read it with a limit too: a log may grow while it is read."""
+    f = open_regular(path, fix)
+    size = os.fstat(f.fileno()).st_size
+    if size > max_bytes:
+        f.close()
+        raise FileError(f"{what} {path} is {size:,} bytes, more than {max_bytes >> 20:,} MiB, which no {what} "
+                        f"is; {fix}")
+    return f
 
 
 def lock_folder(path, busy):

@@ -29,7 +29,7 @@ import torch
 
 from denoised_gpt.batches import load_meta, read_meta_pkl
 from denoised_gpt.checkpoint import CKPT_NAME
-from denoised_gpt.checkpoint_base import train_state_problem
+from denoised_gpt.checkpoint_base import short_reason, train_state_problem
 from denoised_gpt.extras import require
 from denoised_gpt.files import read_json
 
@@ -137,7 +137,7 @@ def export(checkpoint, hf_dir, data_dir=None, overwrite=False):
     try:
         model = model_with_weights(GPTConfig(**checkpoint['model_args']), checkpoint['model']).eval()
     except (TypeError, ValueError, RuntimeError) as e:
-        raise ValueError(f"the checkpoint does not build a model: {e}") from e
+        raise ValueError(f"the checkpoint does not build a model: {short_reason(e)}") from e
     incompatibility = gpt2_incompatibility(model.config)
     problem = incompatibility and exported_code_problem(model.config)  # a GPT-2 folder needs no model.py
     if problem:

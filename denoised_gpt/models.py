@@ -74,7 +74,7 @@ def load_model(init_from, out_dir, noise_at_eval=None, model_overrides=None):
         model = model_with_weights(GPTConfig(**model_args), checkpoint['model'])
     except (TypeError, ValueError, RuntimeError) as e:
         raise ValueError(f"the {'model in' if own_code else 'checkpoint in'} {source} does not build a model: "
-                         f"{e}") from e
+                         f"{short_reason(e)}") from e  # (torch's C++ errors add a stack of lines)
     return refuse_nonfinite(model.eval(), source), checkpoint, source
 
 

@@ -20,10 +20,11 @@ import torch.distributed as dist
 
 from denoised_gpt.checkpoint import (CKPT_NAME, PREV_NAME, SHARDED_GLOB, CheckpointError, checkpoint_path,
                                      load_checkpoint)
+from denoised_gpt.checkpoint_base import MAX_COUNT, is_float_value
 from denoised_gpt.cli import fail
 from denoised_gpt.sharded_checkpoint import POINTER_NAME
 from denoised_gpt.device import max_memory_allocated
-from denoised_gpt.files import parse_json, require_regular_file, write_problem
+from denoised_gpt.files import open_log, parse_json, write_problem
 
 # out_dir/metrics.jsonl: one JSON line per logged iteration and per evaluation, for compare.py and
 # plots. Resume-safe: a resumed run first drops the rows written after its checkpoint.
@@ -196,6 +197,8 @@ def trim_metrics(out_dir, resumed_iter):
 # A line of metrics.jsonl is at most kilobytes (an evaluation's row holds the learned values per head); one
 # longer than this is damage, and is skipped without being held in memory whole
 MAX_ROW_BYTES = 1 << 20
+# A run's whole log: 600,000 iterations logged one by one, and an evaluation every 250, are some 200 MB
+MAX_METRICS_BYTES = 1 << 30
 # what train.py writes in each kind of row, as compare.py reads it: an iteration's (it has 'loss') and an
 # evaluation's (it has 'val_loss'); a non-finite value is a number too (a diverged evaluation is logged so)
 ROW_NUMBERS = {'loss': ('loss', 'tokens_per_s', 'time'), 'val_loss': ('val_loss', 'train_loss', 'time')}
@@ -205,10 +208,11 @@ def metrics_rows(path):
     """(line number, line, row, problem) for each line of the metrics log at path: row is the parsed row and
     problem None for a row train.py writes (log_metrics); for any other line (cut short by a kill, damaged,
     edited) row is None and problem says why. Refused (ValueError) unless path is a regular file: a link to
-    a device would be read for ever, a FIFO would hang. Reads a line at a time, each at most MAX_ROW_BYTES."""
-    require_regular_file(path, f"put the run's metrics log there, or {_MOVE_METRICS_AWAY}")
-    with open(path, 'rb') as f:
-        for number, data in enumerate(bounded_lines(f), start=1):
+    a device would be read for ever, a FIFO would hang; nor when it is larger than MAX_METRICS_BYTES (a sparse
+    file of a terabyte takes no disk). Reads a line at a time, each at most MAX_ROW_BYTES."""
+    with open_log(path, MAX_METRICS_BYTES, "metrics log", f"put the run's metrics log there, or "
+                                                          f"{_MOVE_METRICS_AWAY}") as f:
+        for number, data in enumerate(bounded_lines(f, MAX_METRICS_BYTES), start=1):
             if data is None:
                 yield number, None, None, f"longer than {MAX_ROW_BYTES >> 20} MiB"
                 continue
@@ -224,18 +228,21 @@ def metrics_rows(path):
             yield number, line, None if problem else row, problem
 
 
-def bounded_lines(f):
+def bounded_lines(f, max_bytes):
     """The lines of the binary file f, each at most MAX_ROW_BYTES long; None for a longer one, whose rest is
-    read past, never held whole."""
-    while True:
-        line = f.readline(MAX_ROW_BYTES + 1)
+    read past, never held whole. At most max_bytes in all are read (a file that grows meanwhile: up to there)."""
+    left = max_bytes
+    while left > 0:
+        line = f.readline(min(MAX_ROW_BYTES + 1, left))
+        left -= len(line)
         if not line:
             return
         if len(line) <= MAX_ROW_BYTES or line.endswith(b'\n'):
             yield line
             continue
-        while line and not line.endswith(b'\n'):
-            line = f.readline(MAX_ROW_BYTES)
+        while line and not line.endswith(b'\n') and left > 0:
+            line = f.readline(min(MAX_ROW_BYTES, left))
+            left -= len(line)
         yield None
 
 
@@ -244,11 +251,11 @@ def metrics_row_problem(row):
     if not isinstance(row, dict):
         kind = {list: 'an array', str: 'a string', bool: 'true or false', type(None): 'null'}.get(type(row), 'a number')
         return f"{kind}, not a JSON object"
-    number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)  # noqa: E731
+    number = is_float_value  # (a JSON integer of 400 digits is no float: the report's arithmetic would fail)
     if 'iter' not in row:
         return "it has no iter"
-    if not (isinstance(row['iter'], int) and number(row['iter']) and row['iter'] >= 0):
-        return f"its iter is {_shown(row['iter'])}, not a non-negative integer"
+    if not (isinstance(row['iter'], int) and number(row['iter']) and 0 <= row['iter'] <= MAX_COUNT):
+        return f"its iter is {_shown(row['iter'])}, not a non-negative integer up to 2**63 - 1"
     kind = 'val_loss' if 'val_loss' in row else 'loss' if 'loss' in row else None
     if kind is None:
         return "neither an iteration's row (loss) nor an evaluation's (val_loss)"

@@ -18,12 +18,14 @@ file, rank 0 checkpoint.json last, all fsynced), renames it, and only then point
 kill at any moment leaves the pointer naming a whole checkpoint.
 
 A folder from someone else can describe nothing it does not hold: nothing in it is pickled, and no byte
-offset of it is taken on trust. The safetensors library reads each rank's file and checks its header against
-the file (every tensor's bytes inside it, none overlapping, dtype x shape = bytes); checkpoint.json is
-checked before anything is allocated (read_index): each tensor's chunks split it along its first dimension
-(what FSDP2 writes) and cover each row exactly once, each in its own file, where it must be a tensor of the
-chunk's dtype and shape. A load so allocates the bytes the files hold and no more (nor more than twice the
-data of sparse files, plus HOLE_SLACK), and reads only the folder's own regular files, each once opened.
+offset of it is taken on trust. The safetensors library checks each rank's file's header against the file
+(every tensor's bytes inside it, none overlapping, dtype x shape = bytes); checkpoint.json, capped at what a
+real one needs (MAX_INDEX_BYTES, MAX_INDEX_VALUES), is checked before anything is allocated (read_index):
+each tensor's chunks split it along its first dimension (what FSDP2 writes) and cover each row exactly once,
+each in its own file, where it must be a tensor of the chunk's dtype and shape. A load so allocates the bytes
+the files hold and no more (nor more than twice the data of sparse files, plus HOLE_SLACK), and reads only the
+folder's own regular files (the pointer and checkpoint.json too: no link, no other hard link), each opened
+once and read, not mapped, from that descriptor: a file cut short meanwhile is an error, not SIGBUS.
 
 Reading: a run under fsdp loads its rows in place (load_sharded_state), however many ranks wrote them;
 everything else (one process, DDP, sample.py, eval.py, convert_checkpoint.py) reads whole tensors into a
@@ -48,7 +50,7 @@ import warnings
 import torch
 
 from denoised_gpt.checkpoint_base import CheckpointError, optimizer_state_by_name, short_reason
-from denoised_gpt.files import FileError, open_regular, opened_path, read_json
+from denoised_gpt.files import FileError, open_regular, opened_path, parse_json
 
 
 class FormatError(ValueError):
@@ -65,6 +67,8 @@ TIED = ('lm_head.weight', 'transformer.wte.weight')  # GPT ties the output layer
 # the dtypes a checkpoint holds, by their names in checkpoint.json and in safetensors' headers
 DTYPES = {'float32': 'F32', 'bfloat16': 'BF16', 'float16': 'F16', 'float64': 'F64', 'int64': 'I64',
           'int32': 'I32', 'int16': 'I16', 'int8': 'I8', 'uint8': 'U8', 'bool': 'BOOL'}
+MAX_INDEX_BYTES = 16 << 20  # checkpoint.json: some 150 bytes a tensor, a few kilobytes of train state
+MAX_INDEX_VALUES = 1 << 20  # its JSON values: some 15 a tensor (48 tensors a layer, with AdamW's state)
 HOLE_SLACK = 64 << 20  # bytes a folder's files may hold in holes beyond as many as their data (see _check_data)
 MAX_DIMS = 8
 
@@ -80,9 +84,10 @@ def newest_sharded(out_dir):
 
 
 def pointer_problem(out_dir):
-    """Why out_dir/ckpt.sharded is not followed, or None: it is not a file (a FIFO would hang the reader), or
-    it names something other than a ckpt.sharded-* folder inside out_dir (a folder elsewhere would load
-    another run's checkpoint through this one)."""
+    """Why out_dir/ckpt.sharded is not followed, or None: it is not a regular file of out_dir's own (a FIFO would
+    hang the reader; a link, symbolic or hard, may be a file from anywhere), or it names something other than a
+    ckpt.sharded-* folder inside out_dir (a folder elsewhere would load another run's checkpoint through this
+    one)."""
     return _read_pointer(out_dir)[1]
 
 
@@ -90,15 +95,14 @@ def _read_pointer(out_dir):  # (folder or None, problem or None)
     pointer = sharded_pointer(out_dir)
     if not os.path.lexists(pointer):
         return None, None
-    not_it = "not the file naming the newest sharded checkpoint: remove it (or put the file back)"
     try:
-        with open_regular(pointer, not_it) as f:
+        with _open_regular(pointer, what=pointer, fix="remove it, or put back the file naming the newest sharded "
+                                                         "checkpoint") as f:
             name = f.read(256).decode(errors='replace').strip()  # (written as one folder name)
-    except FileError as e:
-        return None, f"{pointer} is a {e.kind}, {not_it}"
+    except CheckpointError as e:
+        return None, str(e)
     except OSError as e:
-        return None, (f"{pointer} is a broken link, {not_it}" if os.path.islink(pointer) else
-                      f"cannot read {pointer} ({e.strerror or e}): remove it (or put the file back)")
+        return None, f"cannot read {pointer} ({e.strerror or e}): remove it (or put the file back)"
     folder = os.path.join(out_dir, name)
     if not name.startswith(POINTER_NAME + '-') or os.path.basename(name) != name or \
             os.path.dirname(os.path.realpath(folder)) != os.path.realpath(out_dir):
@@ -175,6 +179,14 @@ def save_sharded(weights, optimizer_state, param_groups, train_state, out_dir, w
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     name = f"{POINTER_NAME}-{train_state['iter_num']:07d}"
     final, tmp = os.path.join(out_dir, name), os.path.join(out_dir, name + '.tmp')
+    state_tensors, too_large = {}, None
+    if writer:
+        state = _to_json({**train_state, 'optimizer_param_groups': param_groups}, state_tensors)
+        too_large = _index_size_problem(json.dumps(state).encode())  # its index would be refused by every reader
+        if too_large:
+            too_large = f"the training state cannot be saved in a sharded checkpoint's index: as JSON it {too_large}"
+            if not distributed:  # (the other ranks learn it below, once they have written their files)
+                raise CheckpointError(f"{too_large}; nothing was written")
     if writer:
         os.makedirs(out_dir, exist_ok=True)
         for stale in glob.glob(os.path.join(out_dir, POINTER_NAME + '-*.tmp')):
@@ -183,9 +195,6 @@ def save_sharded(weights, optimizer_state, param_groups, train_state, out_dir, w
     if distributed:
         dist.barrier()  # tmp is there, and clean, before any rank writes into it
     current = newest_sharded(out_dir)
-    state_tensors = {}
-    if writer:
-        state = _to_json({**train_state, 'optimizer_param_groups': param_groups}, state_tensors)
     file = f'rank-{rank:05d}.safetensors'
     chunks, failure = {}, None
     try:
@@ -201,7 +210,7 @@ def save_sharded(weights, optimizer_state, param_groups, train_state, out_dir, w
         failure = e
     every_rank = [None] * world
     if distributed:
-        dist.all_gather_object(every_rank, (file, chunks, _reason(failure)))
+        dist.all_gather_object(every_rank, (file, chunks, _reason(failure) or too_large))
     else:
         every_rank = [(file, chunks, _reason(failure))]
     failed = next((reason for _, _, reason in every_rank if reason), None)
@@ -363,11 +372,7 @@ def read_index(folder):
     for a folder of the earlier format or files it does not read; ValueError for an index that is not one."""
     if is_old_format(folder):
         raise CheckpointError(old_format_refusal(folder))
-    path = os.path.join(folder, INDEX_NAME)
-    try:
-        index = read_json(path, "put the checkpoint's own checkpoint.json there")
-    except FileError as e:
-        raise FormatError(str(e).replace(path, INDEX_NAME)) from e
+    index = _parse_index(os.path.join(folder, INDEX_NAME))
     if not (isinstance(index, dict) and index.get('format') == FORMAT and isinstance(index.get('tensors'), dict)):
         raise FormatError(f"{INDEX_NAME} is not the index of a sharded checkpoint")
     if index.get('version') != VERSION:
@@ -378,6 +383,32 @@ def read_index(folder):
     for name, entry in index['tensors'].items():
         tensors[name] = _checked_entry(name, entry)
     return {'train_state': index.get('train_state'), 'tensors': tensors}
+
+
+def _parse_index(path):
+    """The JSON of checkpoint.json, read from the file once opened (_open_regular), at most MAX_INDEX_BYTES
+    holding at most MAX_INDEX_VALUES values: what parsing it allocates stays small (a value takes some 64 bytes
+    of Python objects from as few as 2 bytes of JSON)."""
+    with _open_regular(path) as f:
+        data = f.read(MAX_INDEX_BYTES + 1)
+    problem = _index_size_problem(data)
+    if problem:
+        raise FormatError(f"{INDEX_NAME} {problem}")
+    try:
+        return parse_json(data.decode('utf-8'))
+    except ValueError as e:  # a UnicodeDecodeError is one too
+        raise FormatError(f"{INDEX_NAME} is not valid JSON ({short_reason(e)})") from e
+
+
+def _index_size_problem(data):
+    """Why the JSON text `data` is too large to be read as an index (read_index), or None."""
+    if len(data) > MAX_INDEX_BYTES:
+        return (f"is larger than {MAX_INDEX_BYTES >> 20} MiB, which no index is (a 1,000-layer model's is some "
+                f"8 MiB)")
+    values = data.count(b',') + data.count(b'[') + data.count(b'{')  # (at least one for each value but the first)
+    if values > MAX_INDEX_VALUES:
+        return f"holds {values:,} values or more, which no index does (a 1,000-layer model's holds under 750,000)"
+    return None
 
 
 def _checked_entry(name, entry):
@@ -419,42 +450,74 @@ def old_format_refusal(folder):
             f"--out_dir={out_dir} --trust_old_format=True")
 
 
-def _open_regular(path):
+def _open_regular(path, what=None, fix=None):
     """The regular file at path, open for reading (files.open_regular: nothing swapped in after a check is
     read), not a link, with no other hard link (which may be a file from anywhere: a link's target is not in the
-    folder). CheckpointError otherwise."""
+    folder). CheckpointError otherwise, naming the file as `what` (by default as a sharded checkpoint's file)
+    and `fix`."""
+    what = what or f"sharded checkpoint file {path}"
     try:
         f = open_regular(path, "put the checkpoint's own file there", follow_links=False)
     except FileError as e:
-        raise CheckpointError(f"sharded checkpoint file {path} is a {e.kind}, not a regular file, and is not read "
-                              f"(reading it could wait forever): put the checkpoint's own file there") from e
+        fix = fix or "put the checkpoint's own file there"
+        raise CheckpointError(f"{what} is a {e.kind}, not a regular file, and is not read (reading it could wait "
+                              f"forever): {fix}") from e
     except OSError as e:
         if e.errno == errno.ELOOP:
-            raise CheckpointError(f"sharded checkpoint file {path} is a link, and is not read: a sharded checkpoint "
-                                  f"reads only its own files (copy the file there, cp -L)") from e
+            raise CheckpointError(f"{what} is a link, and is not read: a sharded checkpoint reads only its own files; "
+                                  f"{fix or 'copy the file there (cp -L)'}") from e
         raise
     links = os.fstat(f.fileno()).st_nlink
     if links > 1:
         f.close()
-        raise CheckpointError(f"sharded checkpoint file {path} has {links - 1} other hard link(s), so it may be a "
-                              f"file from outside its folder, and is not read: copy the folder (cp -r) and load "
-                              f"the copy")
+        raise CheckpointError(f"{what} has {links - 1} other hard link(s), so it may be a file from outside its "
+                              f"folder, and is not read: {fix or 'copy the folder (cp -r) and load the copy'}")
     return f
+
+
+class _Shard:
+    """A rank file, open: its tensors as its safetensors header places them (checked against the file by the
+    safetensors library when it was opened), their bytes read from the open file into the tensor they fill,
+    never mapped: a file cut short while it is read is one line (FormatError), where a mapped one is SIGBUS."""
+
+    def __init__(self, f, file):
+        self.f, self.file = f, file
+        size = int.from_bytes(os.pread(f.fileno(), 8, 0), 'little')
+        header = json.loads(os.pread(f.fileno(), size, 8))
+        self.start = 8 + size
+        self.tensors = {k: v for k, v in header.items() if k != '__metadata__'}
+
+    def dtype_and_shape(self, name):  # (safetensors' dtype code, shape) or None
+        entry = self.tensors.get(name)
+        return (entry['dtype'], entry['shape']) if entry else None
+
+    def read_rows(self, name, first, out):
+        """Fill `out` with the rows first.. of the tensor `name` (a 0-d tensor: itself)."""
+        stage = out if out.device.type == 'cpu' and out.is_contiguous() else torch.empty_like(out, device='cpu')
+        buffer = stage.reshape(-1).view(torch.uint8).numpy()
+        row = math.prod(self.tensors[name]['shape'][1:]) * out.element_size()
+        self.f.seek(self.start + self.tensors[name]['data_offsets'][0] + first * row)
+        if self.f.readinto(buffer) != len(buffer):
+            raise FormatError(f"{self.file} is shorter than when it was opened: it changed while it was read")
+        if stage is not out:
+            out.copy_(stage)
 
 
 @contextlib.contextmanager
 def _shards(folder, files):
-    """({file name: safetensors' reader of it}, the bytes of data the files hold) for the folder's own files
-    named, each opened once through _open_regular (a link out of the folder, a FIFO, a file with other hard
-    links: CheckpointError) and read by the safetensors library, which checks its header against its size."""
+    """({file name: its _Shard}, the bytes of data the files hold) for the folder's own files named, each opened
+    once through _open_regular (a link out of the folder, a FIFO, a file with other hard links: CheckpointError)
+    and its header checked against its size by the safetensors library."""
     from safetensors import SafetensorError, safe_open
     with contextlib.ExitStack() as stack:
         readers, held = {}, 0
         for file in sorted(files):
             f = stack.enter_context(_open_regular(os.path.join(folder, file)))
             try:  # the file just checked, even if its path names another one by now
-                readers[file] = stack.enter_context(safe_open(opened_path(f), 'pt'))
-            except (SafetensorError, OSError) as e:
+                with safe_open(opened_path(f), 'pt'):
+                    pass
+                readers[file] = _Shard(f, file)
+            except (SafetensorError, OSError, ValueError) as e:
                 raise FormatError(f"{file} is not a whole safetensors file ({short_reason(e)})") from e
             held += _data_bytes(f.fileno(), os.fstat(f.fileno()).st_size)
         yield readers, held
@@ -467,13 +530,12 @@ def _check_chunks(tensors, readers, held):
     needed = 0
     for name, (dtype, shape, chunks) in tensors.items():
         for file, start, stop in chunks:
-            reader = readers[file]
             want = [stop - start, *shape[1:]] if shape else []
-            found = reader.get_slice(name) if name in reader.keys() else None
-            if found is None or found.get_dtype() != DTYPES[_dtype_name(dtype)] or list(found.get_shape()) != want:
-                what = f"{found.get_dtype()} of shape {found.get_shape()}" if found else "nothing"
+            found = readers[file].dtype_and_shape(name)
+            if found != (DTYPES[_dtype_name(dtype)], want):
+                what = f"{found[0]} of shape {found[1]}" if found else "nothing"
                 raise FormatError(f"{file} holds {what} as {name[:80]!r}, which {INDEX_NAME} declares "
-                                 f"{_dtype_name(dtype)} of shape {want}")
+                                  f"{_dtype_name(dtype)} of shape {want}")
             needed += math.prod(want) * dtype.itemsize
     _check_data(needed, held)
 
@@ -516,8 +578,7 @@ def _read_tensors(folder, index, wanted):
         for name, (dtype, shape, chunks) in tensors.items():
             whole = out[name] = torch.empty(shape, dtype=dtype)
             for file, start, stop in chunks:
-                part = readers[file].get_tensor(name)
-                (whole[start:stop] if shape else whole).copy_(part)
+                readers[file].read_rows(name, 0, whole[start:stop] if shape else whole)
     return out
 
 
@@ -626,13 +687,13 @@ def _fill_rows(local, first, name, entry, readers):
     """Copy into `local` (rows first.. of the tensor `name`) the rows the saved chunks hold of them."""
     dtype, shape, chunks = entry
     if not shape:
-        local.copy_(readers[chunks[0][0]].get_tensor(name))
+        readers[chunks[0][0]].read_rows(name, 0, local)
         return
     last = first + local.shape[0]
     for file, start, stop in chunks:
         lo, hi = max(start, first), min(stop, last)
         if lo < hi:
-            local[lo - first:hi - first].copy_(readers[file].get_slice(name)[lo - start:hi - start])
+            readers[file].read_rows(name, lo - start, local[lo - first:hi - first])
 
 
 # ----------------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import torch
 
 from denoised_gpt.checkpoint import (checkpoint_path, load_checkpoint, optimizer_param_names, restore_rng_state,
                                      restore_training_state, save_checkpoint)
-from denoised_gpt.cli import check_ranges, duration
+from denoised_gpt.cli import MAX_BATCH_SIZE, check_ranges, duration
 from denoised_gpt.device import device_type, mark_step
 from denoised_gpt.finetune import LORA_KEYS, check_finetune_settings
 from denoised_gpt.lr_schedule import check_schedule, get_lr
@@ -23,7 +23,7 @@ from denoised_gpt.sharded_checkpoint import (is_sharded_checkpoint, load_sharded
                                              save_sharded)
 from denoised_gpt.weights import (all_finite, nonfinite_optimizer_state, nonfinite_weights, optimizer_tensors,
                                    refuse_nonfinite_state)
-from model import GPTConfig
+from model import ATTENTION_TYPES, AttentionBase, GPTConfig
 
 # Resuming continues the checkpoint's run: every setting it was trained with (batch size, data,
 # schedule, ...) comes from the checkpoint unless given again; the machine-level ones stay this run's.
@@ -38,8 +38,14 @@ ARCHITECTURE_KEYS = set(MODEL_KEYS) - set(RUNTIME_MODEL_ARGS)
 # Far beyond any recipe (GPT-2's: 40 micro-batches of 12 sequences): a larger value is a slip that would run for
 # days before the first update, or fail allocating the first batch, so it is refused before any work
 MAX_ACCUMULATION = 1 << 20  # gradient_accumulation_steps: micro-batches per iteration, over all ranks
-MAX_BATCH_SIZE = 1 << 16  # batch_size: sequences per micro-batch and rank
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)  # the loss is float32: kl_weight is cast to it
+KL_WEIGHT = 5e-6  # train.py's default (the paper's)
+
+
+def has_kl_term(attn_type):
+    """Whether the variant adds a KL term to the loss (its attention class has its own kl_divergence)."""
+    attention = ATTENTION_TYPES.get(attn_type)
+    return attention is None or attention.kl_divergence is not AttentionBase.kl_divergence  # (unknown: GPTConfig says)
 
 
 def check_training_settings(config, given):
@@ -61,6 +67,10 @@ def check_training_settings(config, given):
     if c['kl_weight'] > FLOAT32_MAX:
         raise ValueError(f"kl_weight={c['kl_weight']:g} is past float32's range ({FLOAT32_MAX:.3g}), in which the loss "
                          f"is computed: kl_weight x kl would be inf (or NaN where kl is 0); use a smaller kl_weight")
+    if c['kl_weight'] != KL_WEIGHT and not has_kl_term(c['attn_type']):  # (the configs give every variant 5e-6)
+        raise ValueError(f"kl_weight={c['kl_weight']:g} weighs the KL term of NoiseFormer's noise, which "
+                         f"attn_type={c['attn_type']!r} does not have: leave kl_weight at {KL_WEIGHT:g}, or train a "
+                         f"noiseformer attn_type")
     if c['decay_lr']:
         check_schedule(c['learning_rate'], c['warmup_iters'], c['lr_decay_iters'], c['min_lr'])
     if not c['out_dir'].strip():

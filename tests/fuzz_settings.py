@@ -45,8 +45,6 @@ CASE_SECONDS = 60
 # settings that name a file or folder to write: any text is a valid name there, and the case would write it
 WRITES = {'json_out'}
 DATA_WRITES = {'out_dir', 'cache_dir'}  # (the other scripts' out_dir is read, or refused before writing)
-# counts of steps: a huge one is a long run, not a wrong setting (bench.py would run it)
-LONG_RUNS = {'warmup_iters', 'bench_iters', 'rounds'}
 DATA_SCRIPTS = ['data/openwebtext/prepare.py', 'data/fineweb_edu/prepare.py', 'data/mqar/prepare.py',
                 'data/shakespeare_char/prepare.py']
 
@@ -97,7 +95,7 @@ def bad_values(key, default, kind=None):
     if kind is bool:
         return BAD_BOOL
     if kind is int:
-        return BAD_INT + ([] if key in LONG_RUNS else huge(default))
+        return BAD_INT + huge(default)
     if kind is float:
         return BAD_FLOAT
     if kind is str:

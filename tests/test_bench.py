@@ -253,6 +253,15 @@ def test_sizes_no_machine_holds_are_refused_up_front_in_one_line(args, phrase):
     assert "round 1" not in proc.stdout
 
 
+@pytest.mark.parametrize("key", ["warmup_iters", "bench_iters", "rounds"])
+def test_counts_that_would_run_for_ever_are_refused_in_one_line(key):
+    """warmup_iters=10**40 was accepted, and ran for ever."""
+    proc = bench("--attn_types=base", f"--{key}={10**40}")
+    assert proc.returncode == 2 and "round 1" not in proc.stdout
+    assert proc.stderr.strip() == f"bench.py: error: {key}=100000000000... (41 digits) is over the limit of " \
+                                  f"1,000,000 {'rounds' if key == 'rounds' else 'steps'}"
+
+
 def bench_into(stdout, *args):
     """bench() with stdout going to the file object `stdout` (a real one: its writes may fail) instead of a
     buffer: (exit status, stderr)."""

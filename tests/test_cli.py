@@ -46,6 +46,10 @@ def test_attn_types_name_the_closest_valid_one():
     (dict(learning_rate=0.0), dict(positive=('learning_rate',)), "learning_rate=0.0 must be positive"),
     (dict(seed=2 ** 63), dict(seeds=('seed',)), "must be a non-negative integer below 2**63"),
     (dict(seed=-1), dict(seeds=('seed',)), "seed=-1 must be a non-negative integer"),
+    # a number of thousands of digits, shortened: one line stays one line
+    (dict(seed=10**4000), dict(seeds=('seed',)), "seed=100000000000... (4,001 digits) must be a non-negative integer"),
+    (dict(rounds=10**40), dict(at_most={'rounds': (10, "rounds")}),
+     "rounds=100000000000... (41 digits) is over the limit of 10 rounds"),
 ])
 def test_check_ranges_names_the_setting(config, kind, message):
     with pytest.raises(ValueError) as e:

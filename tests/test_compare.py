@@ -482,6 +482,25 @@ def test_report_only_refuses_a_metrics_log_that_is_a_device_or_a_fifo(sweep, kin
     assert not (out / 'report').exists()
 
 
+@pytest.mark.parametrize('log', ['metrics.jsonl', 'settings_changes.jsonl'])
+def test_report_only_refuses_a_sparse_log_of_a_terabyte_in_one_line_at_once(sweep, log):
+    """A terabyte of holes takes no disk (756 KB here) and was read as zeros for hours; a log larger than any
+    run writes is refused before it is read."""
+    tmp, data, _ = sweep
+    out = copy_sweep(tmp, f'sparse-{log}')
+    path = out / 'runs' / 'base-seed1' / log if log == 'metrics.jsonl' else out / log
+    with open(path, 'ab') as f:
+        f.truncate(1 << 40)
+    what, fix = (("metrics log", "put the run's metrics log there, or move it away (a resumed run then logs from "
+                                 "its checkpoint on)") if log == 'metrics.jsonl' else
+                 ("settings changes log", "remove it (it lists runs continued with changed settings)"))
+    proc = compare(sweep_args(out, data, '--report_only=True', '--samples=False', attn_types='base', seeds='1'))
+    assert proc.returncode == 2, proc.stderr
+    limit = "1,024" if log == 'metrics.jsonl' else "64"
+    assert proc.stderr.strip() == f"compare.py: error: {what} {path} is {1 << 40:,} bytes, more than {limit} MiB, " \
+                                  f"which no {what} is; {fix}"
+
+
 def test_a_full_disk_when_writing_the_report_is_one_line_and_keeps_the_earlier_results(sweep):
     """results.json.tmp a link to /dev/full: every write to it fails with ENOSPC (a traceback before)."""
     tmp, data, _ = sweep

@@ -250,6 +250,17 @@ def test_eval_script_measures_a_checkpoint_in_the_dtype_it_was_trained_in(char_r
         assert json.loads((tmp_path / 'val_loss.json').read_text())['loss'] == pytest.approx(expected['loss'], abs=1e-6)
 
 
+@pytest.mark.parametrize('args, message', [
+    (['--entropy=True', '--batch_size=100000000'],
+     "batch_size=100000000 is over the limit of 65,536 sequences per forward pass"),  # (numpy's allocator raised)
+    (['--entropy=True', f'--entropy_batches={10**40}'],
+     "entropy_batches=100000000000... (41 digits) is over the limit of 1,000,000 batches"),
+])
+def test_counts_past_any_real_use_are_refused_before_any_work(tmp_path, args, message):
+    r = run_script_in_process('eval.py', [f'--out_dir={tmp_path}', '--device=cpu', *args])
+    assert r.returncode == 2 and r.stderr.strip() == f"eval.py: error: {message}", r.stderr
+
+
 def test_eval_script_refuses_glue_and_lm_eval_for_a_char_level_model(char_run):
     for arg in ('--glue=all', '--lm_eval=hellaswag'):
         r = refused(f"--out_dir={char_run['base_dir']}", arg, '--device=cpu')

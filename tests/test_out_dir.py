@@ -284,7 +284,7 @@ def test_a_resume_leaves_out_the_lines_of_the_metrics_log_that_are_not_rows(tmp_
                  '--eval_interval=5')
     assert proc.stdout.count(f"note: left out 8 lines of {out / 'metrics.jsonl'} that are not metrics rows (line 3: "
                              f"it has no iter; line 4: an array, not a JSON object; line 5: its iter is \"x\", not a "
-                             f"non-negative integer; and 5 more)") == 1, proc.stdout
+                             f"non-negative integer up to 2**63 - 1; and 5 more)") == 1, proc.stdout
     logged = [json.loads(line) for line in (out / 'metrics.jsonl').read_text().splitlines()]
     # the rows train.py wrote up to the checkpoint, then the resumed run's
     assert [json.dumps(r) for r in logged[:len(rows)]] == rows
@@ -296,28 +296,55 @@ def test_each_kind_of_line_that_is_not_a_row_is_named(tmp_path):
     (tmp_path / 'metrics.jsonl').write_text('\n'.join(DAMAGED_LINES) + '\n\n')  # (a blank line holds no row)
     assert [(n, row, problem) for n, _, row, problem in metrics_rows(tmp_path / 'metrics.jsonl')] == [
         (1, None, "it has no iter"), (2, None, "an array, not a JSON object"),
-        (3, None, 'its iter is "x", not a non-negative integer'), (4, None, 'its val_loss is "x", not a number'),
-        (5, None, "its iter is NaN, not a non-negative integer"), (6, None, "it has no tokens_per_s"),
+        (3, None, 'its iter is "x", not a non-negative integer up to 2**63 - 1'),
+        (4, None, 'its val_loss is "x", not a number'),
+        (5, None, "its iter is NaN, not a non-negative integer up to 2**63 - 1"), (6, None, "it has no tokens_per_s"),
         (7, None, "not JSON (nested too deeply)"), (8, None, "longer than 1 MiB")]
 
 
-@pytest.mark.parametrize('kind', ['device', 'FIFO'])
+def test_a_number_no_float_holds_is_not_a_row(tmp_path):
+    """A JSON integer of 400 digits parses to an int that float() cannot take: the report's arithmetic raised an
+    OverflowError."""
+    from denoised_gpt.run_dir import metrics_rows
+    (tmp_path / 'metrics.jsonl').write_text('{"iter": 3, "val_loss": 1' + '0' * 400 + ', "train_loss": 1.0, '
+                                            '"time": 1}\n{"iter": ' + str(2**64) + ', "loss": 1.0}\n')
+    assert [problem for *_, problem in metrics_rows(tmp_path / 'metrics.jsonl')] == [
+        "its val_loss is 1000000000000000000000000000000000000..., not a number",
+        "its iter is 18446744073709551616, not a non-negative integer up to 2**63 - 1"]
+
+
+@pytest.mark.parametrize('kind', ['device', 'FIFO', 'sparse file'])
 def test_a_metrics_log_that_is_a_device_or_a_fifo_is_refused_at_resume_in_one_line(tmp_path, data, kind):
-    """A link to /dev/zero was read whole (the process grew to 24 GB); a FIFO hung the resume."""
+    """A link to /dev/zero was read whole (the process grew to 24 GB); a FIFO hung the resume; a sparse file of a
+    terabyte (no disk) was read as zeros for hours."""
     out = tmp_path / 'out'
     train(str(TINY), f'--dataset={data}', f'--out_dir={out}', '--max_iters=5', '--eval_interval=5')
-    (out / 'metrics.jsonl').unlink()
+    if kind == 'sparse file':
+        with open(out / 'metrics.jsonl', 'ab') as f:
+            f.truncate(1 << 40)
+    else:
+        (out / 'metrics.jsonl').unlink()
     if kind == 'device':
         (out / 'metrics.jsonl').symlink_to('/dev/zero')
-    else:
+    elif kind == 'FIFO':
         os.mkfifo(out / 'metrics.jsonl')
-    def files():  # (the lock file says who holds it: every run rewrites it)
-        return {k: v for k, v in snapshot(out).items() if k.name != '.lock'}
+    def files():  # (the lock file says who holds it: every run rewrites it; a terabyte is compared by its stat)
+        log = out / 'metrics.jsonl'
+        sparse = log.stat() if kind == 'sparse file' else None
+        if sparse:
+            os.replace(log, tmp_path / 'aside')
+        try:
+            return {k: v for k, v in snapshot(out).items() if k.name != '.lock'}, sparse and (sparse.st_size,
+                                                                                              sparse.st_mtime_ns)
+        finally:
+            if sparse:
+                os.replace(tmp_path / 'aside', log)
     before = files()
     proc = subprocess.run(train_command(out, data, '--init_from=resume', '--max_iters=10'), cwd=ROOT,
                           env=subprocess_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.strip() == f"train.py: error: cannot read {out / 'metrics.jsonl'}: it is a {kind}, not a " \
-                                  f"file; put the run's metrics log there, or move it away (a resumed run then " \
-                                  f"logs from its checkpoint on)"
+    what = (f"metrics log {out / 'metrics.jsonl'} is {1 << 40:,} bytes, more than 1,024 MiB, which no metrics log "
+            f"is" if kind == 'sparse file' else f"cannot read {out / 'metrics.jsonl'}: it is a {kind}, not a file")
+    assert proc.stderr.strip() == f"train.py: error: {what}; put the run's metrics log there, or move it away (a " \
+                                  f"resumed run then logs from its checkpoint on)"
     assert files() == before

@@ -449,6 +449,17 @@ def test_a_prompts_file_that_is_no_text_file_is_one_line_before_anything_loads(t
         assert proc.stderr.count('\n') == 1 and proc.stderr.startswith('sample.py: error: ')
 
 
+@pytest.mark.parametrize('arg, message', [
+    (f'--num_samples={2**70}', "num_samples=118059162071... (22 digits) is over the limit of 9,223,372,036,854,775,807 "
+                               "completions per prompt (torch's int64)"),  # (a TypeError's C++ stack)
+    (f'--max_new_tokens={10**40}', "max_new_tokens=100000000000... (41 digits) is over the limit of 1,000,000 "
+                                   "tokens"),  # (generated for ever)
+])
+def test_counts_past_any_real_use_are_one_line_before_anything_loads(tmp_path, arg, message):
+    proc = run_script_in_process('sample.py', [f"--out_dir={tmp_path / 'no-run'}", arg])
+    assert proc.returncode == 2 and proc.stderr == f"sample.py: error: {message}\n", proc.stderr
+
+
 def test_more_samples_than_memory_holds_is_one_line(runs):
     proc = runs['absurd']
     assert proc.returncode == 2 and 'Traceback' not in proc.stderr

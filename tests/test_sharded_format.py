@@ -177,19 +177,95 @@ def test_sparse_files_do_not_pass_for_data_however_many_there_are(source, tmp_pa
     assert "corrupt (checkpoint.json declares 80,3" in message and " bytes of tensors, but the files hold " in message
 
 
+@pytest.mark.parametrize('name', ['rank-00000.safetensors', 'checkpoint.json'])
 @pytest.mark.parametrize('how', ['symbolic link', 'hard link'])
-def test_a_file_that_may_be_from_outside_the_folder_is_refused(source, tmp_path, how):
-    """A link's target is not in the folder (a symbolic one names any file; a hard link is one)."""
-    folder = folder_of(copy_of(source, tmp_path))
-    outside = tmp_path / 'outside.safetensors'
-    os.replace(folder / 'rank-00000.safetensors', outside)
+def test_a_file_that_may_be_from_outside_the_folder_is_refused(source, tmp_path, how, name):
+    """A link's target is not in the folder (a symbolic one names any file; a hard link is one): not the rank
+    files, nor the index, which would describe them (here: another run's, of iteration 777)."""
+    out = copy_of(source, tmp_path)
+    folder = folder_of(out)
+    outside = tmp_path / name
+    os.replace(folder / name, outside)
+    if name == 'checkpoint.json':
+        index = json.loads(outside.read_text())
+        outside.write_text(json.dumps({**index, 'train_state': {**index['train_state'], 'iter_num': 777}}))
     if how == 'symbolic link':
-        (folder / 'rank-00000.safetensors').symlink_to(outside)
-        says = "rank-00000.safetensors is a link, and is not read: a sharded checkpoint reads only its own files"
+        (folder / name).symlink_to(outside)
+        says = f"{name} is a link, and is not read: a sharded checkpoint reads only its own files"
     else:
-        os.link(outside, folder / 'rank-00000.safetensors')
-        says = "rank-00000.safetensors has 1 other hard link(s), so it may be a file from outside its folder"
+        os.link(outside, folder / name)
+        says = f"{name} has 1 other hard link(s), so it may be a file from outside its folder"
     assert says in refusal(folder)
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(folder, metadata_only=True)
+    assert says in str(e.value)
+    os.remove(out / 'ckpt.pt')
+    assert checkpoint_path(out) == str(folder) and says in refusal(out)
+
+
+CUT_WHILE_READ = """
+import os, sys
+from denoised_gpt import sharded_checkpoint
+from denoised_gpt.checkpoint import CheckpointError, load_checkpoint
+counted = sharded_checkpoint._data_bytes
+
+def cut_once_open(fd, size):  # (called once the file is open and its header checked)
+    os.truncate(sys.argv[1] + '/rank-00000.safetensors', size // 2)
+    return counted(fd, size)
+
+sharded_checkpoint._data_bytes = cut_once_open
+try:
+    load_checkpoint(sys.argv[1])
+except CheckpointError as e:
+    print(e)
+"""
+
+
+def test_a_file_cut_short_while_it_is_read_is_one_line_not_sigbus(source, tmp_path):
+    """A rank file truncated in place once it is open: a mapped file's missing pages kill the reader (SIGBUS,
+    no message); the files are read, not mapped, so it is said. Run as a process: a regression dies."""
+    folder = folder_of(copy_of(source, tmp_path))
+    proc = subprocess.run([sys.executable, '-c', CUT_WHILE_READ, str(folder)], cwd=ROOT, env=subprocess_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr)
+    assert proc.stdout.strip() == (f"sharded checkpoint {folder} is incomplete or corrupt (rank-00000.safetensors is "
+                                   f"shorter than when it was opened: it changed while it was read). No previous "
+                                   f"sharded checkpoint exists next to it."), proc.stdout
+
+
+PEAK_OF_LOAD = """
+import resource, sys
+from denoised_gpt.checkpoint import CheckpointError, load_checkpoint
+try:
+    load_checkpoint(sys.argv[1], metadata_only=True)
+except CheckpointError as e:
+    print(e)
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss >> 10)  # the peak, in MiB
+"""
+
+
+def peak_of_load(folder):
+    """load_checkpoint(folder, metadata_only=True) in a fresh process: (its refusal or '', its peak memory in MiB)."""
+    proc = subprocess.run([sys.executable, '-c', PEAK_OF_LOAD, str(folder)], cwd=ROOT, env=subprocess_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    *message, peak = proc.stdout.splitlines()
+    return ''.join(message), int(peak)
+
+
+@pytest.mark.parametrize('mib', [15, 60])
+def test_an_index_whose_train_state_is_huge_is_refused_before_it_is_parsed(source, tmp_path, mib):
+    """A train state of 2-byte JSON values: some 32 bytes of Python objects per byte parsed (60 MiB: 3.2 GB and a
+    minute). An index is capped at what a real one needs, in bytes and in values, so parsing stays small."""
+    folder = folder_of(copy_of(source, tmp_path))
+    index = json.loads((folder / 'checkpoint.json').read_text())
+    index['train_state']['padding'] = []
+    text = json.dumps(index).replace('"padding": []', '"padding": [' + '0,' * (mib << 19) + '0]')
+    (folder / 'checkpoint.json').write_text(text)
+    message, peak = peak_of_load(folder)
+    says = "holds 7,86" if mib == 15 else "checkpoint.json is larger than 16 MiB, which no index is"
+    assert message.startswith(f"sharded checkpoint {folder} is incomplete or corrupt (") and says in message, message
+    assert peak < peak_of_load(folder_of(source))[1] + 100
 
 
 def test_a_fifo_in_the_folder_is_one_line_not_a_hang(source, tmp_path):
@@ -300,7 +376,8 @@ def test_a_ckpt_pt_whose_parts_overlap_or_inflate_is_refused_before_torch_reads_
 
 def test_a_counter_nesting_a_huge_structure_is_named_in_a_short_line(source, tmp_path):
     """A ckpt.pt of kilobytes whose iter_num is a list nesting itself 2^60 times over (a pickle shares it): its
-    repr would never end; the refusal names it, bounded. Run as a process with a time limit."""
+    repr would never end, and a walk of it (a conversion to JSON) would build 2^60 lists. Refused before it is
+    built, in a short line. Run as a process with a time limit."""
     script = f"""
 import torch
 from denoised_gpt.checkpoint import CheckpointError, load_checkpoint
@@ -317,5 +394,5 @@ except CheckpointError as e:
     proc = subprocess.run([sys.executable, '-c', script], cwd=ROOT, env=subprocess_env(), capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert "its iter_num is [[[[[[" in proc.stdout and "(a list), not a non-negative integer" in proc.stdout
+    assert f"checkpoint {tmp_path / 'ckpt.pt'} would build more than " in proc.stdout, proc.stdout
     assert len(proc.stdout) < 600, proc.stdout

@@ -352,6 +352,9 @@ BAD_SETTINGS = [
     (['--batch_size=100000'], "batch_size=100000 is over the limit of 65,536 sequences per micro-batch"),
     # a short run cut from a config with a longer warmup: the fix it needs
     (['--max_iters=50', '--lr_decay_iters=50', '--warmup_iters=50'], "e.g. --warmup_iters=5 (below max_iters)"),
+    # base has no KL term: the weight of none was accepted without a word
+    (['--kl_weight=1e7'], "kl_weight=1e+07 weighs the KL term of NoiseFormer's noise, which attn_type='base' does not "
+                          "have: leave kl_weight at 5e-06, or train a noiseformer attn_type"),
 ]
 
 
