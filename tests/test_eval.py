@@ -124,7 +124,7 @@ def test_attention_maps_times_values_give_each_variants_attention_output():
     """The analysis maps are the matrices the fast paths multiply V by (float64, noise off)."""
     x = torch.randn(2, 9, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
     for attn_type in ATTENTION_TYPES:
-        extra = dict(noise_at_eval=False) if attn_type.startswith('noiseformer') else {}
+        extra = dict(noise_at_eval=False) if 'noise_at_eval' in ATTENTION_TYPES[attn_type].config_fields else {}
         model = tiny_model(attn_type, n_head=4, n_embd=16, **extra).double()
         attn = model.transformer.h[1].attn
         maps = attn.attention_maps(x)

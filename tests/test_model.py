@@ -15,15 +15,15 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from model import (ATTENTION_TYPES, GPT, GPTConfig, KVCache, NoiseFormerAttention, TwoBranchAttention,
-                   causal_randn)
+from model import (ATTENTION_TYPES, GPT, GPTConfig, KVCache, LinearAttention, NoiseFormerAttention,
+                   TwoBranchAttention, causal_randn)
 from naive_attention import NAIVE, NAIVE_MAPS, diff_lambda, lambda_init_for, noise_mu_sigma
 
 F64 = torch.float64
 VARIANTS = list(ATTENTION_TYPES)  # every registered variant, each checked against its float64 reference
 NOISE = [v for v in VARIANTS if issubclass(ATTENTION_TYPES[v], NoiseFormerAttention)]
 DIFFERENTIAL = [v for v in VARIANTS if issubclass(ATTENTION_TYPES[v], TwoBranchAttention)]
-SDPA_VARIANTS = [v for v in VARIANTS if v != "linear"]  # linear attention calls no SDPA
+SDPA_VARIANTS = [v for v in VARIANTS if not issubclass(ATTENTION_TYPES[v], LinearAttention)]  # it calls no SDPA
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -94,7 +94,7 @@ def rel_err(a, b):
 
 
 def noise_shape(attn_type, B, H, T, per_sample):
-    return (B if per_sample else 1, 1 if attn_type == "noiseformer_v1" else H, T, T)
+    return (B if per_sample else 1, ATTENTION_TYPES[attn_type].noise_heads or H, T, T)
 
 
 def naive_kwargs(attn_type, layer_index, config):
@@ -110,7 +110,7 @@ def naive_kwargs(attn_type, layer_index, config):
 
 def test_every_registered_variant_has_its_float64_references():
     # the groups the tests below run over, derived from the classes: none may come out empty
-    assert NOISE == ["noiseformer_v1", "noiseformer_v2"] and DIFFERENTIAL == ["diff", "dint", "dint_lowrank"]
+    assert {"noiseformer_v1", "noiseformer_v2"} <= set(NOISE) and {"diff", "dint", "dint_lowrank"} <= set(DIFFERENTIAL)
     for attn_type in VARIANTS:
         assert callable(NAIVE[attn_type]) and callable(NAIVE_MAPS[attn_type]), attn_type
     assert list(NAIVE) == list(NAIVE_MAPS) == VARIANTS
@@ -294,6 +294,9 @@ def gpt2_small_count(attn_type, vocab_size=50304, rank=32):
         # is one differential head of dim d
         "dint_lowrank": L * (4 * C * rank + 4 * d + d),
     }
+    if attn_type not in extra:
+        pytest.fail(f"no GPT-2-small parameter formula for attn_type={attn_type!r}: add its extra parameters to "
+                    f"gpt2_small_count in tests/test_model.py (and the README's table)", pytrace=False)
     return base + extra[attn_type]
 
 
@@ -901,7 +904,8 @@ def test_training_step_never_takes_sdpa_math_path(attn_type):
         _, loss = model(idx, targets=idx)
         (loss + model.kl_divergence()).backward()
     kernels = sdpa_kernels(step)
-    assert kernels and not any("math" in k for k in kernels), kernels
+    assert kernels, f"{attn_type} ran no SDPA kernel; if it calls none, leave its class out of SDPA_VARIANTS"
+    assert not any("math" in k for k in kernels), kernels
 
 
 def test_wide_values_equal_one_wide_call_float64():
