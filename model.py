@@ -37,19 +37,17 @@ class GPTConfig:
     dropout: float = 0.0
     bias: bool = True  # bias in Linears and LayerNorms, like GPT-2
     attn_type: str = 'base'  # a key of ATTENTION_TYPES (below)
-    # base / symmetric: query/key head size; None = n_embd // n_head (grow.py widens it)
-    qk_head_size: int = None
-    # noiseformer_v1 / noiseformer_v2
-    noise_init_std: float = 0.01  # the paper's "noise factor": mu, sigma ~ noise_init_std * N(0, 1)
-    noise_per_sample: bool = False  # one eps per sequence instead of one shared by the batch
-    noise_param: str = 'sigma'  # learn 'sigma' directly, or 'logvar' = log(sigma^2)
-    noise_at_eval: bool = True  # keep the noise on in eval mode and generation (as the paper)
-    noise_kernel: str = 'sdpa'  # 'sdpa': the noise as SDPA's mask; 'triton': drawn inside one kernel (CUDA)
-    # dint_lowrank
-    lowrank_rank: int = 32
-    lowrank_score_divisor: float = 81.0  # second-branch scores use scale sqrt(81) / sqrt(d)
-    # linear
-    linear_chunk_size: int = 64
+    # The variants' own settings, each read by the classes whose config_fields name it. The comment on a field's
+    # line is its meaning in train.py's and bench.py's --help, which take these fields as settings.
+    qk_head_size: int = None  # base / symmetric: query/key head size (None: n_embd // n_head); grow.py widens it
+    noise_init_std: float = 0.01  # noiseformer: mu, sigma ~ noise_init_std * N(0, 1) (the paper's noise factor)
+    noise_per_sample: bool = False  # noiseformer: one noise draw per sequence instead of one shared by the batch
+    noise_param: str = 'sigma'  # noiseformer: learn 'sigma' directly, or 'logvar' = log(sigma^2)
+    noise_at_eval: bool = True  # noiseformer: keep the noise on in evaluation and sampling (as the paper)
+    noise_kernel: str = 'sdpa'  # noiseformer: 'sdpa' (the noise as SDPA's mask) or 'triton' (drawn in one kernel, CUDA)
+    lowrank_rank: int = 32  # dint_lowrank: rank r of the second branch's query/key factors
+    lowrank_score_divisor: float = 81.0  # dint_lowrank: second-branch scores use scale sqrt(81) / sqrt(d)
+    linear_chunk_size: int = 64  # linear: tokens per chunk of the chunked causal linear attention
 
     def __post_init__(self):
         if self.attn_type not in ATTENTION_TYPES:
