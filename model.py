@@ -97,7 +97,12 @@ class AttentionBase(nn.Module):
     dropout; forward(x, cache=None) -> (B, T, C). A variant declares the GPTConfig fields it reads
     (config_fields), how many n_embd-wide projections c_attn computes and how many of them are queries / keys
     of qk_head_size per head, and may refuse a config (check_config). The rest of the project asks the class,
-    never its name: each hook below has the default of a variant that needs nothing there."""
+    never its name: each hook below has the default of a variant that needs nothing there.
+
+    Precision: in bf16 / fp16 a variant always runs under autocast (train.py, bench.py, eval.py, and sample.py,
+    which holds the Linear, Embedding and LayerNorm weights in that dtype), and its own parameters stay float32.
+    So a variant may use its parameters in any op autocast covers (a matmul); elsewhere it upcasts the
+    activations it combines them with, as DIFF's lambda and NoiseFormer's sigma are used here."""
     config_fields = ()
     c_attn_projections = 3  # q, k, v
     qk_projections = 0  # of them, queries / keys qk_head_size wide per head (base 2, symmetric 1)
