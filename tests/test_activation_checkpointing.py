@@ -80,6 +80,7 @@ def test_evaluation_and_generation_do_not_recompute(attn_type):
     assert len(calls) == 2
 
 
+@pytest.mark.slow
 def test_train_py_prints_the_same_losses_with_checkpointing(tmp_path):
     """Single process in this process, and DDP over 2 gloo ranks: the logged losses equal a run without it."""
     data = make_dataset(tmp_path)

@@ -216,6 +216,7 @@ def char_run(tmp_path_factory):
     return dict(root=root, data=data, base_dir=base_dir, base=base, diff_dir=diff_dir)
 
 
+@pytest.mark.slow
 def test_eval_script_val_loss_and_entropy_with_a_side_by_side(char_run):
     r = launch(f"--out_dir={char_run['diff_dir']}", '--val_loss=True', '--entropy=True', '--device=cpu',
                '--dtype=float32', '--entropy_batches=2', '--batch_size=3', f"--compare_to={char_run['base_dir']}")
@@ -380,6 +381,7 @@ def test_eval_script_a_full_disk_when_writing_results_is_one_line_and_keeps_the_
         assert not os.path.lexists(eval_dir / f"{name}.tmp") and (eval_dir / name).read_text() == 'the earlier result\n'
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists('/dev/full'), reason="needs /dev/full (every write: ENOSPC)")
 def test_eval_script_a_stdout_that_cannot_take_the_results_is_one_line(char_run, tmp_path):
     """`eval.py > /dev/full`: a full disk behind stdout was an OSError traceback."""

@@ -25,6 +25,8 @@ from helpers import (ITER_LINE, ROOT, TINY, VOCAB, eval_losses, iter_losses, log
 from model import ATTENTION_TYPES, GPTConfig
 from nanogpt_reference import NanoConfig, NanoGPT
 
+pytestmark = pytest.mark.slow  # torchrun runs of train.py (conftest.py: slow)
+
 
 # FSDP2 on the CPU waits on CPU stream events, which torch 2.6 lacks: train.py refuses it there (the last test)
 CPU_STREAM_EVENTS = hasattr(torch.cpu.Stream, 'record_event')

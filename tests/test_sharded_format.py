@@ -192,6 +192,7 @@ def test_a_file_that_may_be_from_outside_the_folder_is_refused(source, tmp_path,
     assert says in refusal(folder)
 
 
+@pytest.mark.slow
 def test_a_fifo_in_the_folder_is_one_line_not_a_hang(source, tmp_path):
     """Opening a FIFO waits for a writer that never comes: refused as what it is. Run as a process with a time
     limit: a regression hangs."""
@@ -298,6 +299,7 @@ def test_a_ckpt_pt_whose_parts_overlap_or_inflate_is_refused_before_torch_reads_
     assert "compressed or larger than the file" in refusal(out)
 
 
+@pytest.mark.slow
 def test_a_counter_nesting_a_huge_structure_is_named_in_a_short_line(source, tmp_path):
     """A ckpt.pt of kilobytes whose iter_num is a list nesting itself 2^60 times over (a pickle shares it): its
     repr would never end; the refusal names it, bounded. Run as a process with a time limit."""

@@ -55,6 +55,7 @@ def run_until_signal(out_dir, data, sig, after_iter, *args):
     return proc.returncode, ''.join(lines) + rest, err
 
 
+@pytest.mark.slow
 def test_resume_after_sigkill_and_sigterm_reproduces_the_uninterrupted_run(tmp_path):
     data = make_dataset(tmp_path)
     n = 60
@@ -155,6 +156,7 @@ def test_init_from_a_local_gpt2_checkpoint_into_a_variant(tmp_path):
 # DDP with gloo: 2 ranks == 1 process with the same total accumulation is checked in test_fsdp.py, on the
 # one-process and DDP runs its FSDP test compares with (the same settings: the same runs would be trained twice)
 
+@pytest.mark.slow
 def test_ddp_accumulation_that_does_not_split_over_the_ranks_is_refused(tmp_path):
     """A clear error, not a silent change."""
     bad = run_train(tmp_path / 'bad', make_dataset(tmp_path), '--gradient_accumulation_steps=3', nproc=2, expect_rc=1)
@@ -375,6 +377,7 @@ def test_unwritable_out_dir_is_found_at_start(tmp_path):
     assert 'iter 0' not in captured.stdout
 
 
+@pytest.mark.slow
 def test_gpt2_weights_offline_is_one_clear_line(tmp_path):
     pytest.importorskip('transformers')
     data = make_dataset(tmp_path, n_train=2000, n_val=500)
@@ -400,6 +403,7 @@ def stopped_at(stdout):
     return int(after[0]) + 1 if after else int(during[0])
 
 
+@pytest.mark.slow
 def test_ctrl_c_saves_the_last_finished_step(tmp_path):
     data = make_dataset(tmp_path)
     out = tmp_path / 'out'
@@ -410,6 +414,7 @@ def test_ctrl_c_saves_the_last_finished_step(tmp_path):
     assert "Ctrl-C again to quit at once" in err
 
 
+@pytest.mark.slow
 def test_a_stop_does_not_wait_for_a_step_of_a_million_micro_batches(tmp_path):
     """With 10^6 micro-batches a step takes an hour here, and a stop used to wait for it: SIGTERM now ends the run
     within seconds, the unfinished step dropped, and the checkpoint is the last finished state (before any step:
@@ -493,6 +498,7 @@ def test_a_stop_within_a_step_saves_the_last_finished_step_and_the_resumed_run_i
         assert torch.equal(a['model'][name], b['model'][name]), name
 
 
+@pytest.mark.slow
 def test_a_stop_during_an_evaluation_saves_at_once_and_the_resumed_run_evaluates_that_state(tmp_path):
     """A preemption's grace period (SLURM's 30 s) is shorter than a long evaluation: a stop arriving
     during one saves the last finished step without waiting for it, and the resumed run evaluates that
@@ -516,6 +522,7 @@ def test_a_stop_during_an_evaluation_saves_at_once_and_the_resumed_run_evaluates
     assert [r['iter'] for r in rows if 'val_loss' in r] == [0, 5, 10]
 
 
+@pytest.mark.slow
 def test_sighup_from_a_closed_terminal_checkpoints_like_sigterm(tmp_path):
     """A closed terminal or ssh session sends SIGHUP, and writing to that terminal fails from then on:
     the run still finishes its step, saves and exits 0."""
@@ -542,6 +549,7 @@ def queued_bytes(pipe):
     return struct.unpack('i', fcntl.ioctl(pipe, termios.FIONREAD, b'\0' * 4))[0]
 
 
+@pytest.mark.slow
 def test_a_second_ctrl_c_quits_at_once_in_one_line(tmp_path):
     data = make_dataset(tmp_path)
     out = tmp_path / 'out'
