@@ -475,8 +475,9 @@ GEN_CASES = [  # (prompt length, new tokens, block_size, temperature, top_k)
 @pytest.mark.parametrize("attn_type,overrides", GEN_VARIANTS, ids=[v for v, _ in GEN_VARIANTS])
 def test_kv_cache_generation_equals_cache_free(attn_type, overrides, case):
     prompt_len, new, block, temperature, top_k = case
-    model = make_model(attn_type, block_size=block, linear_chunk_size=4, **overrides) \
-        if attn_type == "linear" else make_model(attn_type, block_size=block, **overrides)
+    if "linear_chunk_size" in ATTENTION_TYPES[attn_type].config_fields:
+        overrides = {**overrides, "linear_chunk_size": 4}  # chunk boundaries inside the prompt and the generation
+    model = make_model(attn_type, block_size=block, **overrides)
     model.eval()
     prompt = torch.randint(0, 61, (2, prompt_len), generator=torch.Generator().manual_seed(4))
     outs = []
@@ -857,9 +858,8 @@ def test_fused_cross_entropy_bf16_autocast_close_to_float32():
     assert abs(fused - exact) <= 2 * abs(ref - exact) + 1e-6
 
 
-@pytest.mark.parametrize("attn_type,overrides", [
-    ("base", {}), ("linear", {}), ("diff", {}), ("dint", {}), ("dint_lowrank", {}),
-    *[(a, {"noise_param": p}) for a in NOISE for p in ("sigma", "logvar")]])
+@pytest.mark.parametrize("attn_type,overrides", [(a, {}) for a in VARIANTS if a not in NOISE]
+                         + [(a, {"noise_param": p}) for a in NOISE for p in ("sigma", "logvar")])
 def test_learned_values_per_layer_match_the_parameters(attn_type, overrides):
     """What train.py logs at each evaluation: sigma and mu per head (v2) or layer (v1) for NoiseFormer,
     lambda per layer for DIFF/DINT (the float64 references' own formulas), nothing for the others."""
@@ -873,12 +873,12 @@ def test_learned_values_per_layer_match_the_parameters(attn_type, overrides):
             assert len(values["sigma"][i]) == (1 if attn_type == "noiseformer_v1" else 4)
             assert values["sigma"][i] == pytest.approx(sigma.tolist(), rel=1e-12)
             assert values["mu"][i] == pytest.approx(mu.tolist(), rel=1e-12)
-    elif attn_type.startswith(("diff", "dint")):
+    elif attn_type in DIFFERENTIAL:
         assert set(values) == {"lambda"}
         assert [v[0] for v in values["lambda"]] == pytest.approx(
             [diff_lambda(block.attn, i).item() for i, block in enumerate(blocks)], rel=1e-12)
     else:
-        assert values == {}
+        assert values == {}, f"{attn_type} logs {sorted(values)}: check them against its float64 reference here"
 
 
 # ----------------------------------------------------------------------------- fused paths: never SDPA's math path
