@@ -4,7 +4,8 @@ A GPT language model whose attention is chosen by `GPTConfig.attn_type`, in one 
 Read top to bottom: the config; what every attention variant shares (AttentionBase, the decoding cache, the
 causal SDPA calls); each variant with the kernels only it uses; the registry mapping `attn_type` to a class;
 MLP, Block and GPT, which are nanoGPT's; last the fused lm_head + cross-entropy loss. A variant is one
-AttentionBase subclass and one registry line. Equations and design decisions: docs/attention.md.
+AttentionBase subclass and one registry line (the checklist: docs/attention.md, Adding a variant). Equations and
+design decisions: docs/attention.md.
 
 References:
 1) nanoGPT: https://github.com/karpathy/nanoGPT/blob/master/model.py
