@@ -35,7 +35,7 @@ back first), an upper bound that also counts allocator slack and oneDNN scratch 
 with them (1.24x to 1.36x base for the same variant in different runs, measured on CPU). Elsewhere: n/a.
 """
 
-from configurator import answer_help
+from configurator import answer_help, variant_settings
 from denoised_gpt.cpu_threads import wait_passively_if_busy
 
 answer_help(__file__)  # --help before the heavy imports below
@@ -76,8 +76,7 @@ n_embd = 768  # model width (cpu / mps: 256 unless given)
 vocab_size = 50304  # with --dataset, the dataset's own vocabulary size when it has one
 bias = False  # biases in Linear and LayerNorm layers
 dropout = 0.0  # dropout probability
-qk_head_size = None  # base / symmetric: query/key head size (None: n_embd // n_head; see grow.py)
-noise_kernel = 'sdpa'  # noiseformer: 'sdpa' (the noise as SDPA's mask) or 'triton' (drawn inside one kernel: CUDA)
+globals().update(variant_settings())  # each variant's own settings: model.py's GPTConfig fields, defaults, meanings
 dataset = ''  # '' = synthetic random tokens, else real batches from data/<dataset>/train.bin
 # the training step (as in train.py)
 learning_rate = 6e-4  # AdamW learning rate

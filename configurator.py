@@ -19,6 +19,10 @@ With `script`, `-h` / `--help` anywhere in argv prints the script's help and exi
 the usage, and every key with its default and the comment written next to it in the script, so the
 help cannot drift from the code. Pass a set as `given` to learn which keys a config file or an
 override set (even to the default's value).
+
+A script takes every attention variant's own settings (GPTConfig's fields that a variant's config_fields
+names) with the statement `globals().update(variant_settings())` among its settings: their defaults and
+meanings are GPTConfig's, so a variant's setting is written once, in model.py.
 """
 
 import ast
@@ -108,9 +112,45 @@ def optional_bool(key, value):
     return value
 
 
+MODEL_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'model.py')
+VARIANT_SETTINGS = 'globals().update(variant_settings())'  # the statement by which a script takes them
+
+
+def variant_fields(model_file=MODEL_FILE):
+    """{field: (default, meaning)} of GPTConfig's fields that an attention variant reads (named by a config_fields
+    in model.py), the meaning being the comment on the field's line: read from model.py's source, because the
+    scripts answer --help and check keys before importing torch (which model.py imports)."""
+    with open(model_file) as f:
+        source = f.read()
+    tree = ast.parse(source)
+    used = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], 'id', None) == 'config_fields':
+            used.update(ast.literal_eval(node.value))
+    config = next(node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == 'GPTConfig')
+    comments = _comments(source)
+    return {node.target.id: (ast.literal_eval(node.value), comments.get(node.end_lineno, ''))
+            for node in config.body if isinstance(node, ast.AnnAssign) and node.target.id in used}
+
+
+def variant_settings():
+    """{field: GPTConfig's default} of every variant's own settings (variant_fields)."""
+    return {key: default for key, (default, _) in variant_fields().items()}
+
+
+def _takes_variant_settings(node):
+    return isinstance(node, ast.Expr) and ast.unparse(node) == VARIANT_SETTINGS
+
+
+def _comments(source):
+    """{line number: the text of the comment on it}"""
+    return {tok.start[0]: tok.string.lstrip('#').strip()
+            for tok in tokenize.generate_tokens(io.StringIO(source).readline) if tok.type == tokenize.COMMENT}
+
+
 def script_defaults(script):
     """A script's settings without running it: its top-level assignments up to `config_keys = ...`,
-    evaluated like a config file (they are literals)."""
+    evaluated like a config file (they are literals), and the variant settings where it takes them."""
     with open(script) as f:
         tree = ast.parse(f.read())
     defaults = {}
@@ -119,6 +159,8 @@ def script_defaults(script):
             if node.targets[0].id == 'config_keys':
                 break
             defaults[node.targets[0].id] = eval(compile(ast.Expression(node.value), script, 'eval'), {})
+        elif _takes_variant_settings(node):
+            defaults.update(variant_settings())
     return defaults
 
 
@@ -129,9 +171,7 @@ def help_text(script, defaults):
     with open(script) as f:
         source = f.read()
     tree = ast.parse(source)
-    comments = {tok.start[0]: tok.string.lstrip('#').strip()
-                for tok in tokenize.generate_tokens(io.StringIO(source).readline)
-                if tok.type == tokenize.COMMENT}
+    comments = _comments(source)
     lines = source.splitlines()
     name = os.path.basename(script)
     out = [(ast.get_docstring(tree) or '').strip(), '',
@@ -140,6 +180,10 @@ def help_text(script, defaults):
            '', 'settings (default, meaning):']
     previous_end = 0
     for node in tree.body:
+        if _takes_variant_settings(node):
+            out += [f"    --{key}={defaults[key]!r}  {meaning}" for key, (_, meaning) in variant_fields().items()
+                    if key in defaults]
+            previous_end = node.end_lineno
         if not (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)):
             continue
         if node.targets[0].id == 'config_keys':

@@ -4,7 +4,8 @@ A GPT language model whose attention is chosen by `GPTConfig.attn_type`, in one 
 Read top to bottom: the config; what every attention variant shares (AttentionBase, the decoding cache, the
 causal SDPA calls); each variant with the kernels only it uses; the registry mapping `attn_type` to a class;
 MLP, Block and GPT, which are nanoGPT's; last the fused lm_head + cross-entropy loss. A variant is one
-AttentionBase subclass and one registry line. Equations and design decisions: docs/attention.md.
+AttentionBase subclass and one registry line (the checklist: docs/attention.md, Adding a variant). Equations and
+design decisions: docs/attention.md.
 
 References:
 1) nanoGPT: https://github.com/karpathy/nanoGPT/blob/master/model.py
@@ -37,19 +38,17 @@ class GPTConfig:
     dropout: float = 0.0
     bias: bool = True  # bias in Linears and LayerNorms, like GPT-2
     attn_type: str = 'base'  # a key of ATTENTION_TYPES (below)
-    # base / symmetric: query/key head size; None = n_embd // n_head (grow.py widens it)
-    qk_head_size: int = None
-    # noiseformer_v1 / noiseformer_v2
-    noise_init_std: float = 0.01  # the paper's "noise factor": mu, sigma ~ noise_init_std * N(0, 1)
-    noise_per_sample: bool = False  # one eps per sequence instead of one shared by the batch
-    noise_param: str = 'sigma'  # learn 'sigma' directly, or 'logvar' = log(sigma^2)
-    noise_at_eval: bool = True  # keep the noise on in eval mode and generation (as the paper)
-    noise_kernel: str = 'sdpa'  # 'sdpa': the noise as SDPA's mask; 'triton': drawn inside one kernel (CUDA)
-    # dint_lowrank
-    lowrank_rank: int = 32
-    lowrank_score_divisor: float = 81.0  # second-branch scores use scale sqrt(81) / sqrt(d)
-    # linear
-    linear_chunk_size: int = 64
+    # The variants' own settings, each read by the classes whose config_fields name it. The comment on a field's
+    # line is its meaning in train.py's and bench.py's --help, which take these fields as settings.
+    qk_head_size: int = None  # base / symmetric: query/key head size (None: n_embd // n_head); grow.py widens it
+    noise_init_std: float = 0.01  # noiseformer: mu, sigma ~ noise_init_std * N(0, 1) (the paper's noise factor)
+    noise_per_sample: bool = False  # noiseformer: one noise draw per sequence instead of one shared by the batch
+    noise_param: str = 'sigma'  # noiseformer: learn 'sigma' directly, or 'logvar' = log(sigma^2)
+    noise_at_eval: bool = True  # noiseformer: keep the noise on in evaluation and sampling (as the paper)
+    noise_kernel: str = 'sdpa'  # noiseformer: 'sdpa' (the noise as SDPA's mask) or 'triton' (drawn in one kernel, CUDA)
+    lowrank_rank: int = 32  # dint_lowrank: rank r of the second branch's query/key factors
+    lowrank_score_divisor: float = 81.0  # dint_lowrank: second-branch scores use scale sqrt(81) / sqrt(d)
+    linear_chunk_size: int = 64  # linear: tokens per chunk of the chunked causal linear attention
 
     def __post_init__(self):
         if self.attn_type not in ATTENTION_TYPES:
@@ -99,7 +98,12 @@ class AttentionBase(nn.Module):
     dropout; forward(x, cache=None) -> (B, T, C). A variant declares the GPTConfig fields it reads
     (config_fields), how many n_embd-wide projections c_attn computes and how many of them are queries / keys
     of qk_head_size per head, and may refuse a config (check_config). The rest of the project asks the class,
-    never its name: each hook below has the default of a variant that needs nothing there."""
+    never its name: each hook below has the default of a variant that needs nothing there.
+
+    Precision: in bf16 / fp16 a variant always runs under autocast (train.py, bench.py, eval.py, and sample.py,
+    which holds the Linear, Embedding and LayerNorm weights in that dtype), and its own parameters stay float32.
+    So a variant may use its parameters in any op autocast covers (a matmul); elsewhere it upcasts the
+    activations it combines them with, as DIFF's lambda and NoiseFormer's sigma are used here."""
     config_fields = ()
     c_attn_projections = 3  # q, k, v
     qk_projections = 0  # of them, queries / keys qk_head_size wide per head (base 2, symmetric 1)

@@ -20,11 +20,11 @@ none of the others, and the samples of prompt i equal those of --start=<that pro
 Prompts are not batched with each other, even when of equal length: the shared batch would make a
 prompt's samples depend on which other prompts are in the file (NoiseFormer noise draws, rounding).
 
-Weights are held in the sampling dtype instead of being autocast from float32 at every token; the few
-parameters model.py computes with in float32 (DIFF/DINT lambda and head norm, NoiseFormer mu/sigma) stay
-float32. --dtype=auto is the dtype the checkpoint was trained in where the device runs it (a model trained in
-float32 can answer differently in bfloat16), else the device's fastest (bfloat16, or float16 on CUDA without
-bfloat16). --dtype=float32 keeps everything in float32.
+Weights are held in the sampling dtype instead of being autocast from float32 at every token; a variant's
+own parameters (DIFF/DINT lambda and head norm, NoiseFormer mu/sigma) stay float32, and the model runs under
+autocast, as in training (model.AttentionBase: precision). --dtype=auto is the dtype the checkpoint was
+trained in where the device runs it (a model trained in float32 can answer differently in bfloat16), else the
+device's fastest (bfloat16, or float16 on CUDA without bfloat16). --dtype=float32 keeps everything in float32.
 
 Only the samples go to stdout; messages go to stderr, so `> appendix.md` captures a clean file.
 Formats:
@@ -55,7 +55,6 @@ from denoised_gpt.cpu_threads import wait_passively_if_busy
 answer_help(__file__)  # --help before the heavy imports below
 wait_passively_if_busy()  # before torch loads OpenMP, which reads its wait policy once
 
-import contextlib
 import json
 import os
 import re
@@ -154,8 +153,7 @@ dtype = run_dtype(dtype, device, trained_dtype(checkpoint if init_from == 'resum
 attn_type = model.config.attn_type
 model.to(device)
 
-# modules whose weights model.py uses at the activations' precision; every other parameter (DIFF/DINT
-# lambda vectors and head RMSNorm, NoiseFormer mu/sigma) is used in float32 there (upcast) and stays so
+# the modules whose weights autocast would cast at every token; a variant's own parameters stay float32
 LOW_PRECISION_MODULES = (torch.nn.Linear, torch.nn.Embedding, torch.nn.LayerNorm)
 
 
@@ -169,12 +167,11 @@ def hold_weights_in(model, dtype):
             module.to(torch_dtype(dtype))
 
 
-if dtype == 'float32':
-    ctx = autocast_context(device, dtype)  # a no-op context: float32 weights, float32 compute
-else:
-    hold_weights_in(model, dtype)
-    ctx = contextlib.nullcontext()  # the activations follow the weights' dtype; nothing to autocast
-    log(f"weights held in {dtype} for sampling (norm/lambda/noise parameters in float32)")
+# the rule of model.AttentionBase (precision): a variant's float32 parameters meet autocast, as in training
+ctx = autocast_context(device, dtype)  # float32: a no-op
+if dtype != 'float32':
+    hold_weights_in(model, dtype)  # so autocast casts none of them again
+    log(f"weights held in {dtype} for sampling (each variant's own parameters in float32)")
 
 if checkpoint is not None:
     val = checkpoint['best_val_loss']

@@ -26,7 +26,7 @@ Evaluation uses a fixed set of eval_iters batches per split (seeded the same way
 over the ranks, so val losses compare across evals, runs and attention variants.
 """
 
-from configurator import answer_help
+from configurator import answer_help, variant_settings
 from denoised_gpt.cpu_threads import wait_passively_if_busy
 
 answer_help(__file__)  # --help before the heavy imports below
@@ -102,16 +102,8 @@ n_head = 12  # attention heads per block
 n_embd = 768  # model width
 dropout = 0.0  # for pretraining 0 is good, for finetuning try 0.1+
 bias = False  # do we use bias inside LayerNorm and Linear layers?
-attn_type = 'base'  # base | symmetric | noiseformer_v1 | noiseformer_v2 | diff | dint | dint_lowrank | linear
-qk_head_size = None  # base / symmetric: query/key head size (None: n_embd // n_head); grow.py widens it
-noise_init_std = 0.01  # noiseformer: mu, sigma ~ noise_init_std * N(0, 1)
-noise_per_sample = False  # noiseformer: one noise draw per sequence instead of per batch
-noise_param = 'sigma'  # noiseformer: learn 'sigma' or 'logvar'
-noise_at_eval = True  # noiseformer: keep the noise on in evaluation and sampling (as the paper)
-noise_kernel = 'sdpa'  # noiseformer: 'sdpa' (the noise as SDPA's mask) or 'triton' (drawn inside one kernel: CUDA)
-lowrank_rank = 32  # dint_lowrank: rank r of the second branch's query/key factors
-lowrank_score_divisor = 81.0  # dint_lowrank: the second branch's scores are divided by this
-linear_chunk_size = 64  # linear: tokens per chunk of the chunked causal linear attention
+attn_type = 'base'  # the attention variant: a key of model.py's ATTENTION_TYPES (README: the table)
+globals().update(variant_settings())  # each variant's own settings: model.py's GPTConfig fields, defaults, meanings
 kl_weight = 5e-6  # loss = cross-entropy + kl_weight * KL(noise || N(0, 1)); KL is 0 without noise
 # adamw optimizer
 learning_rate = 6e-4  # max learning rate

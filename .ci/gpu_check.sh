@@ -67,7 +67,10 @@ wants bench && step bench-eager bench.log 150 python3 $BENCH --compile=False --r
   --generate=True --json_out=$OUT/bench_eager.json
 
 if wants compiled; then
-  for v in ${VARIANTS:-base noiseformer_v2 diff dint noiseformer_v1 symmetric dint_lowrank linear}; do
+  # by default every registered variant, these four first (a timeout keeps the ones done)
+  ALL=$(python3 -c "from model import ATTENTION_TYPES as A; first = ['base', 'noiseformer_v2', 'diff', 'dint']
+print(*first, *(a for a in A if a not in first))")
+  for v in ${VARIANTS:-$ALL}; do
     step "bench-compiled $v" bench.log 90 python3 $BENCH --compile=True --attn_types=$v --rounds=1 \
       --bench_iters=10 --json_out=$RUNS/bench_$v.json
     cat $RUNS/bench_$v.json >> "$OUT/bench_compiled.jsonl" 2>/dev/null && echo >> "$OUT/bench_compiled.jsonl"

@@ -15,6 +15,8 @@ mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd); REPO=$PWD
 if [ "${SMALL:-0}" = 1 ]; then SIZE="--n_layer=2 --n_head=2 --n_embd=64 --block_size=64"; NANO_SIZE="--block_size=64 --batch_size=2"
   ATTN_SIZE="--B=1 --H=2 --T=64 --d=32 --iters=2"
 else SIZE=""; NANO_SIZE=""; ATTN_SIZE=""; fi
+# bench.py's result rows start with an attn_type: every registered one
+VARIANTS=$(python3 -c "from model import ATTENTION_TYPES; print('|'.join(ATTENTION_TYPES))") || exit 1
 # setting NAME: directory, then the command's arguments (nanoGPT's own bench.py for the nanogpt* ones)
 declare -A DIR ARGS
 add() { DIR[$1]=$2; ARGS[$1]="${*:3}"; NAMES+=("$1"); }
@@ -55,7 +57,7 @@ for name in "${NAMES[@]}"; do
   if [[ $name == nanogpt* ]]; then cmd="${ARGS[$name]}"; else cmd="${ARGS[$name]} --warmup_iters=3 --bench_iters=10 --json_out=/tmp/bench-$name.json"; fi
   echo "== $name (timeout ${t}s, at $(( $(date +%s) - START ))s): cd ${DIR[$name]} && python3 $cmd" | tee -a "$OUT/bench.log"
   (cd ${DIR[$name]} && timeout -k 5 $t python3 $cmd > /tmp/time-$name.log 2>&1; echo "== $name: exit $?" >> "$OUT/bench.log")
-  grep -E "time per iteration|ms/iter|^ *(base|noiseformer|diff|dint|symmetric|linear)" /tmp/time-$name.log >> "$OUT/bench.log"
+  grep -E "time per iteration|ms/iter|^ *($VARIANTS)\b" /tmp/time-$name.log >> "$OUT/bench.log"
   [ -f /tmp/bench-$name.json ] && { printf '{"setting": "%s", "result": ' $name; cat /tmp/bench-$name.json; echo '}'; } >> "$OUT/bench.jsonl"
 done
 tail -n 40 /tmp/time-*.log /tmp/warm-*.log > "$OUT/all_tails.log" 2>&1

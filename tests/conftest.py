@@ -62,6 +62,10 @@ SLOW_FILES = ['test_compare.py', 'test_fsdp.py', 'test_compile.py', 'test_train.
 
 
 def pytest_configure(config):
+    # the quick first check, -m "not slow", leaves these out (README); CI runs everything
+    config.addinivalue_line("markers", "slow: a test of many seconds: the scripts run end to end in subprocesses "
+                            "(training, sweeps, torchrun, signals, kill -9), compiles, the Triton kernel's "
+                            "equations under its interpreter")
     # by default xdist reorders loadfile's files by their number of tests (most first), which left
     # test_fsdp.py (three long tests) to the very end: keep the order set below instead
     config.option.loadscopereorder = False

@@ -9,7 +9,7 @@ import torch
 from denoised_gpt.evaluation.attention_noise import PARTS, attention_noise, heatmap_panels
 from denoised_gpt.evaluation.entropy import plot_heatmaps
 from helpers import NO_AUTOCAST, run_script_in_process, tiny_checkpoint, tiny_gpt
-from model import ATTENTION_TYPES
+from model import ATTENTION_TYPES, TwoBranchAttention
 from naive_attention import naive_part_shares
 
 T = 12
@@ -99,7 +99,7 @@ def test_shares_equal_a_float64_computation_from_the_equations(tmp_path, attn_ty
     # DINT maps have negative weight; every part has weight somewhere
     assert expected[..., 0].max() - expected[..., 0].min() > 0.05
     assert (expected[..., :5].amax(dim=(0, 1)) > 1e-3).all() and (expected_layers[:, :5].amax(0) > 1e-3).all()
-    if attn_type in ('diff', 'dint', 'dint_lowrank'):
+    if issubclass(ATTENTION_TYPES[attn_type], TwoBranchAttention):
         assert (expected[..., signed] - expected[..., 0]).abs().max() > 1e-3
     # the five parts split the row's absolute mass; noise is everything but the answer and the own token
     for shares in (got, got_layers):

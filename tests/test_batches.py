@@ -471,6 +471,7 @@ def test_crafted_meta_pkl_is_refused_not_run(tmp_path):
     assert not (tmp_path / "marker").exists()
 
 
+@pytest.mark.slow
 def test_train_py_refuses_a_crafted_meta_pkl(tmp_path):
     data = crafted_dataset(tmp_path / "data", tmp_path / "marker")
     r = subprocess.run([sys.executable, "train.py", str(TINY), f"--dataset={data}",

@@ -14,6 +14,7 @@ from denoised_gpt.cli import R50K_BASE_URL, check_attn_types, check_ranges, gpt2
 from helpers import ROOT, VOCAB, make_dataset, subprocess_env, tiny_checkpoint
 
 
+@pytest.mark.slow
 def test_unreachable_hub_fails_at_once_without_retries(tmp_path):
     """An endpoint that refuses connections (port 9 on this machine) and an empty cache: the hub client
     alone would retry for about 50 s; the script must give its one-line error inside 40 s (room for a torch
@@ -127,6 +128,7 @@ def test_gpt2_encoding_takes_the_compact_file_when_cached_and_gpt2s_files_otherw
     assert sorted(os.listdir(only_gpt2)) == sorted(f for f in os.listdir(shared) if f != r50k_file)  # no download
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('script,args', [
     ('sample.py', ['--max_new_tokens=1000000', '--num_samples=1000']),
     ('eval.py', ['--entropy=True', '--entropy_batches=1000000']),

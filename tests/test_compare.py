@@ -19,6 +19,8 @@ import torch
 
 from helpers import ROOT, SCRIPT_VARIABLES, TINY, make_dataset, run_script_in_process, subprocess_env
 
+pytestmark = pytest.mark.slow  # training runs and sweeps (conftest.py: slow)
+
 # one xdist worker runs this whole file, so its module-scoped fixtures are built once (-n 2 --dist loadfile)
 
 ITERS = 24

@@ -23,6 +23,8 @@ from fake_gaudi import HAS_HABANA, events
 from helpers import ITER_LINE, ROOT, TINY_MODEL, make_dataset, run_train, run_train_in_process, subprocess_env, tiny_gpt
 from model import ATTENTION_TYPES
 
+pytestmark = pytest.mark.slow  # compiles and compiled training runs (conftest.py: slow)
+
 VOCAB = 96  # TINY_MODEL with another vocabulary size than make_dataset's
 
 

@@ -1,6 +1,5 @@
 """configurator.apply_config: nanoGPT's config files and --key=value overrides, every key and type
 checked; and every config file the project ships is valid for train.py."""
-import ast
 import dataclasses
 import os
 import runpy
@@ -8,7 +7,8 @@ import runpy
 import pytest
 import torch
 
-from configurator import MIN_TORCH, ConfigError, apply_config, torch_too_old
+from configurator import (MIN_TORCH, ConfigError, apply_config, script_defaults, torch_too_old, variant_fields,
+                          variant_settings)
 from helpers import ROOT, TINY, run_script_in_process
 from model import ATTENTION_TYPES, GPT, GPTConfig
 DEFAULTS = {'batch_size': 12, 'learning_rate': 6e-4, 'compile': False, 'out_dir': 'out',
@@ -142,27 +142,18 @@ def test_malformed_arguments_and_files(tmp_path):
 # The shipped config files against train.py's real defaults
 
 def train_defaults():
-    """train.py's settings: its top-level assignments before `config_keys`, evaluated like a
-    config file (so this test does not run the script)."""
-    tree = ast.parse((ROOT / 'train.py').read_text())
-    defaults = {}
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and node.targets[0].id == 'config_keys':
-            break
-        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
-            defaults[node.targets[0].id] = eval(compile(ast.Expression(node.value), 'train.py', 'eval'), {})
-    return defaults
+    """train.py's settings, read from its source (so this test does not run the script)."""
+    return script_defaults(str(ROOT / 'train.py'))
 
 
 CONFIGS = sorted(p.name for p in (ROOT / 'config').glob('*.py') if not p.name.startswith('compare_'))
 COMPARE_CONFIGS = sorted(p.name for p in (ROOT / 'config').glob('compare_*.py'))
-PAPER_CONFIGS = {'train_gpt2.py': 'base', 'symmetric.py': 'symmetric', 'noiseformer_v1.py': 'noiseformer_v1',
-                 'noiseformer_v2.py': 'noiseformer_v2', 'diff.py': 'diff', 'dint.py': 'dint',
-                 'dint_lowrank.py': 'dint_lowrank', 'linear.py': 'linear'}
+# each variant's GPT-2-small recipe: config/<attn_type>.py (base's is nanoGPT's train_gpt2.py)
+PAPER_CONFIGS = {('train_gpt2.py' if a == 'base' else f'{a}.py'): a for a in ATTENTION_TYPES}
 
 
 def test_train_defaults_match_gptconfig_defaults():
-    # train.py lists the model fields for readability; they must not drift from GPTConfig, or a
+    # train.py lists the model-wide fields for readability; they must not drift from GPTConfig, or a
     # default run would set a variant field on a variant that rejects it
     defaults = train_defaults()
     for f in dataclasses.fields(GPTConfig):
@@ -213,7 +204,8 @@ def test_shipped_compare_config_is_valid(name):
 
 
 def test_paper_configs_share_the_recipe():
-    assert set(PAPER_CONFIGS) <= set(CONFIGS)
+    missing = sorted(set(PAPER_CONFIGS) - set(CONFIGS))
+    assert not missing, f"no GPT-2-small recipe config/{missing[0]}: copy config/train_gpt2.py and set attn_type"
     recipe = dict(batch_size=12, block_size=1024, gradient_accumulation_steps=40, learning_rate=6e-4,
                   beta1=0.9, beta2=0.95, weight_decay=0.1, grad_clip=1.0, warmup_iters=2000,
                   lr_decay_iters=600000, min_lr=6e-5, max_iters=100000, eval_interval=1000,
@@ -228,7 +220,7 @@ def test_paper_configs_share_the_recipe():
 
 
 def test_paper_models_build():
-    # all eight 124M models, on the meta device: every shape is built, no memory or init time spent
+    # every variant's 124M model, on the meta device: every shape is built, no memory or init time spent
     counts = {}
     for name, attn_type in PAPER_CONFIGS.items():
         with torch.device('meta'):
@@ -258,18 +250,38 @@ def test_help_lists_every_key_with_default_and_meaning(script, flag):
     r = subprocess.run([sys.executable, script, flag], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert f"usage: python3 {script}" in r.stdout
-    tree = ast.parse((ROOT / script).read_text())
-    keys = []
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and node.targets[0].id == 'config_keys':
-            break
-        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
-            keys.append(node.targets[0].id)
+    keys = list(script_defaults(str(ROOT / script)))
+    if script in ('train.py', 'bench.py'):
+        assert set(variant_settings()) <= set(keys)
     lines = {line.split('=')[0].strip(): line for line in r.stdout.splitlines() if line.strip().startswith('--')}
     for key in keys:
         assert f'--{key}' in lines, key
         default_and_meaning = lines[f'--{key}'].split('=', 1)[1]
         assert '  ' in default_and_meaning.strip(), f"{script}: --{key} has no meaning (comment on its line)"
+
+
+def test_the_scripts_take_every_variant_setting_from_gptconfig():
+    """train.py and bench.py take each field a variant's config_fields names, with GPTConfig's default, in its
+    order: a variant's setting is written once, in model.py (read from its source, before torch loads)."""
+    used = {name for cls in ATTENTION_TYPES.values() for name in cls.config_fields}
+    expected = {f.name: f.default for f in dataclasses.fields(GPTConfig) if f.name in used}
+    assert expected and variant_settings() == expected and list(variant_settings()) == list(expected)
+    assert all(meaning for _, meaning in variant_fields().values())  # the comment on the field's line
+    for script in ('train.py', 'bench.py'):
+        assert script_defaults(str(ROOT / script)).items() >= expected.items(), script
+    with pytest.raises(ConfigError, match=r"unknown config key 'noise_init_sd'; did you mean 'noise_init_std'\?"):
+        apply_config(['--noise_init_sd=0.1'], train_defaults())
+
+
+def test_a_field_a_new_variant_reads_is_a_setting_with_its_meaning(tmp_path):
+    model = (ROOT / 'model.py').read_text().replace(
+        "    linear_chunk_size: int = 64", "    rope_base: float = 1e4  # rope: the base of the rotary angles\n"
+                                         "    linear_chunk_size: int = 64")
+    model += "\n\nclass RopeAttention(CausalSelfAttention):\n    config_fields = ('qk_head_size', 'rope_base')\n"
+    (tmp_path / 'model.py').write_text(model)
+    fields = variant_fields(str(tmp_path / 'model.py'))
+    assert fields['rope_base'] == (1e4, 'rope: the base of the rotary angles')
+    assert list(fields)[-2:] == ['rope_base', 'linear_chunk_size']  # GPTConfig's order
 
 
 def test_list_keys_take_python_lists_or_comma_separated_values(tmp_path):

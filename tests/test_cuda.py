@@ -13,7 +13,7 @@ import torch
 from helpers import iter_losses, make_dataset, run_train
 from denoised_gpt.checkpoint import load_checkpoint
 import model as model_module
-from model import KVCache, causal_attention, causal_randn
+from model import ATTENTION_TYPES, KVCache, causal_attention, causal_randn
 from naive_attention import NAIVE
 from test_model import (DIFFERENTIAL, NOISE, SDPA_VARIANTS, VARIANTS, make_model, naive_kwargs, noise_shape, rel_err,
                         sdpa_kernels)
@@ -176,7 +176,7 @@ def test_kv_cache_logits_on_cuda_equal_full_forward(attn_type):
     """Decoding one token at a time with the cache gives the full forward's logits at every
     position (float32 on cuda), so generation on the GPU samples from the right distribution."""
     overrides = {"noise_at_eval": False} if attn_type in NOISE else {}
-    if attn_type == "linear":
+    if "linear_chunk_size" in ATTENTION_TYPES[attn_type].config_fields:
         overrides["linear_chunk_size"] = 4
     model = make_model(attn_type, dtype=torch.float32, **overrides).to(CUDA).eval()
     idx = torch.randint(0, 61, (2, 20), device=CUDA)

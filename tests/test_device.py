@@ -151,6 +151,7 @@ def test_hpu_helpers_do_nothing_off_hpu():
 # -----------------------------------------------------------------------------
 # Intel Gaudi path against a fake habana_frameworks (tests/fake_gaudi.py; the fake_habana fixture: conftest.py)
 
+@pytest.mark.slow
 @pytest.mark.skipif(HAS_HABANA, reason="a real habana_frameworks is installed")
 def test_hpu_lazy_ddp_run(tmp_path, fake_habana):
     """torchrun, 2 ranks, lazy mode: hccl, mark_step after every backward and optimizer step (and
@@ -253,6 +254,7 @@ def test_the_scripts_settle_the_wait_policy_before_anything_imports_torch(script
     assert len(calls) == 1 and calls[0] < imports[0], script
 
 
+@pytest.mark.slow
 def test_sample_on_a_busy_cpu_says_how_the_threads_wait(tmp_path):
     """sample.py in a process whose idle_cores reads a busy machine: the policy is set before torch loads and
     said on stderr."""

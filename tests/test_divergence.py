@@ -76,6 +76,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.slow
 def test_all_finite_agrees_across_the_ranks_of_sharded_weights(tmp_path):
     """What an fsdp run's save checks: a NaN in one rank's shard makes every rank refuse the save (they must
     agree, or some would write their shards and wait for the others for ever)."""

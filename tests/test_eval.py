@@ -124,7 +124,7 @@ def test_attention_maps_times_values_give_each_variants_attention_output():
     """The analysis maps are the matrices the fast paths multiply V by (float64, noise off)."""
     x = torch.randn(2, 9, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
     for attn_type in ATTENTION_TYPES:
-        extra = dict(noise_at_eval=False) if attn_type.startswith('noiseformer') else {}
+        extra = dict(noise_at_eval=False) if 'noise_at_eval' in ATTENTION_TYPES[attn_type].config_fields else {}
         model = tiny_model(attn_type, n_head=4, n_embd=16, **extra).double()
         attn = model.transformer.h[1].attn
         maps = attn.attention_maps(x)
@@ -216,6 +216,7 @@ def char_run(tmp_path_factory):
     return dict(root=root, data=data, base_dir=base_dir, base=base, diff_dir=diff_dir)
 
 
+@pytest.mark.slow
 def test_eval_script_val_loss_and_entropy_with_a_side_by_side(char_run):
     r = launch(f"--out_dir={char_run['diff_dir']}", '--val_loss=True', '--entropy=True', '--device=cpu',
                '--dtype=float32', '--entropy_batches=2', '--batch_size=3', f"--compare_to={char_run['base_dir']}")
@@ -391,6 +392,7 @@ def test_eval_script_a_full_disk_when_writing_results_is_one_line_and_keeps_the_
         assert not os.path.lexists(eval_dir / f"{name}.tmp") and (eval_dir / name).read_text() == 'the earlier result\n'
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists('/dev/full'), reason="needs /dev/full (every write: ENOSPC)")
 def test_eval_script_a_stdout_that_cannot_take_the_results_is_one_line(char_run, tmp_path):
     """`eval.py > /dev/full`: a full disk behind stdout was an OSError traceback."""

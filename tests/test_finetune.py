@@ -192,6 +192,7 @@ def assert_same_run(full, full_dir, resumed, part_dir, resumed_from, n):
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow
 def test_trainable_new_from_a_nanogpt_checkpoint_moves_only_the_new_tensors_and_resumes_exactly(tmp_path):
     """Under DDP (2 ranks, gloo): frozen parameters get no gradient hooks and no AdamW state."""
     data = make_dataset(tmp_path)

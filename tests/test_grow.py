@@ -266,6 +266,7 @@ def run_grow(*args):
     return proc.returncode, proc.stdout, proc.stderr
 
 
+@pytest.mark.slow
 def test_grow_script_then_train_resumes_with_ddp_and_bf16(tmp_path):
     data = make_dataset(tmp_path)
     narrow = tmp_path / 'narrow'
@@ -306,6 +307,7 @@ def test_grow_script_rejects_bad_requests_in_one_line(tmp_path):
     assert rc == 2 and "attn_type='symmetric'; grow.py widens `base` attention only" in err
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(sys.platform != 'linux', reason="file modes, capabilities and mount namespaces as on Linux")
 def test_grow_script_an_out_it_cannot_write_in_is_one_line_before_growing(tmp_path):
     """--out on a read-only file system, or in a folder without write permission: an OSError traceback at the
@@ -336,6 +338,7 @@ def test_grow_script_an_out_it_cannot_write_in_is_one_line_before_growing(tmp_pa
     assert os.listdir(tmp_path / 'locked') == []
 
 
+@pytest.mark.slow
 def test_grow_script_never_writes_into_a_folder_another_process_holds(tmp_path):
     """--out held by another writer (a training run started there, say) when the grown checkpoint is ready:
     refused in one line, and nothing of grow.py's is written there."""

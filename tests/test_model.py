@@ -15,15 +15,15 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from model import (ATTENTION_TYPES, GPT, GPTConfig, KVCache, NoiseFormerAttention, TwoBranchAttention,
-                   causal_randn)
+from model import (ATTENTION_TYPES, GPT, GPTConfig, KVCache, LinearAttention, NoiseFormerAttention,
+                   TwoBranchAttention, causal_randn)
 from naive_attention import NAIVE, NAIVE_MAPS, diff_lambda, lambda_init_for, noise_mu_sigma
 
 F64 = torch.float64
 VARIANTS = list(ATTENTION_TYPES)  # every registered variant, each checked against its float64 reference
 NOISE = [v for v in VARIANTS if issubclass(ATTENTION_TYPES[v], NoiseFormerAttention)]
 DIFFERENTIAL = [v for v in VARIANTS if issubclass(ATTENTION_TYPES[v], TwoBranchAttention)]
-SDPA_VARIANTS = [v for v in VARIANTS if v != "linear"]  # linear attention calls no SDPA
+SDPA_VARIANTS = [v for v in VARIANTS if not issubclass(ATTENTION_TYPES[v], LinearAttention)]  # it calls no SDPA
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -94,7 +94,7 @@ def rel_err(a, b):
 
 
 def noise_shape(attn_type, B, H, T, per_sample):
-    return (B if per_sample else 1, 1 if attn_type == "noiseformer_v1" else H, T, T)
+    return (B if per_sample else 1, ATTENTION_TYPES[attn_type].noise_heads or H, T, T)
 
 
 def naive_kwargs(attn_type, layer_index, config):
@@ -110,7 +110,7 @@ def naive_kwargs(attn_type, layer_index, config):
 
 def test_every_registered_variant_has_its_float64_references():
     # the groups the tests below run over, derived from the classes: none may come out empty
-    assert NOISE == ["noiseformer_v1", "noiseformer_v2"] and DIFFERENTIAL == ["diff", "dint", "dint_lowrank"]
+    assert {"noiseformer_v1", "noiseformer_v2"} <= set(NOISE) and {"diff", "dint", "dint_lowrank"} <= set(DIFFERENTIAL)
     for attn_type in VARIANTS:
         assert callable(NAIVE[attn_type]) and callable(NAIVE_MAPS[attn_type]), attn_type
     assert list(NAIVE) == list(NAIVE_MAPS) == VARIANTS
@@ -294,6 +294,9 @@ def gpt2_small_count(attn_type, vocab_size=50304, rank=32):
         # is one differential head of dim d
         "dint_lowrank": L * (4 * C * rank + 4 * d + d),
     }
+    if attn_type not in extra:
+        pytest.fail(f"no GPT-2-small parameter formula for attn_type={attn_type!r}: add its extra parameters to "
+                    f"gpt2_small_count in tests/test_model.py (and the README's table)", pytrace=False)
     return base + extra[attn_type]
 
 
@@ -472,8 +475,9 @@ GEN_CASES = [  # (prompt length, new tokens, block_size, temperature, top_k)
 @pytest.mark.parametrize("attn_type,overrides", GEN_VARIANTS, ids=[v for v, _ in GEN_VARIANTS])
 def test_kv_cache_generation_equals_cache_free(attn_type, overrides, case):
     prompt_len, new, block, temperature, top_k = case
-    model = make_model(attn_type, block_size=block, linear_chunk_size=4, **overrides) \
-        if attn_type == "linear" else make_model(attn_type, block_size=block, **overrides)
+    if "linear_chunk_size" in ATTENTION_TYPES[attn_type].config_fields:
+        overrides = {**overrides, "linear_chunk_size": 4}  # chunk boundaries inside the prompt and the generation
+    model = make_model(attn_type, block_size=block, **overrides)
     model.eval()
     prompt = torch.randint(0, 61, (2, prompt_len), generator=torch.Generator().manual_seed(4))
     outs = []
@@ -854,9 +858,8 @@ def test_fused_cross_entropy_bf16_autocast_close_to_float32():
     assert abs(fused - exact) <= 2 * abs(ref - exact) + 1e-6
 
 
-@pytest.mark.parametrize("attn_type,overrides", [
-    ("base", {}), ("linear", {}), ("diff", {}), ("dint", {}), ("dint_lowrank", {}),
-    *[(a, {"noise_param": p}) for a in NOISE for p in ("sigma", "logvar")]])
+@pytest.mark.parametrize("attn_type,overrides", [(a, {}) for a in VARIANTS if a not in NOISE]
+                         + [(a, {"noise_param": p}) for a in NOISE for p in ("sigma", "logvar")])
 def test_learned_values_per_layer_match_the_parameters(attn_type, overrides):
     """What train.py logs at each evaluation: sigma and mu per head (v2) or layer (v1) for NoiseFormer,
     lambda per layer for DIFF/DINT (the float64 references' own formulas), nothing for the others."""
@@ -870,12 +873,12 @@ def test_learned_values_per_layer_match_the_parameters(attn_type, overrides):
             assert len(values["sigma"][i]) == (1 if attn_type == "noiseformer_v1" else 4)
             assert values["sigma"][i] == pytest.approx(sigma.tolist(), rel=1e-12)
             assert values["mu"][i] == pytest.approx(mu.tolist(), rel=1e-12)
-    elif attn_type.startswith(("diff", "dint")):
+    elif attn_type in DIFFERENTIAL:
         assert set(values) == {"lambda"}
         assert [v[0] for v in values["lambda"]] == pytest.approx(
             [diff_lambda(block.attn, i).item() for i, block in enumerate(blocks)], rel=1e-12)
     else:
-        assert values == {}
+        assert values == {}, f"{attn_type} logs {sorted(values)}: check them against its float64 reference here"
 
 
 # ----------------------------------------------------------------------------- fused paths: never SDPA's math path
@@ -901,7 +904,8 @@ def test_training_step_never_takes_sdpa_math_path(attn_type):
         _, loss = model(idx, targets=idx)
         (loss + model.kl_divergence()).backward()
     kernels = sdpa_kernels(step)
-    assert kernels and not any("math" in k for k in kernels), kernels
+    assert kernels, f"{attn_type} ran no SDPA kernel; if it calls none, leave its class out of SDPA_VARIANTS"
+    assert not any("math" in k for k in kernels), kernels
 
 
 def test_wide_values_equal_one_wide_call_float64():

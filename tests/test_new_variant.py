@@ -5,11 +5,15 @@ scores, so its maps and memory formula follow from its class; and `relu`, relu(Q
 the visible keys, which rewrites base's forward and so inherits none of what base's softmax implies."""
 import contextlib
 import dataclasses
+import json
 import math
+import pickle
 import re
+import string
 
 import pytest
 import torch
+from torch import nn
 from torch.nn import functional as F
 
 from denoised_gpt.evaluation.attention_noise import PARTS, attention_noise
@@ -17,7 +21,7 @@ from denoised_gpt.evaluation.entropy import attention_entropy
 from denoised_gpt.hf_format import export
 from denoised_gpt.memory_plan import ATTENTION_ACTIVATIONS, plan
 from denoised_gpt.parallel import kl_layers
-from helpers import NO_AUTOCAST, run_script_in_process
+from helpers import NO_AUTOCAST, TINY_MODEL, run_script_in_process, tiny_checkpoint
 from model import (ATTENTION_TYPES, GPT, AttentionBase, CausalSelfAttention, GPTConfig, LinearAttention,
                    append_to_cache, causal_attention, causal_mask, merge_heads)
 from naive_attention import NAIVE, NAIVE_MAPS, MissingReference
@@ -70,6 +74,20 @@ class PenalisedTemperedAttention(TemperedAttention):
 
     def kl_divergence(self):
         return 0.5 * self.c_proj.weight.square().sum()
+
+
+class MixedAttention(CausalSelfAttention):
+    """base whose queries pass through a learned (head size x head size) matrix: a parameter of the variant's
+    own, outside the Linear / Embedding / LayerNorm modules, used in a matmul."""
+
+    def __init__(self, config, layer_idx):
+        super().__init__(config, layer_idx)
+        self.q_mix = nn.Parameter(torch.eye(self.qk_head_size))
+
+    def forward(self, x, cache=None):
+        q, k, v = self.queries_keys_values(x)
+        k, v = append_to_cache(cache, k=k, v=v)
+        return self.output(causal_attention(q @ self.q_mix, k, v, self.attn_dropout_p))
 
 
 TOYS = {'tempered': TemperedAttention, 'relu': ReluAttention}
@@ -136,6 +154,24 @@ def test_a_variant_s_kl_term_is_what_its_class_says(monkeypatch):
     assert torch.allclose(layers[0].c_proj.weight.grad, layers[0].c_proj.weight)
     noisy = toy_model('noiseformer_v2')
     assert kl_layers(noisy) == [block.attn for block in noisy.transformer.h]
+
+
+def test_sample_py_s_bf16_path_runs_a_variant_with_its_own_float_parameter(tmp_path, monkeypatch):
+    """AttentionBase's dtype rule: sample.py holds the weights in bf16 and keeps the variant's own float32
+    parameter working as training's autocast does (the matmul of bf16 queries and a float32 matrix)."""
+    monkeypatch.setitem(ATTENTION_TYPES, 'mixed', MixedAttention)
+    chars = (string.ascii_letters + string.digits + ' .')[:TINY_MODEL['vocab_size']]
+    (tmp_path / 'data').mkdir()
+    with open(tmp_path / 'data' / 'meta.pkl', 'wb') as f:  # nanoGPT's char-level vocabulary
+        pickle.dump({'vocab_size': len(chars), 'itos': dict(enumerate(chars)),
+                     'stoi': {c: i for i, c in enumerate(chars)}}, f)
+    tiny_checkpoint(tmp_path / 'out', 'mixed', tmp_path / 'data')
+    r = run_script_in_process('sample.py', [f"--out_dir={tmp_path / 'out'}", '--dtype=bfloat16', '--start=ab',
+                                            '--max_new_tokens=8', '--num_samples=2', '--format=jsonl'])
+    assert r.returncode == 0, r.stderr
+    assert "weights held in bfloat16" in r.stderr
+    completions = [json.loads(line)['completion'] for line in r.stdout.splitlines()]
+    assert len(completions) == 2 and all(len(c) == 8 and set(c) <= set(chars) for c in completions), completions
 
 
 # ----------------------------------------------------------------------------------------------
@@ -234,7 +270,7 @@ def test_compare_s_default_sweep_is_every_registered_variant():
     assert r.returncode != 0
     listed = re.search(r"every attn_type of attn_types \(([^)]*)\)", r.stderr.strip().splitlines()[-1])
     assert listed and listed[1].split(', ') == list(ATTENTION_TYPES)
-    assert listed[1].endswith('linear, tempered, relu')
+    assert listed[1].split(', ')[-len(TOYS):] == list(TOYS)  # the toys registered here are swept too
 
 
 def test_the_hf_export_refuses_a_variant_its_copy_of_model_py_lacks(tmp_path):

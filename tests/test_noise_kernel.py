@@ -79,6 +79,7 @@ def rel_err(a, b):
 
 @pytest.mark.parametrize("noise_heads,per_sample,D", [(3, False, 16), (3, True, 16), (1, False, 16), (1, True, 16),
                                                       (2, True, 64)])
+@pytest.mark.slow
 def test_float32_equals_the_float64_equations(nk, noise_heads, per_sample, D):
     """v2 (one eps and sigma per head) and v1 (one for all heads), per sample or shared by the batch: output and the
     gradients of q (its uses as query and as key), v and sigma against float64 with the eps the kernel drew; mu's
@@ -92,6 +93,7 @@ def test_float32_equals_the_float64_equations(nk, noise_heads, per_sample, D):
     assert rel_err(dsigma, ref[3]) < 2e-5 and ref[3].abs().min() > 1e-3  # a gradient that could be wrong
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_within_the_sdpa_paths_rounding(nk, dtype):
     """bf16 / fp16 inputs, float32 accumulation: no further from the float64 equations than a few times the SDPA
@@ -203,6 +205,7 @@ def replay_kernel_noise(nk, reference_model, kernel_model, B, T):
         attn.draw_noise = lambda *args, eps=eps, **kwargs: eps
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("attn_type,per_sample", [("noiseformer_v2", False), ("noiseformer_v1", True)])
 def test_training_step_equals_the_sdpa_path_with_the_same_eps(nk, attn_type, per_sample):
     """One SGD step of a 2-layer model with noise_kernel='triton' equals the SDPA path's given the same eps: loss,
@@ -235,6 +238,7 @@ def test_training_step_equals_the_sdpa_path_with_the_same_eps(nk, attn_type, per
             assert torch.all(p.grad.abs() < 1e-6)
 
 
+@pytest.mark.slow
 def test_compiled_without_a_graph_break_equals_eager(nk):
     """torch.compile(fullgraph=True) takes the kernel as one op (a graph break would raise), and the compiled
     forward and backward equal eager's for the same seed."""
@@ -293,6 +297,7 @@ def test_without_triton_the_model_says_so_and_trains_on_the_sdpa_path(tmp_path):
     assert lines[1] == "sigma grad True"
 
 
+@pytest.mark.slow
 def test_kernels_compile_for_an_h100(tmp_path):
     """What the interpreter cannot check (types, tile shapes, shared memory): triton compiles the three kernels for
     sm_90 down to ptxas, here without a GPU (.ci/triton_compile_check.py --quick, in a fresh Triton cache)."""

@@ -30,6 +30,7 @@ def snapshot(folder):
     return {p.relative_to(folder): p.read_bytes() for p in sorted(folder.rglob('*')) if p.is_file()}
 
 
+@pytest.mark.slow
 def test_a_second_run_on_a_busy_out_dir_is_refused_and_the_first_is_untouched(tmp_path, data):
     out = tmp_path / 'out'
     first = subprocess.Popen(train_command(out, data, '--max_iters=100000', '--eval_interval=20'), cwd=ROOT,
@@ -61,6 +62,7 @@ def test_a_second_run_on_a_busy_out_dir_is_refused_and_the_first_is_untouched(tm
     train(*train_command(out, data, '--init_from=resume', f'--max_iters={k + 1}')[2:])
 
 
+@pytest.mark.slow
 def test_a_run_killed_with_sigkill_leaves_no_lock_behind(tmp_path, data):
     out = tmp_path / 'out'
     proc = subprocess.Popen(train_command(out, data, '--max_iters=100000', '--eval_interval=5'), cwd=ROOT,
@@ -89,6 +91,7 @@ REFUSED = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('args', REFUSED, ids=[a[0].split('=')[0][2:] for a in REFUSED])
 def test_a_refused_setting_leaves_out_dir_byte_identical(args, tmp_path, data):
     out = tmp_path / 'out'
@@ -313,6 +316,7 @@ def test_a_number_no_float_holds_is_not_a_row(tmp_path):
         "its iter is 18446744073709551616, not a non-negative integer up to 2**63 - 1"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('kind', ['device', 'FIFO', 'sparse file'])
 def test_a_metrics_log_that_is_a_device_or_a_fifo_is_refused_at_resume_in_one_line(tmp_path, data, kind):
     """A link to /dev/zero was read whole (the process grew to 24 GB); a FIFO hung the resume; a sparse file of a

@@ -372,6 +372,7 @@ def test_train_then_eval_recall(mqar, tmp_path):
     assert plain.returncode != 0
 
 
+@pytest.mark.slow
 def test_ddp_two_ranks_match_one_process_on_labelled_examples(mqar, tmp_path):
     """Each rank draws its micro-batches of whole examples and takes their labels as one process does."""
     args = ['--attn_type=diff', '--gradient_accumulation_steps=2', '--max_iters=4', '--eval_interval=4',
@@ -385,6 +386,7 @@ def test_ddp_two_ranks_match_one_process_on_labelled_examples(mqar, tmp_path):
     assert abs(eval_losses(one.stdout)[4] - eval_losses(two.stdout)[4]) < 1e-5
 
 
+@pytest.mark.slow
 def test_compare_sweeps_a_grid_and_reports_accuracy(mqar, tmp_path):
     """Two widths x two variants, two runs at a time: each run trained at its grid point, the accuracy
     and attention-share tables and their paired readings read from each run's recall.json and

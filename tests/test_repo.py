@@ -5,6 +5,7 @@ import shutil
 import subprocess
 
 from helpers import ROOT
+from model import ATTENTION_TYPES
 
 
 def readme_commands():
@@ -46,3 +47,23 @@ def test_the_docs_index_names_every_page_and_result_folder_and_its_links_resolve
     assert all((docs / link).exists() for link in links), [link for link in links if not (docs / link).exists()]
     named = {link.split("/")[0] for link in links} - {".."}  # (the top-level README)
     assert sorted(named) == sorted(p.name for p in docs.iterdir() if p.name != "README.md")
+
+
+def undocumented(attn_types):
+    """One line per attn_type that the README's table of variants or a heading of docs/attention.md lacks."""
+    readme = (ROOT / "README.md").read_text().split("## Attention variants", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^`(\w+)` \|", readme, re.M)
+    sections = re.findall(r"^## (.+)$", (ROOT / "docs" / "attention.md").read_text(), re.M)
+    words = [re.findall(r"\w+", heading) for heading in sections]
+    return ([f"README.md's table of attention variants has no row for attn_type={a!r}: add one"
+             for a in attn_types if a not in rows]
+            + [f"docs/attention.md has no section for attn_type={a!r}: add '## {a}' with its equations"
+               for a in attn_types if not any(a in w for w in words)])
+
+
+def test_the_readme_table_and_attention_md_name_every_registered_variant():
+    missing = undocumented(ATTENTION_TYPES)
+    assert not missing, "; ".join(missing)
+    assert undocumented(["tempered"]) == [
+        "README.md's table of attention variants has no row for attn_type='tempered': add one",
+        "docs/attention.md has no section for attn_type='tempered': add '## tempered' with its equations"]

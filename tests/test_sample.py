@@ -417,6 +417,7 @@ def test_a_nonfinite_checkpoint_is_one_line(ckpts, tmp_path):
                                                 f"to it, if finite), or train again with a lower learning_rate"]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists('/dev/full'), reason="needs /dev/full (every write: ENOSPC)")
 def test_a_stdout_that_cannot_take_the_samples_is_one_line(ckpts):
     """`sample.py > /dev/full`: a full disk behind stdout was an OSError traceback."""

@@ -16,6 +16,7 @@ CASES = {**{script: 50 for script in SCRIPTS}, **{script: 100 for script in DATA
          'data/shakespeare_char/prepare.py': 20}  # (its one setting, --input, has 9 bad values)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('script', SCRIPTS + DATA_SCRIPTS)
 def test_invalid_settings_never_end_in_a_traceback(script):
     cases = CASES[script]

@@ -88,6 +88,7 @@ KILL_POINTS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('point', KILL_POINTS)
 def test_a_kill_during_a_save_leaves_the_previous_checkpoint(tmp_path, point):
     first = trained_checkpoint(tmp_path / 'src1', iter_num=1)
@@ -187,6 +188,7 @@ def test_a_checkpoint_that_does_not_fit_its_own_model_args_is_one_line(tmp_path,
         f"(48, 32), the model they describe (64, 32)"], proc.stderr
 
 
+@pytest.mark.slow
 def test_convert_never_writes_beside_a_run_that_holds_the_out_dir(tmp_path):
     """convert_checkpoint.py takes out_dir's lock as train.py does: while another process holds it (a training
     run), the conversion is refused in one line and writes nothing."""

@@ -268,6 +268,7 @@ def test_an_index_whose_train_state_is_huge_is_refused_before_it_is_parsed(sourc
     assert peak < peak_of_load(folder_of(source))[1] + 100
 
 
+@pytest.mark.slow
 def test_a_fifo_in_the_folder_is_one_line_not_a_hang(source, tmp_path):
     """Opening a FIFO waits for a writer that never comes: refused as what it is. Run as a process with a time
     limit: a regression hangs."""
@@ -374,6 +375,7 @@ def test_a_ckpt_pt_whose_parts_overlap_or_inflate_is_refused_before_torch_reads_
     assert "compressed or larger than the file" in refusal(out)
 
 
+@pytest.mark.slow
 def test_a_counter_nesting_a_huge_structure_is_named_in_a_short_line(source, tmp_path):
     """A ckpt.pt of kilobytes whose iter_num is a list nesting itself 2^60 times over (a pickle shares it): its
     repr would never end, and a walk of it (a conversion to JSON) would build 2^60 lists. Refused before it is

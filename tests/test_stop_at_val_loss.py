@@ -9,6 +9,8 @@ import torch
 
 from helpers import SCRIPT_VARIABLES, TINY, VOCAB, make_dataset, run_script_in_process, run_train_in_process
 
+pytestmark = pytest.mark.slow  # training runs and sweeps (conftest.py: slow)
+
 ITERS = 40
 SCHEDULE = (f'--max_iters={ITERS}', f'--lr_decay_iters={ITERS}', '--eval_interval=5')
 

@@ -591,6 +591,7 @@ def test_a_damaged_json_file_of_an_exported_folder_is_one_line(exported, tmp_pat
     assert not (tmp_path / 'new').exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('pointer', ['elsewhere', 'fifo', 'link out', 'symbolic link', 'hard link'])
 def test_the_pointer_to_the_newest_sharded_checkpoint_names_a_folder_of_the_run_or_is_refused(source, tmp_path,
                                                                                                pointer):
