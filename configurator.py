@@ -133,6 +133,18 @@ def variant_fields(model_file=MODEL_FILE):
             for node in config.body if isinstance(node, ast.AnnAssign) and node.target.id in used}
 
 
+def attention_names(model_file=MODEL_FILE):
+    """The keys of model.py's ATTENTION_TYPES, read from its source (as variant_fields); [] where they cannot be read
+    that way, leaving the check to GPTConfig."""
+    with open(model_file) as f:
+        tree = ast.parse(f.read())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], 'id', None) == 'ATTENTION_TYPES' and \
+                isinstance(node.value, ast.Dict):
+            return [k.value for k in node.value.keys if isinstance(k, ast.Constant)]
+    return []
+
+
 def variant_settings():
     """{field: GPTConfig's default} of every variant's own settings (variant_fields)."""
     return {key: default for key, (default, _) in variant_fields().items()}

@@ -93,11 +93,11 @@ def check_before_torch(script):
     """train.py's settings that are wrong on any machine, said in one line (exit 2) before torch loads (1.5 s on an
     idle 2-core CPU, 15-30 s on a busy one): an unknown key or a value of the wrong type, an attn_type model.py
     does not register, a dataset without its token files. train.py checks everything again once torch is in."""
-    from configurator import script_defaults
+    from configurator import attention_names, script_defaults
     from denoised_gpt.files import check_token_files
     given = set()
     config = read_config(script, script_defaults(script), given)
-    names = attention_names(os.path.join(os.path.dirname(os.path.abspath(script)), 'model.py'))
+    names = attention_names()
     if names and config['attn_type'] not in names:
         close = difflib.get_close_matches(str(config['attn_type']), names, n=1, cutoff=0.5)
         fail(f"attn_type={config['attn_type']!r} is not a known attention variant; valid values: {', '.join(names)}."
@@ -107,19 +107,6 @@ def check_before_torch(script):
             check_token_files(os.path.join('data', config['dataset']))
         except (FileNotFoundError, ValueError) as e:
             fail(e)
-
-
-def attention_names(model_file):
-    """The keys of model.py's ATTENTION_TYPES, read from its source (importing it imports torch); [] where they
-    cannot be read that way, leaving the check to GPTConfig."""
-    import ast
-    with open(model_file) as f:
-        tree = ast.parse(f.read())
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and getattr(node.targets[0], 'id', None) == 'ATTENTION_TYPES' and \
-                isinstance(node.value, ast.Dict):
-            return [k.value for k in node.value.keys if isinstance(k, ast.Constant)]
-    return []
 
 
 def check_attn_types(names, all_allowed=False):

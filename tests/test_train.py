@@ -247,7 +247,7 @@ def test_a_wrong_key_attn_type_or_dataset_is_said_before_torch_loads(arg, messag
 
 
 def test_the_attention_names_read_before_torch_loads_are_model_pys():
-    from denoised_gpt.cli import attention_names
+    from configurator import attention_names
     assert attention_names(ROOT / 'model.py') == list(ATTENTION_TYPES)
 
 
