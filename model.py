@@ -590,6 +590,20 @@ class DiffAttention(TwoBranchAttention):
                              f"{config.attn_type!r}: each differential head uses two heads")
 
 
+# Why DIFF / DINT have a kernel of their own: SDPA's fused kernels need one head size for q, k and v, and their
+# values are twice as wide, which sent SDPA to the math path (340 ms against 105 ms at block 1024 on CPU).
+
+def causal_attention_wide_values(q, k, v, dropout_p=0.0):
+    """causal_attention for values n times wider than q and k: one fused call per d-wide slice of the values on
+    the same q and k, the outputs side by side (stacking the slices along the batch measured the same, but
+    copies q and k). With attention dropout, separate calls would drop a score for one slice and keep it for
+    another: there the one wide call keeps one mask."""
+    d = q.size(-1)
+    if v.size(-1) == d or dropout_p > 0:
+        return causal_attention(q, k, v, dropout_p)
+    return torch.cat([causal_attention(q, k, v_slice) for v_slice in v.split(d, dim=-1)], dim=-1)
+
+
 class DintAttention(DiffAttention):
     """dint: O = (lambda A3 + A1 - lambda A2) V with the causal integral term A3[i] = mean over rows r <= i of
     A1[r], i.e. A3 V is the running mean over positions of A1 V."""
@@ -646,20 +660,6 @@ class LowRankDintAttention(DintAttention):
         o1 = causal_attention(q1, k1, v, self.attn_dropout_p)
         o2 = causal_attention(q2, k2, v, self.attn_dropout_p, scale=self.branch2_scale)
         return o1, o2
-
-
-# Why DIFF / DINT have a kernel of their own: SDPA's fused kernels need one head size for q, k and v, and their
-# values are twice as wide, which sent SDPA to the math path (340 ms against 105 ms at block 1024 on CPU).
-
-def causal_attention_wide_values(q, k, v, dropout_p=0.0):
-    """causal_attention for values n times wider than q and k: one fused call per d-wide slice of the values on
-    the same q and k, the outputs side by side (stacking the slices along the batch measured the same, but
-    copies q and k). With attention dropout, separate calls would drop a score for one slice and keep it for
-    another: there the one wide call keeps one mask."""
-    d = q.size(-1)
-    if v.size(-1) == d or dropout_p > 0:
-        return causal_attention(q, k, v, dropout_p)
-    return torch.cat([causal_attention(q, k, v_slice) for v_slice in v.split(d, dim=-1)], dim=-1)
 
 
 # ----------------------------------------------------------------------------------------------
