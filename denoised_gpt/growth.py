@@ -13,7 +13,7 @@ appended, so the bias is the last row of each factor) and W_Q, W_K the head's (C
 
 The new scores X W_Q' W_K'^T X^T / sqrt(d') = X Z_d' X^T / sqrt(d): the c^2 = sqrt(d'/d) folded into
 the factors cancels the change of the score scale from 1/sqrt(d) to 1/sqrt(d'). The sign of the step
-is a descent step (S moves to S - step_size * G); the issue's B = G + sqrt(d) S is step_size = -1.
+is a descent step (S moves to S - step_size * G); B = G + sqrt(d) S, read literally, is step_size = -1.
 
 Baselines: 'zero' appends zero columns and 'random' columns drawn at init scale (N(0, 0.02^2)); both
 keep the old columns and fold the whole sqrt(d'/d) into the query side, which is exact (a power of
