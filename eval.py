@@ -361,19 +361,23 @@ if attention_noise:
         r = seeded(attention_shares, which_model, info['data_dir'], batch_size, device, ctx)
         r.update(file=val_path, attn_type=which_info['attn_type'], checkpoint=which_info['checkpoint'],
                  noise_on=which_info['noise_on'], dtype=dtype, seed=seed)
-        look, layer = r['lookup'], r['reading_layer']
+        look, layer, w = r['lookup'], r['reading_layer'], r['part_words']
 
         def parts(s):
-            return (f"answer {s['answer']:.3f} (signed {s['signed_answer']:.3f}), other pairs {s['pairs']:.3f}, "
-                    f"own token {s['own']:.3f}, earlier queries {s['queries']:.3f}, filler {s['filler']:.3f}")
-        best = ', '.join(f"L{b['layer']}h{b['head']} {b['answer']:.3f} ({b['signed_answer']:.3f})" for b in r['best_head'])
-        by_filler = ', '.join(f"{k}: {v['lookup']['signed_answer']:.3f}" for k, v in r['by_filler'].items())
+            return (f"{w['value']} {s['value']:.3f} (signed {s['signed_value']:.3f}), {w['key']} {s['key']:.3f} "
+                    f"(signed {s['signed_key']:.3f}), {w['pairs']} {s['pairs']:.3f}, {w['own']} {s['own']:.3f}, "
+                    f"{w['queries']} {s['queries']:.3f}, {w['filler']} {s['filler']:.3f}")
+        best = ', '.join(f"L{b['layer']}h{b['head']} {b['value']:.3f} ({b['signed_value']:.3f})" for b in r['best_head'])
+        by_filler = ', '.join(f"{k}: {v['lookup']['signed_value']:.3f}" for k, v in r['by_filler'].items())
         print_result(f"attention shares ({which_info['name']}, {r['answers']:,} answers of {r['examples']:,} "
                      f"examples, {time.time() - t0:.1f}s; a share: of the query's attention row, absolute weights; "
-                     f"signed: negative where the row subtracts; noise = other pairs + earlier queries + filler)")
-        print_result(f"  per layer, the head (L layer, h head) with the highest signed answer share: answer (signed) = {best}")
-        print_result(f"  lookup head L{look['layer']}h{look['head']} (the highest signed answer share): {parts(look)}; "
-                     f"noise {look['noise']:.3f}; signed answer by filler length: {by_filler}")
+                     f"signed: negative where the row subtracts; noise = {w['pairs']} + {w['queries']} + "
+                     f"{w['filler']}; {r['uniform']})")
+        print_result(f"  per layer, the head (L layer, h head) with the highest signed share on the {w['value']}: "
+                     f"{w['value']} (signed) = {best}")
+        print_result(f"  lookup head L{look['layer']}h{look['head']} (the highest signed {w['value']} share): "
+                     f"{parts(look)}; noise {look['noise']:.3f}; signed {w['value']} by {w['filler']} length: "
+                     f"{by_filler}")
         print_result(f"  reading layer L{layer['layer']} (all heads, by what each key adds to the layer's output): "
                      f"{parts(layer)}; noise {layer['noise']:.3f}")
         return r
@@ -405,7 +409,8 @@ if retrieval:
         by = r['by_distance']
 
         def parts(s):
-            return (f"source {s['source']:.3f} (signed {s['signed_source']:.3f}), span {s['span']:.3f}, "
+            return (f"token to copy {s['copy']:.3f} (signed {s['signed_copy']:.3f}), earlier occurrence "
+                    f"{s['occurrence']:.3f} (signed {s['signed_occurrence']:.3f}), span {s['span']:.3f}, "
                     f"own {s['own']:.3f}, text {s['text']:.3f}")
         print_result(f"retrieval probe ({which_info['name']}): a span of {r['span']} random tokens written twice in "
                      f"{r['length']}-token windows of {val_path}, D tokens of text between; {r['examples']:,} "
@@ -414,8 +419,11 @@ if retrieval:
                      f"{r['candidates']} token ids of the file); by distance D: "
                      + ", ".join(f"{d}: {v['accuracy']:.4f}" for d, v in by.items()))
         head, layer = r['copy_head'], r['reading_layer']
+        if r['accuracy'] < 2 * r['chance']:  # then no head copies: the ranking still names one
+            print_result(f"  this model does not copy (accuracy {r['accuracy']:.4f}, under twice chance): the copy "
+                         f"head and reading layer below only rank where attention goes, not how a copy is made")
         print_result(f"  copy head L{head['layer']}h{head['head']} (layer {head['layer']}, head {head['head']}: the "
-                     f"highest signed source share; source = the earlier occurrence and the token to copy), "
+                     f"highest signed share on the token to copy, the token after the earlier occurrence), "
                      f"share of its attention row by distance:")
         for d, v in by.items():
             print_result(f"    D={d}: {parts(v['copy_head'])}")

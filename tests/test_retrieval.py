@@ -70,18 +70,20 @@ def test_default_distances_span_the_window_and_misfits_are_errors(tmp_path):
 
 def probe_queries(first):
     """[(row, p, part(j))] for every copy position of examples whose first copy starts at `first`, with the
-    parts written out from the module docstring: source, span, own, text."""
+    parts written out from the module docstring: copy, occurrence, span, own, text."""
     queries = []
     for row, a in enumerate(first.tolist()):
         for i in range(K - 1):
             p = L - K + i
 
             def part(j, a=a, i=i, p=p):
-                if j in (a + i, a + i + 1):
+                if j == a + i + 1:
                     return 0
-                if a <= j < a + K or L - K <= j < p:
+                if j == a + i:
                     return 1
-                return 2 if j == p else 3
+                if a <= j < a + K or L - K <= j < p:
+                    return 2
+                return 3 if j == p else 4
             queries.append((row, p, part))
     return queries
 
@@ -93,24 +95,27 @@ def test_shares_equal_a_float64_loop_over_the_parts(tmp_path, attn_type):
     torch.manual_seed(3)
     r = retrieval(model, path, 8, 'cpu', NO_AUTOCAST, span=K, distances=[2, 8], per_distance=2, seed=1)
     tokens, first, dist, _, _ = probe_examples(path, 64, L, K, [2, 8], 2, seed=1)
-    expected, expected_layers = naive_part_shares(model, tokens, 3, probe_queries(first), parts=4)
+    expected, expected_layers = naive_part_shares(model, tokens, 3, probe_queries(first), parts=5)
     got = torch.tensor([r['shares'][part] for part in PARTS], dtype=torch.float64).permute(1, 2, 0)
     got_layers = torch.tensor([r['layer_shares'][part] for part in PARTS], dtype=torch.float64).T
     assert torch.allclose(got, expected, rtol=1e-9, atol=1e-12)
     assert torch.allclose(got_layers, expected_layers, rtol=1e-9, atol=1e-12)
     # the parts split the row, every part has weight somewhere, and the heads differ: equality says something
-    assert torch.allclose(got[..., :4].sum(-1), torch.ones_like(got[..., 0]))
-    assert (expected[..., :4].amax(dim=(0, 1)) > 1e-3).all()
-    assert (expected[..., :4].amax(dim=(0, 1)) - expected[..., :4].amin(dim=(0, 1))).max() > 0.05
-    # the copy head and the reading layer: the highest signed source share
-    rank = got[..., -1]
+    assert torch.allclose(got[..., :5].sum(-1), torch.ones_like(got[..., 0]))
+    assert (expected[..., :5].amax(dim=(0, 1)) > 1e-4).all()
+    assert (expected[..., :5].amax(dim=(0, 1)) - expected[..., :5].amin(dim=(0, 1))).max() > 0.05
+    # the token to copy and the earlier occurrence apart: their shares differ, and add up to the source's
+    assert (got[..., 0] - got[..., 1]).abs().max() > 1e-3
+    assert torch.allclose(got[..., PARTS.index('source')], got[..., 0] + got[..., 1])
+    # the copy head and the reading layer: the highest signed share on the token to copy
+    rank = got[..., PARTS.index('signed_copy')]
     assert (r['copy_head']['layer'], r['copy_head']['head']) == divmod(int(rank.argmax()), rank.size(1))
-    assert r['reading_layer']['layer'] == int(got_layers[:, -1].argmax())
+    assert r['reading_layer']['layer'] == int(got_layers[:, PARTS.index('signed_copy')].argmax())
     # by distance: the same measure over that distance's queries, at the copy head chosen over all of them
     near = [q for q in probe_queries(first) if dist[q[0]] == 2]
-    near_heads, _ = naive_part_shares(model, tokens, 3, near, parts=4)  # the same draws: one per layer and batch
+    near_heads, _ = naive_part_shares(model, tokens, 3, near, parts=5)  # the same draws: one per layer and batch
     layer, head = r['copy_head']['layer'], r['copy_head']['head']
-    assert r['by_distance']['2']['copy_head']['source'] == pytest.approx(float(near_heads[layer, head, 0]), rel=1e-9)
+    assert r['by_distance']['2']['copy_head']['copy'] == pytest.approx(float(near_heads[layer, head, 0]), rel=1e-9)
     assert r['by_distance']['2']['copies'] == r['by_distance']['8']['copies'] == 2 * (K - 1)
     assert r['copies'] == 4 * (K - 1) and r['examples'] == 4
 
