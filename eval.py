@@ -213,6 +213,27 @@ def load_compare_to():
     return other_model, other_info
 
 
+def recall_data_dir():
+    """The data/<dataset> --recall and --attention_noise would read, from the settings or the checkpoint's own
+    (its settings alone, not its weights); None where only loading the model can tell."""
+    name = dataset
+    if not name and init_from == 'resume':
+        try:
+            name = load_checkpoint(out_dir, metadata_only=True).get('config', {}).get('dataset')
+        except (FileNotFoundError, CheckpointError):
+            return None  # loading the model says why
+    return os.path.join('data', name) if name else None
+
+
+if recall or attention_noise:  # a text dataset is refused before the model is loaded
+    from denoised_gpt.evaluation.recall import check_recall_dataset
+    recall_dir = recall_data_dir()
+    if recall_dir and os.path.isdir(recall_dir):
+        try:
+            check_recall_dataset(recall_dir)
+        except ValueError as e:
+            fail(e)
+
 device, dtype = prepare_device(device, dtype)
 model, info = load(init_from, out_dir)
 dtype = run_dtype(dtype, device, info.pop('dtype'))

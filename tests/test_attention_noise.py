@@ -202,6 +202,8 @@ def test_eval_script_refuses_attention_noise_on_data_without_answers(tmp_path):
     r = run_script_in_process('eval.py', [f"--out_dir={tmp_path / 'out'}", '--attention_noise=True', '--device=cpu'])
     assert r.returncode == 2 and 'Traceback' not in r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith('eval.py: error:') and 'not a recall dataset' in r.stderr
+    assert r.stderr.strip().endswith('probe a model trained on text with --retrieval=True')  # whole, with the fix
+    assert 'parameters' not in r.stdout + r.stderr  # refused before the model is loaded (and announced)
     assert not (tmp_path / 'out' / 'attention_noise.json').exists()
 
 

@@ -2,8 +2,8 @@
 every position and label checked against the meta; its bad inputs are one line; eval.py --attention_noise reads
 it with the parts answer value / answer key / other needles / own token / earlier queries / text, against an
 explicit float64 loop, and eval.py --recall scores the queries alone."""
+import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -16,8 +16,12 @@ from helpers import NO_AUTOCAST, run_script_in_process, tiny_checkpoint
 from naive_attention import naive_part_shares
 from test_attention_noise import peaked_model
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / 'data' / 'needles'))
-from prepare import main as prepare_needles  # noqa: E402
+# loaded under its own name: data/mqar's script is the `prepare` module of test_recall.py
+_spec = importlib.util.spec_from_file_location('needles_prepare',
+                                               Path(__file__).resolve().parents[1] / 'data' / 'needles' / 'prepare.py')
+_needles = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_needles)
+prepare_needles = _needles.main
 
 V, K, M = 20, 16, 16  # the text's ids, then key and value ids: 52 ids, within the tiny models' 64
 T, N = 12, 2  # 6 text tokens an example

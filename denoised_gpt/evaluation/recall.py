@@ -31,17 +31,26 @@ def _accuracies(table, order):
     return {k: {"accuracy": table[k][0] / table[k][1], "answers": table[k][1]} for k in sorted(table, key=order)}
 
 
+def check_recall_dataset(data_dir, split="val"):
+    """The split's ExampleLayout; ValueError, one whole sentence with the fix, when data_dir holds no examples
+    with labelled answers (a text, say)."""
+    layout = ExampleLayout(data_dir, split)
+    if layout.example_tokens is None or layout.labels_path is None:
+        raise ValueError(f"{data_dir} is not a recall dataset (its meta.json has no example_tokens and labels), so "
+                         f"--recall and --attention_noise have no answers to read: give a dataset of data/mqar/"
+                         f"prepare.py or data/needles/prepare.py (needles in a text), or probe a model trained on "
+                         f"text with --retrieval=True")
+    return layout
+
+
 def validation_examples(model, data_dir, batch_size, split="val"):
     """-> (number of examples, batches): (x, y, asked) of whole examples of a recall dataset's split, in file
     order, x and y int64, asked per row the [(p, key_at)] of `answers`: what answer_accuracy and
     attention_noise walk. ValueError (before the first batch) when data_dir is not a
     dataset of examples with labelled answers (its meta.json says example_tokens and labels) or its
     examples do not fit the model."""
-    layout = ExampleLayout(data_dir, split)
+    layout = check_recall_dataset(data_dir, split)
     path = f"{data_dir}/{split}.bin"
-    if layout.example_tokens is None or layout.labels_path is None:
-        raise ValueError(f"{data_dir} is not a recall dataset (its meta.json has no example_tokens and labels): "
-                         f"answer accuracy needs examples with labelled answers, e.g. data/mqar/prepare.py's")
     num_tokens = np.memmap(path, dtype=np.uint16, mode="r").size
     length = layout.example_tokens - 1
     layout.check(path, num_tokens, length, model.config.vocab_size)
