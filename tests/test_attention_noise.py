@@ -175,23 +175,35 @@ def test_eval_script_writes_the_shares_and_heatmaps_side_by_side(tmp_path):
     assert r.stdout.count('lookup head L') == r.stdout.count('reading layer L') == 2
 
 
-def test_heatmap_shows_each_layer_as_a_whole_beside_the_heads(tmp_path):
+def test_heatmap_shows_signed_shares_the_chosen_head_and_layer_and_the_uniform_level(tmp_path):
+    from test_retrieval import assert_no_overlap
     model = peaked_model('diff')
     result = attention_noise(model, str(write_examples(tmp_path / 'data', EXAMPLES)), 8, 'cpu', NO_AUTOCAST)
     fig = plot_heatmaps([('out-diff', heatmap_panels(result))], 'share')
     panels = [ax for ax in fig.axes if ax.images]
-    assert [ax.get_title().split('\n')[1].split(' (mean')[0] for ax in panels] == \
-        ['answer', 'own token', 'noise (other pairs, earlier queries, filler)', 'layer as a whole']
-    for ax, part in zip(panels[:3], ('answer', 'own', 'noise')):  # layers x heads
+    # a uniform row over keys 0 .. p gives the value 1 / (p + 1): the answers' p are 4, 8, 6, 8, 10
+    uniform = sum(1 / (p + 1) for p in (4, 8, 6, 8, 10)) / 5
+    assert result['uniform']['value'] == pytest.approx(uniform)
+    assert [ax.get_title().split('\n')[1] for ax in panels] == \
+        ['answer value, signed; lookup head boxed', 'answer key, signed', 'own token',
+         'noise: other pairs, earlier queries,', 'layer as a whole; reading layer boxed']
+    assert panels[0].get_title().split('\n')[2].startswith(f"uniform row {uniform:.3f} (mean")
+    for ax, part in zip(panels[:4], ('signed_value', 'signed_key', 'own', 'noise')):  # layers x heads
         assert ax.images[0].get_array().ravel().tolist() == pytest.approx(sum(result['shares'][part], []))
-    layer_panel = panels[3]  # layers x the five parts, named, with no mean of unlike columns
-    columns = ('answer', 'pairs', 'own', 'queries', 'filler')
-    assert [t.get_text() for t in layer_panel.get_xticklabels()] == \
-        ['answer', 'other pairs', 'own token', 'earlier queries', 'filler']
+        assert ax.images[0].get_clim() == ((-1, 1) if part.startswith('signed') else (0, 1))
+    look = result['lookup']
+    assert [p.get_xy() for p in panels[0].patches] == [(look['head'] - 0.5, look['layer'] - 0.5)]
+    layer_panel = panels[4]  # layers x the six parts, named with a uniform row's level, the reading layer boxed
+    columns = ('value', 'key', 'pairs', 'own', 'queries', 'filler')
+    u = result['uniform']
+    assert [t.get_text() for t in layer_panel.get_xticklabels()] == [
+        f"answer value ({u['value']:.2f})", f"answer key ({u['key']:.2f})", f"other pairs ({u['pairs']:.2f})",
+        f"own token ({u['own']:.2f})", f"earlier queries ({u['queries']:.2f})", f"filler ({u['filler']:.2f})"]
     assert layer_panel.images[0].get_array().ravel().tolist() == pytest.approx(
         [v for row in zip(*(result['layer_shares'][part] for part in columns)) for v in row])
-    assert layer_panel.get_title() == 'out-diff\nlayer as a whole'
+    assert [p.get_xy() for p in layer_panel.patches] == [(-0.5, result['reading_layer']['layer'] - 0.5)]
     assert layer_panel.get_xlabel() == 'part (all heads together)' and panels[0].get_xlabel() == 'head'
+    assert_no_overlap(fig, layer_panel.get_xticklabels())
 
 
 def test_eval_script_refuses_attention_noise_on_data_without_answers(tmp_path):

@@ -206,17 +206,38 @@ def test_eval_script_probes_a_gpt2_bpe_model(tmp_path):
     assert written['chance'] == pytest.approx(1 / len(set(ids)))
 
 
-def test_heatmap_shows_the_source_at_each_distance_and_the_layer_as_a_whole(tmp_path):
+def test_heatmap_shows_the_signed_copy_share_and_accuracy_at_each_distance_and_the_layer_as_a_whole(tmp_path):
     path = str(write_text(tmp_path, text_tokens()) / 'val.bin')
     result = retrieval(peaked_model('dint', block_size=L), path, 8, 'cpu', NO_AUTOCAST, span=K, distances=[2, 8],
                        per_distance=2, seed=1)
     fig = plot_heatmaps([('out-dint', heatmap_panels(result))], 'share')
     panels = [ax for ax in fig.axes if ax.images]
-    assert [ax.get_title().split('\n')[1].split(' (mean')[0] for ax in panels] == \
-        ['source, distance 2', 'source, distance 8', 'layer as a whole']
-    assert panels[0].images[0].get_array().ravel().tolist() == pytest.approx(
-        sum(result['by_distance']['2']['shares']['source'], []))
-    assert [t.get_text() for t in panels[2].get_xticklabels()] == ['source', 'span', 'own token', 'text']
+    # a uniform row over keys 0 .. p gives the token to copy 1 / (p + 1), p = L - K + i
+    uniform = sum(1 / (L - K + i + 1) for i in range(K - 1)) / (K - 1)
+    for ax, d in zip(panels, ('2', '8')):
+        at = result['by_distance'][d]
+        assert ax.get_title().split('\n')[1:3] == [
+            f"token to copy, signed, D={d}; copy head boxed",
+            f"accuracy {at['accuracy']:.3f} (chance {result['chance']:.3f}), uniform row {uniform:.3f} "
+            f"(mean {float(torch.tensor(at['shares']['signed_copy']).mean()):.3f})"]
+        assert ax.images[0].get_array().ravel().tolist() == pytest.approx(sum(at['shares']['signed_copy'], []))
+        assert ax.images[0].get_clim() == (-1, 1)  # signed: a scale of its own
+        head = result['copy_head']
+        assert [p.get_xy() for p in ax.patches] == [(head['head'] - 0.5, head['layer'] - 0.5)]
+    u = result['uniform']
+    assert [t.get_text() for t in panels[2].get_xticklabels()] == [
+        f"token to copy ({u['copy']:.2f})", f"earlier occurrence ({u['occurrence']:.2f})", f"span ({u['span']:.2f})",
+        f"own token ({u['own']:.2f})", f"text ({u['text']:.2f})"]
+    assert [p.get_xy() for p in panels[2].patches] == [(-0.5, result['reading_layer']['layer'] - 0.5)]
+    assert_no_overlap(fig, panels[2].get_xticklabels())
+
+
+def assert_no_overlap(fig, labels):
+    """The labels, drawn, share no pixel."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    renderer = FigureCanvasAgg(fig).get_renderer()
+    boxes = [t.get_window_extent(renderer) for t in labels]
+    assert not any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1:])
 
 
 def test_eval_script_says_what_is_wrong_with_the_probe_settings(tmp_path):

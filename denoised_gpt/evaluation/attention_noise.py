@@ -49,7 +49,6 @@ PART_WORDS = {'mqar': dict(value='answer value', key='answer key', pairs='other 
                            queries='earlier queries', filler='filler'),
               'needles': dict(value='answer value', key='answer key', pairs='other needles', own='own token',
                               queries='earlier queries', filler='text')}
-UNIFORM = 'a uniform row over the p + 1 keys gives a part of n keys the share n / (p + 1)'
 
 
 def effective_map(maps):
@@ -86,6 +85,12 @@ def part_shares(rows, masks, signed=None):
     noise = sum(s for i, s in enumerate(shares) if i not in (0, 1, 3))
     read, matched = ((signed * where[:, None, :]).sum(-1) / total for where in masks[:2])
     return torch.stack([*shares, shares[0] + shares[1], noise, read, matched, read + matched], dim=-1)
+
+
+def uniform_shares(masks, at):
+    """(Q, len(masks)) float64: each part's share in a uniform row over keys 0 .. at, |part| / (at + 1): the level
+    a head that does not choose scores."""
+    return torch.stack([m.sum(-1) for m in masks], dim=-1).double() / (at + 1)[:, None]
 
 
 def layer_part_shares(model, x, b, at, masks, device, ctx):
@@ -126,7 +131,8 @@ def attention_noise(model, data_dir, batch_size, device, ctx, split="val"):
     example's filler length and by query distance, the same means.
     ValueError when data_dir is not a recall dataset."""
     examples, batches = validation_examples(model, data_dir, batch_size, split)
-    shares, layer_shares, groups = [], [], []  # per answer: (layers, heads, parts), (layers, parts), its groups
+    shares, layer_shares, uniform, groups = [], [], [], []  # per answer: (layers, heads, parts), (layers, parts),
+    # a uniform row's parts, its groups
     for x, y, asked in batches:
         found = [(row, p, key_at, len(a)) for row, a in enumerate(asked) for p, key_at in a]
         if not found:  # examples without a labelled answer have nothing to measure
@@ -136,17 +142,18 @@ def attention_noise(model, data_dir, batch_size, device, ctx, split="val"):
         for row, p, key_at, _ in found:
             asked_at[row, p] = needles[row, key_at] = needles[row, key_at + 1] = True
         b, at, key_at, pairs = (torch.tensor(c, dtype=torch.long) for c in zip(*found))
-        per_head, whole = layer_part_shares(model, x, b, at, recall_parts(x.size(1), key_at, needles[b], at,
-                                                                          asked_at[b]), device, ctx)
+        masks = recall_parts(x.size(1), key_at, needles[b], at, asked_at[b])
+        per_head, whole = layer_part_shares(model, x, b, at, masks, device, ctx)
+        uniform.append(uniform_shares(masks, at))
         shares.append(per_head)  # (Q, layers, heads, parts)
         layer_shares.append(whole)  # (Q, layers, layer parts)
         T = x.size(1)
         groups += [(int(n), T - 3 * int(n), distance_bucket(int(p - k))) for n, p, k in zip(pairs, at, key_at)]
     if not shares:
         raise ValueError(f"{data_dir}'s {split} examples hold no labelled answer: nothing to measure")
-    shares, layer_shares = torch.cat(shares), torch.cat(layer_shares)
+    shares, layer_shares, uniform = torch.cat(shares), torch.cat(layer_shares), torch.cat(uniform)
     result = dict(normalisation='abs', parts=list(PARTS), ranked_by=RANKED_BY, examples=examples,
-                  part_words=PART_WORDS[dataset_task(data_dir)], uniform=UNIFORM, **summary(shares, layer_shares))
+                  part_words=PART_WORDS[dataset_task(data_dir)], **summary(shares, layer_shares, uniform=uniform))
     lookup = (result['lookup']['layer'], result['lookup']['head'])
     reading = result['reading_layer']['layer']
     for name, column, order in (('by_pairs', 0, int), ('by_filler', 1, int),
@@ -155,14 +162,17 @@ def attention_noise(model, data_dir, batch_size, device, ctx, split="val"):
         result[name] = {}
         for k in sorted(set(keys), key=order):
             chosen = torch.from_numpy(keys == k)
-            result[name][str(k)] = summary(shares[chosen], layer_shares[chosen], lookup, reading)
+            result[name][str(k)] = summary(shares[chosen], layer_shares[chosen], lookup, reading,
+                                           uniform=uniform[chosen])
     return result
 
 
-def summary(shares, layer_shares, lookup=None, reading=None, parts=PARTS, counted='answers', best='lookup'):
-    """shares (Q, layers, heads, parts), layer_shares (Q, layers, parts) -> dict({counted}: Q, shares: {part:
-    [[mean per head] per layer]}, best_head: per layer, {best}: the best head overall, or the given (layer,
-    head); layer_shares: {part: [mean per layer]}, reading_layer: the best layer, or the given one). Best:
+def summary(shares, layer_shares, lookup=None, reading=None, parts=PARTS, counted='answers', best='lookup',
+            uniform=None):
+    """shares (Q, layers, heads, parts), layer_shares (Q, layers, parts), uniform (Q, the parts before the sums):
+    uniform_shares -> dict({counted}: Q, shares: {part: [[mean per head] per layer]}, best_head: per layer,
+    {best}: the best head overall, or the given (layer, head); layer_shares: {part: [mean per layer]},
+    reading_layer: the best layer, or the given one; uniform: {part: mean}, noise too). Best:
     the highest mean signed share of the part a lookup reads (part_shares' third column from the end)."""
     mean, layer_mean = shares.mean(0), layer_shares.mean(0)  # (layers, heads, parts), (layers, parts)
     rank = mean[..., -3]
@@ -178,14 +188,30 @@ def summary(shares, layer_shares, lookup=None, reading=None, parts=PARTS, counte
             'best_head': [head(layer, int(rank[layer].argmax())) for layer in range(rank.size(0))],
             best: head(*lookup),
             'layer_shares': {part: layer_mean[:, i].tolist() for i, part in enumerate(parts)},
-            'reading_layer': dict(layer=reading, **{part: float(layer_mean[reading, i]) for i, part in enumerate(parts)})}
+            'reading_layer': dict(layer=reading, **{part: float(layer_mean[reading, i]) for i, part in enumerate(parts)}),
+            **({} if uniform is None else {'uniform': uniform_levels(uniform.mean(0).tolist(), parts)})}
+
+
+def uniform_levels(levels, parts):
+    """{part: a uniform row's mean share} from uniform_shares' means, with the sums of part_shares (the first two
+    together, noise) after them."""
+    noise = sum(v for i, v in enumerate(levels) if i not in (0, 1, 3))
+    return dict(zip(parts, [*levels, levels[0] + levels[1], noise]))
 
 
 def heatmap_panels(result):
-    """The panels of the heatmap PNG: the answer's, the own token's and the noise's (absolute) shares per
-    layer and head, then the five parts per layer as a whole."""
-    layer = result['layer_shares']
-    return {'answer': result['shares']['answer'], 'own token': result['shares']['own'],
-            'noise (other pairs, earlier queries, filler)': result['shares']['noise'],
-            'layer as a whole': {'answer': layer['answer'], 'other pairs': layer['pairs'], 'own token': layer['own'],
-                                 'earlier queries': layer['queries'], 'filler': layer['filler']}}
+    """The panels of the heatmap PNG: the answer value's and key's signed shares per layer and head (the lookup
+    head, ranked by the value's, boxed), the own token's and the noise's (absolute) shares, then the six parts
+    per layer as a whole (the reading layer boxed); each says what a uniform row would score."""
+    from denoised_gpt.evaluation.entropy import Panel
+    words, shares, u = result['part_words'], result['shares'], result['uniform']
+    look, reading = result['lookup'], result['reading_layer']['layer']
+    return {f"{words['value']}, signed; lookup head boxed\nuniform row {u['value']:.3f}":
+            Panel(shares['signed_value'], signed=True, mark=(look['layer'], look['head'])),
+            f"{words['key']}, signed\nuniform row {u['key']:.3f}": Panel(shares['signed_key'], signed=True),
+            f"{words['own']}\nuniform row {u['own']:.3f}": shares['own'],
+            f"noise: {words['pairs']}, {words['queries']},\n{words['filler']}; uniform row {u['noise']:.3f}":
+            shares['noise'],
+            "layer as a whole; reading layer boxed\n(beside each part: a uniform row's share)":
+            Panel({f"{words[part]} ({u[part]:.2f})": result['layer_shares'][part] for part in PARTS[:6]},
+                  mark=reading)}

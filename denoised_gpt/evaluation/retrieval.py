@@ -24,7 +24,7 @@ and the reading layer are ranked by the signed copy share over every distance, a
 import numpy as np
 import torch
 
-from denoised_gpt.evaluation.attention_noise import layer_part_shares, summary
+from denoised_gpt.evaluation.attention_noise import layer_part_shares, summary, uniform_shares
 
 PARTS = ('copy', 'occurrence', 'span', 'own', 'text', 'source', 'noise', 'signed_copy', 'signed_occurrence',
          'signed_source')  # copy_parts' five, then part_shares' sums and signed shares
@@ -112,13 +112,14 @@ def retrieval(model, path, batch_size, device, ctx, span=SPAN, distances=None, p
     tokens, first, dist, spans, candidates = probe_examples(path, model.config.vocab_size, length, span, distances,
                                                            per_distance, seed)
     offsets = torch.arange(span - 1)
-    hits, shares, layer_shares = [], [], []
+    hits, shares, layer_shares, uniform = [], [], [], []
     for i in range(0, len(tokens), batch_size):
         x = tokens[i:i + batch_size]
         b = torch.arange(len(x)).repeat_interleave(span - 1)  # every copy position of every row
         offset = offsets.repeat(len(x))
         masks = copy_parts(length, span, first[i:i + batch_size][b], offset)
         per_head, whole = layer_part_shares(model, x, b, length - span + offset, masks, device, ctx)
+        uniform.append(uniform_shares(masks, length - span + offset))
         shares.append(per_head)
         layer_shares.append(whole)
         y = torch.full_like(x, -1)
@@ -127,11 +128,12 @@ def retrieval(model, path, batch_size, device, ctx, span=SPAN, distances=None, p
             logits, _ = model(x.to(device), targets=y.to(device))
         hits.append((logits.argmax(-1).cpu() == y)[:, length - span:length - 1])  # (rows, span - 1)
     hits, shares, layer_shares = torch.cat(hits).double(), torch.cat(shares), torch.cat(layer_shares)
+    uniform = torch.cat(uniform)
     per_copy = dist.repeat_interleave(span - 1)
     result = dict(normalisation='abs', parts=list(PARTS), ranked_by='signed_copy', span=span, length=length,
                   distances=distances, examples=len(tokens), candidates=candidates, chance=1 / candidates,
                   accuracy=float(hits.mean()),
-                  **summary(shares, layer_shares, parts=PARTS, counted='copies', best='copy_head'))
+                  **summary(shares, layer_shares, parts=PARTS, counted='copies', best='copy_head', uniform=uniform))
     copy_head = (result['copy_head']['layer'], result['copy_head']['head'])
     reading = result['reading_layer']['layer']
     result['by_offset'] = {str(i): float(hits[:, i].mean()) for i in range(span - 1)}
@@ -141,15 +143,22 @@ def retrieval(model, path, batch_size, device, ctx, span=SPAN, distances=None, p
         result['by_distance'][str(d)] = dict(
             accuracy=float(hits[dist == d].mean()),
             **summary(shares[chosen], layer_shares[chosen], copy_head, reading, parts=PARTS, counted='copies',
-                      best='copy_head'))
+                      best='copy_head', uniform=uniform[chosen]))
     return result
 
 
 def heatmap_panels(result):
-    """The panels of the probe's PNG: the source's (absolute) share per layer and head at each distance, then
-    the four parts per layer as a whole over every distance."""
-    panels = {f"source, distance {d}": r['shares']['source'] for d, r in result['by_distance'].items()}
-    layer = result['layer_shares']
-    panels['layer as a whole'] = {'source': layer['source'], 'span': layer['span'], 'own token': layer['own'],
-                                  'text': layer['text']}
+    """The panels of the probe's PNG: at each distance, the signed share on the token to copy per layer and head
+    (the copy head, ranked by it, boxed) with the copy accuracy there against chance; then the five parts per
+    layer as a whole over every distance (the reading layer boxed); each says what a uniform row would score."""
+    from denoised_gpt.evaluation.entropy import Panel
+    head, u = result['copy_head'], result['uniform']
+    words = dict(copy='token to copy', occurrence='earlier occurrence', span='span', own='own token', text='text')
+    panels = {f"token to copy, signed, D={d}; copy head boxed\naccuracy {r['accuracy']:.3f} (chance "
+              f"{result['chance']:.3f}), uniform row {r['uniform']['copy']:.3f}":
+              Panel(r['shares']['signed_copy'], signed=True, mark=(head['layer'], head['head']))
+              for d, r in result['by_distance'].items()}
+    panels["layer as a whole; reading layer boxed\n(beside each part: a uniform row's share)"] = Panel(
+        {f"{words[part]} ({u[part]:.2f})": result['layer_shares'][part] for part in PARTS[:5]},
+        mark=result['reading_layer']['layer'])
     return panels
