@@ -806,9 +806,9 @@ def recall_results(run, attention=True):
 
 def retrieval_results(run):
     """With retrieval: from eval.py --retrieval=True on the run's checkpoint (its retrieval.json, computed again
-    when ckpt.pt is newer or an older eval.py wrote it without the token to copy apart), the copy accuracy overall and by distance, and the shares of RETRIEVAL_PARTS at the
-    copy head and the reading layer, overall and by distance (each a 'copy_...' key: summarize takes them all);
-    {} without it."""
+    when ckpt.pt is newer or an older eval.py wrote it without the token to copy apart), the copy accuracy
+    overall and by distance, and the shares of RETRIEVAL_PARTS at the copy head and the reading layer, overall and
+    by distance (each a 'copy_...' key: summarize takes them all); {} without it."""
     if not retrieval:
         return {}
     path = os.path.join(run.dir, 'retrieval.json')

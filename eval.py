@@ -388,7 +388,8 @@ if attention_noise:
             return (f"{w['value']} {s['value']:.3f} (signed {s['signed_value']:.3f}), {w['key']} {s['key']:.3f} "
                     f"(signed {s['signed_key']:.3f}), {w['pairs']} {s['pairs']:.3f}, {w['own']} {s['own']:.3f}, "
                     f"{w['queries']} {s['queries']:.3f}, {w['filler']} {s['filler']:.3f}")
-        best = ', '.join(f"L{b['layer']}h{b['head']} {b['value']:.3f} ({b['signed_value']:.3f})" for b in r['best_head'])
+        best = ', '.join(f"L{b['layer']}h{b['head']} {b['value']:.3f} ({b['signed_value']:.3f})"
+                         for b in r['best_head'])
         by_filler = ', '.join(f"{k}: {v['lookup']['signed_value']:.3f}" for k, v in r['by_filler'].items())
         print_result(f"attention shares ({which_info['name']}, {r['answers']:,} answers of {r['examples']:,} "
                      f"examples, {time.time() - t0:.1f}s; a share: of the query's attention row, absolute weights; "

@@ -166,10 +166,10 @@ def prepare(args):
             "train_tokens": train.size, "val_tokens": val.size,
             "train_max_id": max_id(train.ravel()), "val_max_id": max_id(val.ravel()),
             "source": "data/needles/prepare.py"})
-    print(f"needles in {args.text} ({tokenizer}, {text_vocab:,} ids): {args.num_needles} needles in {H:,} text tokens, "
-          f"then their {args.num_needles} queries (seq_len {args.seq_len}); keys {text_vocab}..{text_vocab + args.key_ids - 1}, "
-          f"values {text_vocab + args.key_ids}..{vocab_size - 1}; labels on the answers"
-          f"{' and the text' if args.text_labels else ''}; train {len(train):,} examples, val {len(val):,}; "
+    print(f"needles in {args.text} ({tokenizer}, {text_vocab:,} ids): {args.num_needles} needles in {H:,} text "
+          f"tokens, then their {args.num_needles} queries (seq_len {args.seq_len}); keys {text_vocab}.."
+          f"{text_vocab + args.key_ids - 1}, values {text_vocab + args.key_ids}..{vocab_size - 1}; labels on the "
+          f"answers{' and the text' if args.text_labels else ''}; train {len(train):,} examples, val {len(val):,}; "
           f"wrote {args.out_dir}")
 
 

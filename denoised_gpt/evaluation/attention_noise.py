@@ -188,7 +188,8 @@ def summary(shares, layer_shares, lookup=None, reading=None, parts=PARTS, counte
             'best_head': [head(layer, int(rank[layer].argmax())) for layer in range(rank.size(0))],
             best: head(*lookup),
             'layer_shares': {part: layer_mean[:, i].tolist() for i, part in enumerate(parts)},
-            'reading_layer': dict(layer=reading, **{part: float(layer_mean[reading, i]) for i, part in enumerate(parts)}),
+            'reading_layer': dict(layer=reading,
+                                  **{part: float(layer_mean[reading, i]) for i, part in enumerate(parts)}),
             **({} if uniform is None else {'uniform': uniform_levels(uniform.mean(0).tolist(), parts)})}
 
 

@@ -82,7 +82,8 @@ def plot_heatmaps(results, colour_label, path=None):
 
     from matplotlib.patches import Rectangle
 
-    panels = [(label, name, p if isinstance(p, Panel) else Panel(p)) for label, maps in results for name, p in maps.items()]
+    panels = [(label, name, p if isinstance(p, Panel) else Panel(p))
+              for label, maps in results for name, p in maps.items()]
     if not panels:
         raise ValueError("plot_heatmaps: nothing to plot")
     # at most PER_ROW panels a row, so that the PNG reads at a page's width (~1000 px) with fonts of 10 points
