@@ -394,7 +394,10 @@ if attention_noise:
         print_result(f"attention shares ({which_info['name']}, {r['answers']:,} answers of {r['examples']:,} "
                      f"examples, {time.time() - t0:.1f}s; a share: of the query's attention row, absolute weights; "
                      f"signed: negative where the row subtracts; noise = {w['pairs']} + {w['queries']} + "
-                     f"{w['filler']}; {r['uniform']})")
+                     f"{w['filler']})")
+        print_result("  a uniform row (every key alike) would score: "
+                     + ", ".join(f"{w[part]} {r['uniform'][part]:.3f}" for part in ('value', 'key', 'own'))
+                     + f", noise {r['uniform']['noise']:.3f}")
         print_result(f"  per layer, the head (L layer, h head) with the highest signed share on the {w['value']}: "
                      f"{w['value']} (signed) = {best}")
         print_result(f"  lookup head L{look['layer']}h{look['head']} (the highest signed {w['value']} share): "

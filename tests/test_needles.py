@@ -168,6 +168,7 @@ def test_eval_reads_needles_as_a_user_runs_it(tmp_path):
     assert r.returncode == 0, r.stderr
     assert 'other needles' in r.stdout and 'earlier queries' in r.stdout and ', text ' in r.stdout
     shares = json.loads((tmp_path / 'out' / 'attention_noise.json').read_text())
+    assert f"a uniform row (every key alike) would score: answer value {shares['uniform']['value']:.3f}" in r.stdout
     assert shares['answers'] == 8 * N and shares['ranked_by'] == 'signed_value'
     # the answer accuracy counts the queries alone, not the text's labels
     recall = json.loads((tmp_path / 'out' / 'recall.json').read_text())
