@@ -43,13 +43,14 @@ final val loss, their mean +- std, and whether every seed agrees in sign; the re
 lower or higher than base only when they all do. On a recall dataset (data/mqar: its meta.json marks
 the answers), eval.py --recall=True --attention_noise=True scores each finished run, and the report adds
 answer accuracy (overall and by number of key-value pairs) and where attention goes (the shares of the
-lookup head's attention, and of the reading layer's output, on the answer, the other pairs, the query's own
-token, the earlier queries and the filler, docs/eval.md), each with its paired reading against base, a plot
-of accuracy against pairs and one of accuracy, signed answer shares and noise share against filler length.
+lookup head's attention, and of the reading layer's output, on the answer and, apart, its value and key, the
+other pairs, the query's own token, the earlier queries and the filler, docs/eval.md), each with its paired
+reading against base (by the signed value share, the ranking's), a plot of accuracy against pairs and one of
+accuracy, signed value shares and noise share against filler length.
 With `retrieval` (text data), eval.py --retrieval=True reads each compared run (a span of random tokens
 written twice into the validation text, docs/eval.md), and the report adds copy accuracy by distance and
-where attention goes while copying (the copy head's and the reading layer's shares on the source, the rest
-of the span, the own token and the text), each paired with base seed by seed, and a plot against distance.
+where attention goes while copying (the copy head's and the reading layer's shares on the source, the token
+to copy and its earlier occurrence, the rest of the span, the own token and the text), each paired with base seed by seed, and a plot against distance.
 """
 
 from configurator import answer_help

@@ -25,16 +25,17 @@ What it measures (any combination in one run; results go to eval_dir as JSON, ta
   recall    on a recall dataset (data/mqar): the share of answers the model's most likely next token
             gets right over every validation example, overall, by number of key-value pairs and by
             query distance (docs/recall.md)
-  attention_noise  on a recall dataset: per layer and head, the share of each answer's effective
-            attention row (the weights that multiply V) on the answer span (the queried key and its
-            value in the pairs), the other pairs, the query's own token, the earlier queries and the
-            filler, as shares of the row's absolute mass (and the answer's signed share); each layer
-            as a whole too; by pairs, filler length and distance. JSON and a heatmap PNG;
-            --compare_to side by side on the same examples
+  attention_noise  on a recall dataset (data/mqar, or data/needles: needles in a text): per layer
+            and head, the share of each answer's effective attention row (the weights that multiply V)
+            on the answer's value and on its key in the pairs, the other pairs (needles), the query's
+            own token, the earlier queries and the filler (text), as shares of the row's absolute
+            mass (and signed shares); ranked by the signed value share; each layer as a whole too; by
+            pairs, filler length and distance. JSON and a heatmap PNG; --compare_to side by side on
+            the same examples
   retrieval on the model's own validation text, a span of retrieval_span random tokens written twice
             with D tokens of text between: copy accuracy over the second copy and, at each copy
-            position, the effective attention row's share on the source (the earlier occurrence and
-            the token to copy), the rest of the span, the query's own token and the text, per layer
+            position, the effective attention row's share on the token to copy and on its earlier
+            occurrence, the rest of the span, the query's own token and the text, per layer
             and head and per layer as a whole, by distance D. Char-level and GPT-2 BPE models alike.
             JSON and a heatmap PNG; --compare_to on the same examples
 
