@@ -105,6 +105,7 @@ def test_the_same_seeds_give_the_same_bytes(tmp_path):
     (['--out_dir', '{tmp}/text'], "is the text's own folder"),
     (['--seq_len', '100'], 'val.bin holds 60 tokens, fewer than the 95'),
     (['--train_examples', '0'], 'must be at least 1'),
+    (['--out_dir', ''], '--out_dir is empty'),
 ])
 def test_bad_inputs_are_one_line_and_write_nothing(tmp_path, capsys, args, message):
     write_text(tmp_path / 'text')
@@ -119,6 +120,25 @@ def test_bad_inputs_are_one_line_and_write_nothing(tmp_path, capsys, args, messa
     assert e.value.code == 2 and len(err.splitlines()) == 1 and message in err, err
     assert not (tmp_path / 'out').exists()
     assert sorted(p.name for p in (tmp_path / 'text').iterdir()) == ['meta.json', 'train.bin', 'val.bin']
+
+
+def test_a_gpt2_text_takes_ids_after_its_50257(tmp_path):
+    write_text(tmp_path / 'text')
+    (tmp_path / 'text' / 'meta.json').write_text(json.dumps({'tokenizer': 'gpt2', 'vocab_size': 50257}))
+    prepare_needles(['--text', str(tmp_path / 'text'), '--out_dir', str(tmp_path / 'out'), '--seq_len', '16',
+                     '--num_needles', '3', '--train_examples', '5', '--val_examples', '5'])
+    meta = json.loads((tmp_path / 'out' / 'meta.json').read_text())
+    assert meta['text_tokenizer'] == 'gpt2' and meta['vocab_size'] == 50257 + 64
+    tokens, _, placed = read(tmp_path / 'out', 'val', T=16, N=3)
+    keys = tokens[np.arange(5)[:, None], placed[..., 0]]
+    assert (keys >= 50257).all() and (keys < 50257 + 32).all() and (tokens[tokens < 50257] < V).all()
+
+
+def test_positions_from_another_preparation_are_one_line(tmp_path):
+    _, folder = prepare(tmp_path, examples=4)
+    np.full((4, N, 2), T, dtype=np.int32).tofile(folder / 'val_needles.bin')  # past the examples' end
+    with pytest.raises(ValueError, match="places a needle or query outside the examples' 12 tokens"):
+        attention_noise(peaked_model('base'), str(folder), 8, 'cpu', NO_AUTOCAST)
 
 
 def reference(model, folder, seed):

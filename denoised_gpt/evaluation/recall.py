@@ -58,7 +58,7 @@ def validation_examples(model, data_dir, batch_size, split="val"):
         raise ValueError(f"{data_dir}'s examples are {length} tokens, longer than the model's block_size "
                          f"{model.config.block_size}")
     starts = np.arange(0, num_tokens, layout.example_tokens)
-    placed = needle_positions(data_dir, split, len(starts))
+    placed = needle_positions(data_dir, split, len(starts), length)
 
     def batches():
         for i in range(0, len(starts), batch_size):
@@ -74,9 +74,10 @@ def dataset_task(data_dir):
         return "needles" if json.load(f).get("task") == "needles" else "mqar"
 
 
-def needle_positions(data_dir, split, examples):
+def needle_positions(data_dir, split, examples, length):
     """A needle dataset's (examples, N, 2) int32 positions of each needle's key and of its query, from
-    {split}_needles.bin; None for a dataset without it (MQAR). ValueError when the file does not fit."""
+    {split}_needles.bin; None for a dataset without it (MQAR). ValueError when the file does not fit examples
+    of `length` tokens."""
     if dataset_task(data_dir) != "needles":
         return None
     path = os.path.join(data_dir, f"{split}_needles.bin")
@@ -86,7 +87,11 @@ def needle_positions(data_dir, split, examples):
     if examples == 0 or placed.size % (2 * examples):
         raise ValueError(f"{path} holds {placed.size} positions, not 2 per needle of {examples} examples: the files "
                          f"are from different preparations; run data/needles/prepare.py again")
-    return placed.reshape(examples, -1, 2)
+    placed = placed.reshape(examples, -1, 2)
+    if placed.size and (placed.min() < 0 or placed[..., 0].max() + 1 >= length or placed[..., 1].max() >= length):
+        raise ValueError(f"{path} places a needle or query outside the examples' {length} tokens: it is from another "
+                         f"preparation; run data/needles/prepare.py again")
+    return placed
 
 
 def answers(x_row, y_row, placed=None):
