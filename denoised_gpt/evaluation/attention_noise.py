@@ -126,13 +126,13 @@ def contributions(attn, rows, values):
 @torch.no_grad()
 def attention_noise(model, data_dir, batch_size, device, ctx, split="val"):
     """Per layer and head, the mean share of each part (module docstring) over every answer of the split's
-    examples; the best head of each layer (highest answer share) and the best overall (the `lookup` head);
-    each layer's shares as a whole and the best layer (the `reading_layer`); and, by number of pairs, by the
-    example's filler length and by query distance, the same means.
+    examples; the best head of each layer (highest signed value share) and the best overall (the `lookup`
+    head); each layer's shares as a whole and the best layer (the `reading_layer`); a uniform row's shares;
+    and, by number of pairs, by the example's filler length and by query distance, the same means.
     ValueError when data_dir is not a recall dataset."""
     examples, batches = validation_examples(model, data_dir, batch_size, split)
-    shares, layer_shares, uniform, groups = [], [], [], []  # per answer: (layers, heads, parts), (layers, parts),
-    # a uniform row's parts, its groups
+    # per answer: (layers, heads, parts), (layers, parts), a uniform row's parts, its groups
+    shares, layer_shares, uniform, groups = [], [], [], []
     for x, y, asked in batches:
         found = [(row, p, key_at, len(a)) for row, a in enumerate(asked) for p, key_at in a]
         if not found:  # examples without a labelled answer have nothing to measure

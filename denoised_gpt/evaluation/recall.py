@@ -6,7 +6,6 @@ and by query distance (from the key in the pairs to its query, in tokens). Where
 stand is read off an MQAR example itself; a needle dataset (data/needles), whose needles stand at random
 depths in a text (its meta.json's task "needles"), says it in `{split}_needles.bin`.
 """
-import json
 import os
 
 import numpy as np
@@ -70,8 +69,7 @@ def validation_examples(model, data_dir, batch_size, split="val"):
 
 def dataset_task(data_dir):
     """'needles' for a needle dataset (data/needles), 'mqar' for any other recall dataset."""
-    with open(os.path.join(data_dir, "meta.json")) as f:
-        return "needles" if json.load(f).get("task") == "needles" else "mqar"
+    return "needles" if ExampleLayout(data_dir, "val").task == "needles" else "mqar"
 
 
 def needle_positions(data_dir, split, examples, length):
