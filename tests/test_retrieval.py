@@ -174,8 +174,10 @@ def test_eval_script_probes_a_char_model_beside_another(tmp_path):
                                           '--retrieval_span=4', f"--compare_to={tmp_path / 'out-base'}"])
     assert r.returncode == 0, r.stderr
     out = tmp_path / 'out-diff'
+    at_chance = 0
     for name, model in (('retrieval.json', diff), ('retrieval_out-base.json', base)):
         written = json.loads((out / name).read_text())
+        at_chance += written['accuracy'] < 2 * written['chance']
         torch.manual_seed(5)
         expected = retrieval(model.eval(), str(data / 'val.bin'), 8, 'cpu', NO_AUTOCAST, span=4, per_distance=3,
                              seed=5)
@@ -189,6 +191,8 @@ def test_eval_script_probes_a_char_model_beside_another(tmp_path):
         width, height = struct.unpack('>II', (out / png).read_bytes()[16:24])  # the PNG header's IHDR
         assert width <= 1100 and height > width / 3  # six and twelve panels in rows: readable at a page's width
     assert r.stdout.count('copy accuracy') == r.stdout.count('copy head L') == 2
+    # untrained models do not copy: each one's copy head comes with that word, in one line
+    assert at_chance == 2 and r.stdout.count('this model does not copy (accuracy') == 2
 
 
 def test_eval_script_probes_a_gpt2_bpe_model(tmp_path):
