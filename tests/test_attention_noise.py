@@ -197,8 +197,8 @@ def test_heatmap_shows_signed_shares_the_chosen_head_and_layer_and_the_uniform_l
     columns = ('value', 'key', 'pairs', 'own', 'queries', 'filler')
     u = result['uniform']
     assert [t.get_text() for t in layer_panel.get_xticklabels()] == [
-        f"answer value ({u['value']:.2f})", f"answer key ({u['key']:.2f})", f"other pairs ({u['pairs']:.2f})",
-        f"own token ({u['own']:.2f})", f"earlier queries ({u['queries']:.2f})", f"filler ({u['filler']:.2f})"]
+        f"answer value ({u['value']:.3f})", f"answer key ({u['key']:.3f})", f"other pairs ({u['pairs']:.3f})",
+        f"own token ({u['own']:.3f})", f"earlier queries ({u['queries']:.3f})", f"filler ({u['filler']:.3f})"]
     assert layer_panel.images[0].get_array().ravel().tolist() == pytest.approx(
         [v for row in zip(*(result['layer_shares'][part] for part in columns)) for v in row])
     assert [p.get_xy() for p in layer_panel.patches] == [(-0.5, result['reading_layer']['layer'] - 0.5)]

@@ -230,8 +230,8 @@ def test_heatmap_shows_the_signed_copy_share_and_accuracy_at_each_distance_and_t
         assert [p.get_xy() for p in ax.patches] == [(head['head'] - 0.5, head['layer'] - 0.5)]
     u = result['uniform']
     assert [t.get_text() for t in panels[2].get_xticklabels()] == [
-        f"token to copy ({u['copy']:.2f})", f"earlier occurrence ({u['occurrence']:.2f})", f"span ({u['span']:.2f})",
-        f"own token ({u['own']:.2f})", f"text ({u['text']:.2f})"]
+        f"token to copy ({u['copy']:.3f})", f"earlier occurrence ({u['occurrence']:.3f})", f"span ({u['span']:.3f})",
+        f"own token ({u['own']:.3f})", f"text ({u['text']:.3f})"]
     assert [p.get_xy() for p in panels[2].patches] == [(-0.5, result['reading_layer']['layer'] - 0.5)]
     assert_no_overlap(fig, panels[2].get_xticklabels())
 

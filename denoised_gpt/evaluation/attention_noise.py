@@ -214,5 +214,5 @@ def heatmap_panels(result):
             f"noise: {words['pairs']}, {words['queries']},\n{words['filler']}; uniform row {u['noise']:.3f}":
             shares['noise'],
             "layer as a whole; reading layer boxed\n(beside each part: a uniform row's share)":
-            Panel({f"{words[part]} ({u[part]:.2f})": result['layer_shares'][part] for part in PARTS[:6]},
+            Panel({f"{words[part]} ({u[part]:.3f})": result['layer_shares'][part] for part in PARTS[:6]},
                   mark=reading)}

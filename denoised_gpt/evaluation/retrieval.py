@@ -159,6 +159,6 @@ def heatmap_panels(result):
               Panel(r['shares']['signed_copy'], signed=True, mark=(head['layer'], head['head']))
               for d, r in result['by_distance'].items()}
     panels["layer as a whole; reading layer boxed\n(beside each part: a uniform row's share)"] = Panel(
-        {f"{words[part]} ({u[part]:.2f})": result['layer_shares'][part] for part in PARTS[:5]},
+        {f"{words[part]} ({u[part]:.3f})": result['layer_shares'][part] for part in PARTS[:5]},
         mark=result['reading_layer']['layer'])
     return panels
