@@ -22,9 +22,9 @@ What it measures (any combination in one run; results go to eval_dir as JSON, ta
             cross-entropy (100 epochs, lr 1e-5). Each example's feature is computed once and cached
             on disk, so the epochs are a linear probe over cached features. Markdown table + JSON
   lm_eval   tasks of EleutherAI's lm-evaluation-harness through an adapter for our models
-  recall    on a recall dataset (data/mqar): the share of answers the model's most likely next token
-            gets right over every validation example, overall, by number of key-value pairs and by
-            query distance (docs/recall.md)
+  recall    on a recall dataset (data/mqar or data/needles): the share of answers the model's most
+            likely next token gets right over every validation example, overall, by number of key-value
+            pairs and by query distance (docs/recall.md)
   attention_noise  on a recall dataset (data/mqar, or data/needles: needles in a text): per layer
             and head, the share of each answer's effective attention row (the weights that multiply V)
             on the answer's value and on its key in the pairs, the other pairs (needles), the query's
