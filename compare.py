@@ -43,13 +43,14 @@ final val loss, their mean +- std, and whether every seed agrees in sign; the re
 lower or higher than base only when they all do. On a recall dataset (data/mqar: its meta.json marks
 the answers), eval.py --recall=True --attention_noise=True scores each finished run, and the report adds
 answer accuracy (overall and by number of key-value pairs) and where attention goes (the shares of the
-lookup head's attention, and of the reading layer's output, on the answer, the other pairs, the query's own
-token, the earlier queries and the filler, docs/eval.md), each with its paired reading against base, a plot
-of accuracy against pairs and one of accuracy, signed answer shares and noise share against filler length.
+lookup head's attention, and of the reading layer's output, on the answer and, apart, its value and key, the
+other pairs, the query's own token, the earlier queries and the filler, docs/eval.md), each with its paired
+reading against base (by the signed value share, the ranking's), a plot of accuracy against pairs and one of
+accuracy, signed value shares and noise share against filler length.
 With `retrieval` (text data), eval.py --retrieval=True reads each compared run (a span of random tokens
 written twice into the validation text, docs/eval.md), and the report adds copy accuracy by distance and
-where attention goes while copying (the copy head's and the reading layer's shares on the source, the rest
-of the span, the own token and the text), each paired with base seed by seed, and a plot against distance.
+where attention goes while copying (the copy head's and the reading layer's shares on the source, the token
+to copy and its earlier occurrence, the rest of the span, the own token and the text), each paired with base seed by seed, and a plot against distance.
 """
 
 from configurator import answer_help
@@ -780,14 +781,14 @@ def recall_results(run, attention=True):
     SHARE_PARTS at its lookup head and at its reading layer, which head and layer those are, and the filler
     length per example); {} on other datasets. Read from the run's recall.json and attention_noise.json,
     computed again when ckpt.pt is newer, or when an older eval.py wrote them (recall.json without its dtype: a
-    float32-trained model measured in bfloat16; attention_noise.json without the own token's share)."""
+    float32-trained model measured in bfloat16; attention_noise.json without the answer's value and key apart)."""
     if not is_recall_data(run.config):
         return {}
     measures = {'recall': 'recall.json', **({'attention_noise': 'attention_noise.json'} if attention else {})}
     paths = [os.path.join(run.dir, name) for name in measures.values()]
     if any(not os.path.exists(p) or os.path.getmtime(p) < os.path.getmtime(checkpoint_path(run.dir)) for p in paths) \
             or 'dtype' not in read_eval_json(paths[0]) \
-            or (attention and 'own' not in read_eval_json(paths[1]).get('reading_layer', {})):
+            or (attention and 'value' not in read_eval_json(paths[1]).get('reading_layer', {})):
         flags = [f'--{m}=True' for m in measures]
         proc = run_child([sys.executable, EVAL_SCRIPT, f'--out_dir={run.dir}', *flags, '--batch_size=64'])
         if proc.returncode != 0:
@@ -808,13 +809,14 @@ def recall_results(run, attention=True):
 
 def retrieval_results(run):
     """With retrieval: from eval.py --retrieval=True on the run's checkpoint (its retrieval.json, computed again
-    when ckpt.pt is newer), the copy accuracy overall and by distance, and the shares of RETRIEVAL_PARTS at the
-    copy head and the reading layer, overall and by distance (each a 'copy_...' key: summarize takes them all);
-    {} without it."""
+    when ckpt.pt is newer or an older eval.py wrote it without the token to copy apart), the copy accuracy
+    overall and by distance, and the shares of RETRIEVAL_PARTS at the copy head and the reading layer, overall and
+    by distance (each a 'copy_...' key: summarize takes them all); {} without it."""
     if not retrieval:
         return {}
     path = os.path.join(run.dir, 'retrieval.json')
-    if not os.path.exists(path) or os.path.getmtime(path) < os.path.getmtime(checkpoint_path(run.dir)):
+    if not os.path.exists(path) or os.path.getmtime(path) < os.path.getmtime(checkpoint_path(run.dir)) \
+            or 'copy' not in read_eval_json(path).get('copy_head', {}):
         proc = run_child([sys.executable, EVAL_SCRIPT, f'--out_dir={run.dir}', '--retrieval=True', '--batch_size=16'])
         if proc.returncode != 0:
             raise CheckpointError(f"eval.py --retrieval=True failed: {proc.stderr.strip().splitlines()[-1:]}")
@@ -856,8 +858,8 @@ def summarize(results):
     for variant, s in summary.items():
         if variant != s['base'] and s['base'] in summary:
             s['paired_vs_base'] = paired_vs_base(results, variant, s['base'])
-            for key in ('accuracy', 'signed_answer_share', 'noise_share', 'layer_signed_answer_share',
-                        'layer_noise_share'):
+            for key in ('accuracy', 'signed_value_share', 'signed_answer_share', 'noise_share',
+                        'layer_signed_value_share', 'layer_signed_answer_share', 'layer_noise_share'):
                 if key in s:
                     s[f'{key}_vs_base'] = paired_vs_base(results, variant, s['base'], key=key)
             for key in [k for k in s if k.startswith('copy_') and k != 'copy_chance']:

@@ -22,19 +22,20 @@ What it measures (any combination in one run; results go to eval_dir as JSON, ta
             cross-entropy (100 epochs, lr 1e-5). Each example's feature is computed once and cached
             on disk, so the epochs are a linear probe over cached features. Markdown table + JSON
   lm_eval   tasks of EleutherAI's lm-evaluation-harness through an adapter for our models
-  recall    on a recall dataset (data/mqar): the share of answers the model's most likely next token
-            gets right over every validation example, overall, by number of key-value pairs and by
-            query distance (docs/recall.md)
-  attention_noise  on a recall dataset: per layer and head, the share of each answer's effective
-            attention row (the weights that multiply V) on the answer span (the queried key and its
-            value in the pairs), the other pairs, the query's own token, the earlier queries and the
-            filler, as shares of the row's absolute mass (and the answer's signed share); each layer
-            as a whole too; by pairs, filler length and distance. JSON and a heatmap PNG;
-            --compare_to side by side on the same examples
+  recall    on a recall dataset (data/mqar or data/needles): the share of answers the model's most
+            likely next token gets right over every validation example, overall, by number of key-value
+            pairs and by query distance (docs/recall.md)
+  attention_noise  on a recall dataset (data/mqar, or data/needles: needles in a text): per layer
+            and head, the share of each answer's effective attention row (the weights that multiply V)
+            on the answer's value and on its key in the pairs, the other pairs (needles), the query's
+            own token, the earlier queries and the filler (text), as shares of the row's absolute
+            mass (and signed shares); ranked by the signed value share; each layer as a whole too; by
+            pairs, filler length and distance. JSON and a heatmap PNG; --compare_to side by side on
+            the same examples
   retrieval on the model's own validation text, a span of retrieval_span random tokens written twice
             with D tokens of text between: copy accuracy over the second copy and, at each copy
-            position, the effective attention row's share on the source (the earlier occurrence and
-            the token to copy), the rest of the span, the query's own token and the text, per layer
+            position, the effective attention row's share on the token to copy and on its earlier
+            occurrence, the rest of the span, the query's own token and the text, per layer
             and head and per layer as a whole, by distance D. Char-level and GPT-2 BPE models alike.
             JSON and a heatmap PNG; --compare_to on the same examples
 
@@ -216,6 +217,27 @@ def load_compare_to():
     return other_model, other_info
 
 
+def recall_data_dir():
+    """The data/<dataset> --recall and --attention_noise would read, from the settings or the checkpoint's own
+    (its settings alone, not its weights); None where only loading the model can tell."""
+    name = dataset
+    if not name and init_from == 'resume':
+        try:
+            name = load_checkpoint(out_dir, metadata_only=True).get('config', {}).get('dataset')
+        except (FileNotFoundError, CheckpointError):
+            return None  # loading the model says why
+    return os.path.join('data', name) if name else None
+
+
+if recall or attention_noise:  # a text dataset is refused before the model is loaded
+    from denoised_gpt.evaluation.recall import check_recall_dataset
+    recall_dir = recall_data_dir()
+    if recall_dir and os.path.isdir(recall_dir):
+        try:
+            check_recall_dataset(recall_dir)
+        except ValueError as e:
+            fail(e)
+
 device, dtype = prepare_device(device, dtype)
 model, info = load(init_from, out_dir)
 dtype = run_dtype(dtype, device, info.pop('dtype'))
@@ -364,19 +386,27 @@ if attention_noise:
         r = seeded(attention_shares, which_model, info['data_dir'], batch_size, device, ctx)
         r.update(file=val_path, attn_type=which_info['attn_type'], checkpoint=which_info['checkpoint'],
                  noise_on=which_info['noise_on'], dtype=dtype, seed=seed)
-        look, layer = r['lookup'], r['reading_layer']
+        look, layer, w = r['lookup'], r['reading_layer'], r['part_words']
 
         def parts(s):
-            return (f"answer {s['answer']:.3f} (signed {s['signed_answer']:.3f}), other pairs {s['pairs']:.3f}, "
-                    f"own token {s['own']:.3f}, earlier queries {s['queries']:.3f}, filler {s['filler']:.3f}")
-        best = ', '.join(f"L{b['layer']}h{b['head']} {b['answer']:.3f} ({b['signed_answer']:.3f})" for b in r['best_head'])
-        by_filler = ', '.join(f"{k}: {v['lookup']['signed_answer']:.3f}" for k, v in r['by_filler'].items())
+            return (f"{w['value']} {s['value']:.3f} (signed {s['signed_value']:.3f}), {w['key']} {s['key']:.3f} "
+                    f"(signed {s['signed_key']:.3f}), {w['pairs']} {s['pairs']:.3f}, {w['own']} {s['own']:.3f}, "
+                    f"{w['queries']} {s['queries']:.3f}, {w['filler']} {s['filler']:.3f}")
+        best = ', '.join(f"L{b['layer']}h{b['head']} {b['value']:.3f} ({b['signed_value']:.3f})"
+                         for b in r['best_head'])
+        by_filler = ', '.join(f"{k}: {v['lookup']['signed_value']:.3f}" for k, v in r['by_filler'].items())
         print_result(f"attention shares ({which_info['name']}, {r['answers']:,} answers of {r['examples']:,} "
                      f"examples, {time.time() - t0:.1f}s; a share: of the query's attention row, absolute weights; "
-                     f"signed: negative where the row subtracts; noise = other pairs + earlier queries + filler)")
-        print_result(f"  per layer, the head (L layer, h head) with the highest signed answer share: answer (signed) = {best}")
-        print_result(f"  lookup head L{look['layer']}h{look['head']} (the highest signed answer share): {parts(look)}; "
-                     f"noise {look['noise']:.3f}; signed answer by filler length: {by_filler}")
+                     f"signed: negative where the row subtracts; noise = {w['pairs']} + {w['queries']} + "
+                     f"{w['filler']})")
+        print_result("  a uniform row (every key alike) would score: "
+                     + ", ".join(f"{w[part]} {r['uniform'][part]:.3f}" for part in ('value', 'key', 'own'))
+                     + f", noise {r['uniform']['noise']:.3f}")
+        print_result(f"  per layer, the head (L layer, h head) with the highest signed share on the {w['value']}: "
+                     f"{w['value']} (signed) = {best}")
+        print_result(f"  lookup head L{look['layer']}h{look['head']} (the highest signed {w['value']} share): "
+                     f"{parts(look)}; noise {look['noise']:.3f}; signed {w['value']} by {w['filler']} length: "
+                     f"{by_filler}")
         print_result(f"  reading layer L{layer['layer']} (all heads, by what each key adds to the layer's output): "
                      f"{parts(layer)}; noise {layer['noise']:.3f}")
         return r
@@ -408,7 +438,8 @@ if retrieval:
         by = r['by_distance']
 
         def parts(s):
-            return (f"source {s['source']:.3f} (signed {s['signed_source']:.3f}), span {s['span']:.3f}, "
+            return (f"token to copy {s['copy']:.3f} (signed {s['signed_copy']:.3f}), earlier occurrence "
+                    f"{s['occurrence']:.3f} (signed {s['signed_occurrence']:.3f}), span {s['span']:.3f}, "
                     f"own {s['own']:.3f}, text {s['text']:.3f}")
         print_result(f"retrieval probe ({which_info['name']}): a span of {r['span']} random tokens written twice in "
                      f"{r['length']}-token windows of {val_path}, D tokens of text between; {r['examples']:,} "
@@ -417,8 +448,11 @@ if retrieval:
                      f"{r['candidates']} token ids of the file); by distance D: "
                      + ", ".join(f"{d}: {v['accuracy']:.4f}" for d, v in by.items()))
         head, layer = r['copy_head'], r['reading_layer']
+        if r['accuracy'] < 2 * r['chance']:  # then no head copies: the ranking still names one
+            print_result(f"  this model does not copy (accuracy {r['accuracy']:.4f}, under twice chance): the copy "
+                         f"head and reading layer below only rank where attention goes, not how a copy is made")
         print_result(f"  copy head L{head['layer']}h{head['head']} (layer {head['layer']}, head {head['head']}: the "
-                     f"highest signed source share; source = the earlier occurrence and the token to copy), "
+                     f"highest signed share on the token to copy, the token after the earlier occurrence), "
                      f"share of its attention row by distance:")
         for d, v in by.items():
             print_result(f"    D={d}: {parts(v['copy_head'])}")

@@ -568,6 +568,15 @@ def write_documents(tokens, lengths, order, path, desc):
     return total, top
 
 
+def choose_without_replacement(rng, n_rows, population, size, p=None):
+    """(n_rows, size) indices into range(population), distinct within a row. With weights p, the draw is
+    the same in law as drawing one by one in proportion to the weights left (numpy's choice(replace=
+    False, p=p)): each row keeps the `size` largest log(u) / p (Efraimidis and Spirakis, 2006)."""
+    u = rng.random((n_rows, population))
+    score = u if p is None else np.log(u) / p
+    return np.argsort(-score, axis=1, kind="stable")[:, :size]
+
+
 def max_id(tokens):
     """The largest id of a token array, -1 when it is empty; meta.json stores it per split so that
     train.py can check the ids against the model's vocabulary without reading the files again."""

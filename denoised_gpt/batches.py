@@ -103,6 +103,7 @@ class ExampleLayout:
                              f"each answer after its query (a model could guess among the values not yet answered): "
                              f"run prepare.py again")
         self.example_tokens = meta.get("example_tokens")
+        self.task = meta.get("task")  # 'mqar', 'needles' (whose positions eval.py reads), or None for text
         self.labels_path = os.path.join(data_dir, f"{split}_labels.bin") if meta.get("labels") else None
 
     def check(self, path, num_tokens, block_size, vocab_size=None):

@@ -202,7 +202,7 @@ def plot_accuracy(results, report_dir):
 
 
 def plot_against_filler(results, report_dir):
-    """attention.png: answer accuracy, the lookup head's signed answer share, the reading layer's, and the
+    """attention.png: answer accuracy, the lookup head's signed value share, the reading layer's, and the
     reading layer's share on noise (other pairs, earlier queries and filler) against the examples' filler
     length (the grid points' datasets), one line per attn_type: mean over seeds, bars = min..max. The lines
     are shifted apart sideways a little, so that bars at one length do not hide each other."""
@@ -211,8 +211,8 @@ def plot_against_filler(results, report_dir):
     shift = 0.012 * ((lengths[-1] - lengths[0]) or 1) if lengths else 0
     fig, axes = plt.subplots(1, 4, figsize=(24, 4.5))
     for ax, key, what in ((axes[0], 'accuracy', 'answer accuracy'),
-                          (axes[1], 'signed_answer_share', "lookup head's signed share on the answer"),
-                          (axes[2], 'layer_signed_answer_share', "reading layer's signed share on the answer"),
+                          (axes[1], 'signed_value_share', "lookup head's signed share on the answer value"),
+                          (axes[2], 'layer_signed_value_share', "reading layer's signed share on the answer value"),
                           (axes[3], 'layer_noise_share', "reading layer's share on noise")):
         for i, (label, line) in enumerate(lines.items()):
             runs = [r for r in line if key in r]
@@ -242,14 +242,14 @@ def distances(run):
 
 
 def plot_retrieval(results, report_dir):
-    """retrieval.png: copy accuracy, the copy head's signed source share and the reading layer's share on noise
-    (the rest of the span and the text) against the distance between the two copies, one line per variant: mean
-    over seeds, bars = min..max, shifted apart sideways a little."""
+    """retrieval.png: copy accuracy, the copy head's signed share on the token to copy and the reading layer's share
+    on noise (the rest of the span and the text) against the distance between the two copies, one line per
+    variant: mean over seeds, bars = min..max, shifted apart sideways a little."""
     variants = {v: [r for r in runs if 'copy_accuracy' in r] for v, runs in by_variant(results).items()}
     variants = {v: runs for v, runs in variants.items() if runs}
     fig, axes = plt.subplots(3, 1, figsize=(8, 10), sharex=True)  # one above the other: 960 px wide, a page's width
     for ax, key, what in ((axes[0], 'copy_accuracy', 'copy accuracy'),
-                          (axes[1], 'copy_signed_source_share', "copy head's signed share on the source"),
+                          (axes[1], 'copy_signed_copy_share', "copy head's signed share\non the token to copy"),
                           (axes[2], 'copy_layer_noise_share', "reading layer's share on noise")):
         for i, (variant, runs) in enumerate(variants.items()):
             ds = distances(runs[0])
@@ -300,28 +300,32 @@ def retrieval_lines(summary, results, plots):
             lines.append(f"| `{variant}` | " + " | ".join(paired_cell(s.get(f'copy_accuracy@{d}_vs_base')) for d in ds)
                          + " |")
     for where, prefix, what, chosen in (
-            ('copy head', 'copy_', "the layer and head with the highest mean signed source share over every distance "
-             "(among the variant's own heads)", 'copy_head'),
-            ('reading layer', 'copy_layer_', "the layer whose output takes the most signed source share, by what "
-             "each key adds to it (all heads, through the values and c_proj)", 'copy_reading_layer')):
+            ('copy head', 'copy_', "the layer and head with the highest mean signed share on the token to copy over "
+             "every distance (among the variant's own heads)", 'copy_head'),
+            ('reading layer', 'copy_layer_', "the layer whose output takes the most signed share from the token to "
+             "copy, by what each key adds to it (all heads, through the values and c_proj)", 'copy_reading_layer')):
         lines += ["", f"Where attention goes while copying, at each run's {where}: {what}. Shares of the absolute "
-                  "mass: the source (the earlier occurrence of the query's token and the token to copy), the rest of "
-                  "the span, the query's own token, the text; noise = span + text; signed: negative where it "
-                  "subtracts. Over every distance, and the noise share at each distance.", "",
-                  f"| variant | {where} per seed | source (signed) | span | own token | text | noise | "
-                  + " | ".join(f"noise D={d}" for d in ds) + " | reading (signed source) | reading (noise) |",
-                  "|---|---|---|---|---|---|---|" + "---|" * len(ds) + "---|---|"]
+                  "mass: the source (the earlier occurrence of the query's token and the token to copy), each apart, "
+                  "the rest of the span, the query's own token, the text; noise = span + text; signed: negative "
+                  "where it subtracts. Over every distance, and the noise share at each distance.", "",
+                  f"| variant | {where} per seed | source (signed) | token to copy (signed) | earlier occurrence "
+                  "(signed) | span | own token | text | noise | " + " | ".join(f"noise D={d}" for d in ds)
+                  + " | reading (signed token to copy) | reading (noise) |",
+                  "|---|---|---|---|---|---|---|---|---|" + "---|" * len(ds) + "---|---|"]
         for variant, s in probed.items():
             heads = ', '.join(r[chosen] for r in results if r['variant'] == variant and chosen in r)
-            lines.append(f"| `{variant}` | {heads} | {fmt(s[f'{prefix}source_share'], 3)} "
-                         f"({fmt(s[f'{prefix}signed_source_share'], 3)}) | "
+            lines.append(f"| `{variant}` | {heads} | "
+                         + " | ".join(f"{fmt(s[f'{prefix}{part}_share'], 3)} "
+                                      f"({fmt(s[f'{prefix}signed_{part}_share'], 3)})"
+                                      for part in ('source', 'copy', 'occurrence')) + " | "
                          + " | ".join(fmt(s[f'{prefix}{part}_share'], 3) for part in ('span', 'own', 'text', 'noise'))
                          + " | " + " | ".join(fmt(s[f'{prefix}noise_share@{d}'], 3) for d in ds)
-                         + f" | {paired_reading(s, f'{prefix}signed_source_share')} | "
+                         + f" | {paired_reading(s, f'{prefix}signed_copy_share')} | "
                            f"{paired_reading(s, f'{prefix}noise_share')} |")
     lines.append("")
     if 'retrieval' in plots:
-        lines += [f"![copy accuracy, signed source share and noise share against distance]({plots['retrieval']})", ""]
+        lines += [f"![copy accuracy, signed share on the token to copy and noise share against distance]"
+                  f"({plots['retrieval']})", ""]
     return lines
 
 
@@ -453,6 +457,21 @@ def filler_lines(results):
     return by_variant
 
 
+def ranked(summary, prefix):
+    """The key a variant's lookup head (prefix '') or reading layer ('layer_') was ranked by: the signed value share,
+    or, for runs read by an earlier eval.py without the value and key apart, the signed answer share."""
+    key = f'{prefix}signed_value_share'
+    return key if key in summary else f'{prefix}signed_answer_share'
+
+
+def value_and_key(summary, prefix):
+    """The 'value (signed) | key (signed)' cells, or '—' where the runs were read without them apart."""
+    if f'{prefix}value_share' not in summary:
+        return '— | —'
+    return ' | '.join(f"{fmt(summary[f'{prefix}{part}_share'], 3)} ({fmt(summary[f'{prefix}signed_{part}_share'], 3)})"
+                      for part in ('value', 'key'))
+
+
 def attention_lines(summary, results, plots):
     """The report's section on where attention goes (recall data), or [] without it."""
     shares = {a: s for a, s in summary.items() if 'signed_answer_share' in s}
@@ -463,44 +482,49 @@ def attention_lines(summary, results, plots):
              "effective attention row (the weights that multiply V), split into the answer (the queried key and "
              "its value in the pairs), the other pairs, the query's own token (it holds the key being asked: part "
              "of the lookup, not noise), the earlier queries and the filler, as shares of the row's absolute mass; "
-             "noise = other pairs + earlier queries + filler. The signed answer share is the answer's signed "
-             "weight over the same mass: negative where the row subtracts the answer. Each run is read at its "
-             "lookup head, the layer and head with the highest mean signed answer share over all validation "
+             "noise = other pairs + earlier queries + filler. The answer is read apart too: its value (what the "
+             "lookup carries into the output) and its key (what the query is matched against). A signed share is "
+             "the part's signed weight over the same mass: negative where the row subtracts it. Each run is read at "
+             "its lookup head, the layer and head with the highest mean signed value share over all validation "
              "answers (chosen among the variant's own heads: DIFF and DINT have half as many as base, so base's "
-             "best-of-more choice favours it slightly). Mean ± sample standard deviation over seeds. Reading: "
-             "the signed answer share minus base's at the same point, seed by seed, as for the val loss, and "
-             "likewise the noise share.", "",
-             "| variant | filler tokens | answer share (signed) | signed, per seed | lookup head per seed | noise | "
-             "other pairs | own token | earlier queries | filler | reading (signed answer) | reading (noise) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "best-of-more choice favours it slightly); a run read by an earlier eval.py, without the value and "
+             "key apart (—), was ranked by the signed answer share. Mean ± sample standard deviation over seeds. "
+             "Reading: the signed value share (the answer's, where there is none) minus base's at the same point, "
+             "seed by seed, as for the val loss, and likewise the noise share.", "",
+             "| variant | filler tokens | answer share (signed) | value (signed) | key (signed) | signed value, per "
+             "seed | lookup head per seed | noise | other pairs | own token | earlier queries | filler | reading "
+             "(signed value) | reading (noise) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for variant, s in shares.items():
         heads = ', '.join(r['lookup_head'] for r in results if r['variant'] == variant and 'lookup_head' in r)
         lines.append(f"| `{variant}` | {s['filler_length']['mean']:g} | {fmt(s['answer_share'], 3)} "
-                     f"({fmt(s['signed_answer_share'], 3)}) | "
-                     f"{', '.join(f'{v:.3f}' for v in s['signed_answer_share']['values'])} | {heads} | "
+                     f"({fmt(s['signed_answer_share'], 3)}) | {value_and_key(s, '')} | "
+                     f"{', '.join(f'{v:.3f}' for v in s[ranked(s, '')]['values'])} | {heads} | "
                      + ' | '.join(fmt(s[f'{part}_share'], 3) for part in ('noise', 'pairs', 'own', 'queries', 'filler'))
-                     + f" | {paired_reading(s, 'signed_answer_share')} | {paired_reading(s, 'noise_share')} |")
+                     + f" | {paired_reading(s, ranked(s, ''))} | {paired_reading(s, 'noise_share')} |")
     lines += ["", "The layer as a whole: a head's share cannot tell a lookup spread over several heads from attention "
               "on noise, so each layer is also read by the norm of what each key adds to its output (all heads, "
               "through the values and c_proj; heads that cancel on a key cancel in its share; the signed answer "
-              "share: the answer's additions along the layer's output; docs/eval.md). Each run is read at its "
-              "reading layer, the layer with the highest mean signed answer share.", "",
-              "| variant | filler tokens | layer answer share (signed) | signed, per seed | reading layer per seed | "
-              "noise | other pairs | own token | earlier queries | filler | reading (signed answer) | "
-              "reading (noise) |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "share: a part's additions along the layer's output; docs/eval.md). Each run is read at its "
+              "reading layer, the layer with the highest mean signed value share (the answer's, for a run read "
+              "without the value and key apart).", "",
+              "| variant | filler tokens | layer answer share (signed) | value (signed) | key (signed) | signed value, "
+              "per seed | reading layer per seed | noise | other pairs | own token | earlier queries | filler | "
+              "reading (signed value) | reading (noise) |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for variant, s in shares.items():
         if 'layer_signed_answer_share' not in s:
             continue
         layers = ', '.join(r['reading_layer'] for r in results if r['variant'] == variant and 'reading_layer' in r)
         lines.append(f"| `{variant}` | {s['filler_length']['mean']:g} | {fmt(s['layer_answer_share'], 3)} "
-                     f"({fmt(s['layer_signed_answer_share'], 3)}) | "
-                     f"{', '.join(f'{v:.3f}' for v in s['layer_signed_answer_share']['values'])} | {layers} | "
+                     f"({fmt(s['layer_signed_answer_share'], 3)}) | {value_and_key(s, 'layer_')} | "
+                     f"{', '.join(f'{v:.3f}' for v in s[ranked(s, 'layer_')]['values'])} | {layers} | "
                      + ' | '.join(fmt(s[f'layer_{part}_share'], 3) for part in ('noise', 'pairs', 'own', 'queries', 'filler'))
-                     + f" | {paired_reading(s, 'layer_signed_answer_share')} | {paired_reading(s, 'layer_noise_share')} |")
+                     + f" | {paired_reading(s, ranked(s, 'layer_'))} | {paired_reading(s, 'layer_noise_share')} |")
     lines.append("")
     if 'attention' in plots:
-        lines += [f"![answer accuracy, signed answer shares and noise share against filler length]({plots['attention']})", ""]
+        lines += [f"![answer accuracy, signed value shares and noise share against filler length]"
+                  f"({plots['attention']})", ""]
     return lines
 
 

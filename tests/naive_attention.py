@@ -301,8 +301,9 @@ def naive_part_shares(model, idx, seed, queries, parts):
     for each layer as a whole (by the norm of what each key adds to the layer's output), with explicit loops
     over keys in float64: eval.py --attention_noise's and --retrieval's measure from its definition.
     queries: [(row of idx, query position p, part(j) -> the part of key j <= p, 0 .. parts - 1)], part 0 the
-    one a lookup reads, part 2 the query's own token. -> (layers, heads, parts + 2) and (layers, parts + 2):
-    the parts' shares, noise (every part but 0 and 2), part 0's signed share. The layer inputs come from the
+    key a lookup reads, part 1 the key it matches, part 3 the query's own token. -> (layers, heads, parts + 5)
+    and (layers, parts + 5): the parts' shares, parts 0 and 1 together, noise (every part but 0, 1 and 3), the
+    signed shares of part 0, part 1 and the two together. The layer inputs come from the
     model's own blocks; NoiseFormer's noise is drawn after torch.manual_seed(seed), in the order
     GPT.attention_inputs draws it (the layer's map, then the block's forward)."""
     from model import causal_randn
@@ -312,13 +313,15 @@ def naive_part_shares(model, idx, seed, queries, parts):
     x = model.transformer.wte(idx) + model.transformer.wpe(torch.arange(T))
     per_layer, whole_layer = [], []
 
-    def shares(weights, signed):  # [(part, |weight|)], the signed weight of part 0 -> the parts + 2 row
-        out = [0.0] * parts
+    def shares(weights, signed):  # [(part, |weight|)], [(part, signed weight)] -> the parts + 5 row
+        out, sign = [0.0] * parts, [0.0] * parts
         for part, w in weights:
             out[part] += w
+        for part, w in signed:
+            sign[part] += w
         total = sum(out)
-        return torch.tensor([*out, sum(v for i, v in enumerate(out) if i not in (0, 2)), signed],
-                            dtype=F64) / total
+        return torch.tensor([*out, out[0] + out[1], sum(v for i, v in enumerate(out) if i not in (0, 1, 3)),
+                             sign[0], sign[1], sign[0] + sign[1]], dtype=F64) / total
     for layer, block in enumerate(model.transformer.h):
         attn = block.attn
         eps, kwargs = None, {}
@@ -338,8 +341,8 @@ def naive_part_shares(model, idx, seed, queries, parts):
             scale = (attn.head_norm.weight.double() / torch.sqrt((y * y).mean(-1, keepdim=True) + RMS_EPS)
                      * (1 - lambda_init_for(layer)))
         output = NAIVE[cfg.attn_type](attn, block.ln_1(x), eps, **kwargs)
-        sums = torch.zeros(heads, parts + 2, dtype=F64)
-        layer_sums = torch.zeros(parts + 2, dtype=F64)
+        sums = torch.zeros(heads, parts + 5, dtype=F64)
+        layer_sums = torch.zeros(parts + 5, dtype=F64)
         for row, p, part in queries:
             # what key j adds to the layer's output at p: c_proj (no bias) of the heads' scaled a_pj v_j
             adds = [attn.c_proj.weight.double() @ torch.cat([scale[row, h, p] * a[row, h, p, j] * v[row, h, j]
@@ -348,11 +351,10 @@ def naive_part_shares(model, idx, seed, queries, parts):
             assert torch.allclose(sum(adds) + bias, output[row, p], rtol=1e-9, atol=1e-12)
             direction = sum(adds) / sum(adds).norm()
             layer_sums += shares([(part(j), float(u.norm())) for j, u in enumerate(adds)],
-                                 sum(float(u @ direction) for j, u in enumerate(adds) if part(j) == 0))
+                                 [(part(j), float(u @ direction)) for j, u in enumerate(adds)])
             for h in range(heads):
                 w = [float(a[row, h, p, j]) for j in range(p + 1)]
-                sums[h] += shares([(part(j), abs(w[j])) for j in range(p + 1)],
-                                  sum(w[j] for j in range(p + 1) if part(j) == 0))
+                sums[h] += shares([(part(j), abs(w[j])) for j in range(p + 1)], [(part(j), w[j]) for j in range(p + 1)])
         per_layer.append(sums / len(queries))
         whole_layer.append(layer_sums / len(queries))
         x = block(x)

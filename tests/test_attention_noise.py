@@ -65,20 +65,23 @@ def reference_shares(model, idx, seed):
         asked_at = [q for q, _, _ in asked]
         for p, key_at, pairs in asked:
             def part(j, p=p, key_at=key_at, pairs=pairs, asked_at=asked_at):
-                # answer, pairs, own, queries, filler: indices into the first five PARTS
-                if j in (key_at, key_at + 1):
+                # value, key, pairs, own, queries, filler: indices into the first six PARTS
+                if j == key_at + 1:
                     return 0
-                if j < 2 * pairs:
+                if j == key_at:
                     return 1
-                return 2 if j == p else 3 if j in asked_at else 4
+                if j < 2 * pairs:
+                    return 2
+                return 3 if j == p else 4 if j in asked_at else 5
             queries.append((row, p, part))
-    return naive_part_shares(model, idx, seed, queries, parts=5)
+    return naive_part_shares(model, idx, seed, queries, parts=6)
 
 
 @pytest.mark.parametrize('attn_type', list(ATTENTION_TYPES))
 def test_shares_equal_a_float64_computation_from_the_equations(tmp_path, attn_type):
     data = write_examples(tmp_path / 'data', EXAMPLES)
-    model = peaked_model(attn_type)
+    # seeds whose maps put weight on every part (seed 0's NoiseFormer v2 gives the values almost none)
+    model = peaked_model(attn_type, seed=2 if attn_type == 'noiseformer_v2' else 0)
     idx = torch.tensor([t[:T] for t, _ in EXAMPLES])
     torch.manual_seed(3)
     r = attention_noise(model, str(data), 8, 'cpu', NO_AUTOCAST)
@@ -89,31 +92,35 @@ def test_shares_equal_a_float64_computation_from_the_equations(tmp_path, attn_ty
     # the layer as a whole: the norm of what each key adds to the layer's output
     got_layers = torch.tensor([r['layer_shares'][part] for part in PARTS], dtype=torch.float64).T
     assert torch.allclose(got_layers, expected_layers, rtol=1e-9, atol=1e-12)
-    signed = PARTS.index('signed_answer')
+    signed = PARTS.index('signed_value')
     reading = int(expected_layers[:, signed].argmax())
     assert r['reading_layer'] == pytest.approx(dict(layer=reading, **dict(zip(PARTS, expected_layers[reading].tolist()))))
     # a layer's share is not a mean of its heads' shares: values and c_proj weigh the heads
-    assert (got_layers[:, 0] - got[..., 0].mean(-1)).abs().max() > 1e-3
+    answer = PARTS.index('answer')
+    assert (got_layers[:, answer] - got[..., answer].mean(-1)).abs().max() > 1e-3
+    # the value and the key apart: their shares differ, and add up to the answer's
+    assert (got[..., 0] - got[..., 1]).abs().max() > 1e-3
+    assert torch.allclose(got[..., PARTS.index('answer')], got[..., 0] + got[..., 1])
     assert r['answers'] == 5 and r['examples'] == 2
     # the heads' shares differ widely (the maps are far from uniform), so equality says something; DIFF /
-    # DINT maps have negative weight; every part has weight somewhere
-    assert expected[..., 0].max() - expected[..., 0].min() > 0.05
-    assert (expected[..., :5].amax(dim=(0, 1)) > 1e-3).all() and (expected_layers[:, :5].amax(0) > 1e-3).all()
+    # DINT maps have negative weight; every part has weight somewhere (in a head or in a layer as a whole)
+    assert expected[..., answer].max() - expected[..., answer].min() > 0.05
+    assert (torch.maximum(expected[..., :6].amax(dim=(0, 1)), expected_layers[:, :6].amax(0)) > 1e-3).all()
     if issubclass(ATTENTION_TYPES[attn_type], TwoBranchAttention):
         assert (expected[..., signed] - expected[..., 0]).abs().max() > 1e-3
-    # the five parts split the row's absolute mass; noise is everything but the answer and the own token
+    # the six parts split the row's absolute mass; noise is everything but the answer and the own token
     for shares in (got, got_layers):
-        assert torch.allclose(shares[..., :5].sum(-1), torch.ones_like(shares[..., 0]))
-        assert torch.allclose(shares[..., PARTS.index('noise')], 1 - shares[..., 0] - shares[..., 2])
+        assert torch.allclose(shares[..., :6].sum(-1), torch.ones_like(shares[..., 0]))
+        assert torch.allclose(shares[..., PARTS.index('noise')], 1 - shares[..., 0] - shares[..., 1] - shares[..., 3])
         assert (shares[..., signed].abs() <= shares[..., 0] + 1e-12).all()
-    # the best head of each layer, and the lookup head: the highest signed answer share
+    # the best head of each layer, and the lookup head: the highest signed value share
     rank = got[..., signed]
     for layer, best in enumerate(r['best_head']):
         assert best['layer'] == layer and best['head'] == int(rank[layer].argmax())
     layer, head = divmod(int(rank.argmax()), rank.size(1))
     assert (r['lookup']['layer'], r['lookup']['head']) == (layer, head)
-    assert r['lookup']['answer'] == pytest.approx(float(expected[layer, head, 0]))
-    assert r['lookup']['signed_answer'] == pytest.approx(float(expected[layer, head, signed]))
+    assert r['lookup']['value'] == pytest.approx(float(expected[layer, head, 0]))
+    assert r['lookup']['signed_value'] == pytest.approx(float(expected[layer, head, signed]))
     # groups: the first example has 2 pairs and 12 - 6 filler tokens, the second 3 and 12 - 9
     assert {k: v['answers'] for k, v in r['by_pairs'].items()} == {'2': 2, '3': 3}
     assert {k: v['answers'] for k, v in r['by_filler'].items()} == {'3': 3, '6': 2}
@@ -168,23 +175,35 @@ def test_eval_script_writes_the_shares_and_heatmaps_side_by_side(tmp_path):
     assert r.stdout.count('lookup head L') == r.stdout.count('reading layer L') == 2
 
 
-def test_heatmap_shows_each_layer_as_a_whole_beside_the_heads(tmp_path):
+def test_heatmap_shows_signed_shares_the_chosen_head_and_layer_and_the_uniform_level(tmp_path):
+    from test_retrieval import assert_no_overlap
     model = peaked_model('diff')
     result = attention_noise(model, str(write_examples(tmp_path / 'data', EXAMPLES)), 8, 'cpu', NO_AUTOCAST)
     fig = plot_heatmaps([('out-diff', heatmap_panels(result))], 'share')
     panels = [ax for ax in fig.axes if ax.images]
-    assert [ax.get_title().split('\n')[1].split(' (mean')[0] for ax in panels] == \
-        ['answer', 'own token', 'noise (other pairs, earlier queries, filler)', 'layer as a whole']
-    for ax, part in zip(panels[:3], ('answer', 'own', 'noise')):  # layers x heads
+    # a uniform row over keys 0 .. p gives the value 1 / (p + 1): the answers' p are 4, 8, 6, 8, 10
+    uniform = sum(1 / (p + 1) for p in (4, 8, 6, 8, 10)) / 5
+    assert result['uniform']['value'] == pytest.approx(uniform)
+    assert [ax.get_title().split('\n')[1] for ax in panels] == \
+        ['answer value, signed; lookup head boxed', 'answer key, signed', 'own token',
+         'noise: other pairs, earlier queries,', 'layer as a whole; reading layer boxed']
+    assert panels[0].get_title().split('\n')[2].startswith(f"uniform row {uniform:.3f} (mean")
+    for ax, part in zip(panels[:4], ('signed_value', 'signed_key', 'own', 'noise')):  # layers x heads
         assert ax.images[0].get_array().ravel().tolist() == pytest.approx(sum(result['shares'][part], []))
-    layer_panel = panels[3]  # layers x the five parts, named, with no mean of unlike columns
-    columns = ('answer', 'pairs', 'own', 'queries', 'filler')
-    assert [t.get_text() for t in layer_panel.get_xticklabels()] == \
-        ['answer', 'other pairs', 'own token', 'earlier queries', 'filler']
+        assert ax.images[0].get_clim() == ((-1, 1) if part.startswith('signed') else (0, 1))
+    look = result['lookup']
+    assert [p.get_xy() for p in panels[0].patches] == [(look['head'] - 0.5, look['layer'] - 0.5)]
+    layer_panel = panels[4]  # layers x the six parts, named with a uniform row's level, the reading layer boxed
+    columns = ('value', 'key', 'pairs', 'own', 'queries', 'filler')
+    u = result['uniform']
+    assert [t.get_text() for t in layer_panel.get_xticklabels()] == [
+        f"answer value ({u['value']:.3f})", f"answer key ({u['key']:.3f})", f"other pairs ({u['pairs']:.3f})",
+        f"own token ({u['own']:.3f})", f"earlier queries ({u['queries']:.3f})", f"filler ({u['filler']:.3f})"]
     assert layer_panel.images[0].get_array().ravel().tolist() == pytest.approx(
         [v for row in zip(*(result['layer_shares'][part] for part in columns)) for v in row])
-    assert layer_panel.get_title() == 'out-diff\nlayer as a whole'
+    assert [p.get_xy() for p in layer_panel.patches] == [(-0.5, result['reading_layer']['layer'] - 0.5)]
     assert layer_panel.get_xlabel() == 'part (all heads together)' and panels[0].get_xlabel() == 'head'
+    assert_no_overlap(fig, layer_panel.get_xticklabels())
 
 
 def test_eval_script_refuses_attention_noise_on_data_without_answers(tmp_path):
@@ -195,6 +214,8 @@ def test_eval_script_refuses_attention_noise_on_data_without_answers(tmp_path):
     r = run_script_in_process('eval.py', [f"--out_dir={tmp_path / 'out'}", '--attention_noise=True', '--device=cpu'])
     assert r.returncode == 2 and 'Traceback' not in r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith('eval.py: error:') and 'not a recall dataset' in r.stderr
+    assert r.stderr.strip().endswith('probe a model trained on text with --retrieval=True')  # whole, with the fix
+    assert 'parameters' not in r.stdout + r.stderr  # refused before the model is loaded (and announced)
     assert not (tmp_path / 'out' / 'attention_noise.json').exists()
 
 

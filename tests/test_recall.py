@@ -409,7 +409,8 @@ def test_compare_sweeps_a_grid_and_reports_accuracy(mqar, tmp_path):
         assert r["accuracy_by_pairs"] == {k: v["accuracy"] for k, v in recall["by_pairs"].items()}
         shares = json.loads((run_dir / "attention_noise.json").read_text())
         lookup, layer = shares["lookup"], shares["reading_layer"]
-        parts = ("answer", "signed_answer", "noise", "pairs", "own", "queries", "filler")
+        parts = ("value", "key", "signed_value", "signed_key", "answer", "signed_answer", "noise", "pairs", "own",
+                 "queries", "filler")
         assert [r[f"{part}_share"] for part in parts] == [lookup[part] for part in parts]
         assert r["lookup_head"] == f"L{lookup['layer']}h{lookup['head']}"
         assert [r[f"layer_{part}_share"] for part in parts] == [layer[part] for part in parts]
@@ -425,7 +426,8 @@ def test_compare_sweeps_a_grid_and_reports_accuracy(mqar, tmp_path):
         mine = {r["seed"]: r["accuracy"] for r in results["runs"] if r["variant"] == f"linear n_embd={width}"}
         theirs = {r["seed"]: r["accuracy"] for r in results["runs"] if r["variant"] == f"base n_embd={width}"}
         assert linear["accuracy_vs_base"]["differences"] == [mine[1] - theirs[1]]
-        for key in ("signed_answer_share", "noise_share", "layer_signed_answer_share", "layer_noise_share"):
+        for key in ("signed_value_share", "signed_answer_share", "noise_share", "layer_signed_value_share",
+                    "layer_signed_answer_share", "layer_noise_share"):
             shares = {r["variant"]: r[key] for r in results["runs"]}
             assert linear[f"{key}_vs_base"]["differences"] == \
                 [shares[f"linear n_embd={width}"] - shares[f"base n_embd={width}"]], key
@@ -440,11 +442,12 @@ def test_compare_sweeps_a_grid_and_reports_accuracy(mqar, tmp_path):
     assert sorted(filler_lines(one_width)) == ["base", "linear"]
     head_row, layer_row = [line for line in report.splitlines() if line.startswith("| `linear n_embd=16` | 14")]
     s = summary['linear n_embd=16']
-    assert f"| {s['answer_share']['mean']:.3f} ({s['signed_answer_share']['mean']:.3f}) |" in head_row
-    assert head_row.endswith(f"| {reading(s['signed_answer_share_vs_base'])} | {reading(s['noise_share_vs_base'])} |")
-    assert f"| {s['layer_answer_share']['mean']:.3f} ({s['layer_signed_answer_share']['mean']:.3f}) |" in layer_row
-    assert layer_row.endswith(f"| {reading(s['layer_signed_answer_share_vs_base'])} | "
-                              f"{reading(s['layer_noise_share_vs_base'])} |")
+    for row, prefix in ((head_row, ''), (layer_row, 'layer_')):
+        assert (f"| {s[f'{prefix}answer_share']['mean']:.3f} ({s[f'{prefix}signed_answer_share']['mean']:.3f}) | "
+                f"{s[f'{prefix}value_share']['mean']:.3f} ({s[f'{prefix}signed_value_share']['mean']:.3f}) | "
+                f"{s[f'{prefix}key_share']['mean']:.3f} ({s[f'{prefix}signed_key_share']['mean']:.3f}) |") in row
+        assert row.endswith(f"| {reading(s[f'{prefix}signed_value_share_vs_base'])} | "
+                            f"{reading(s[f'{prefix}noise_share_vs_base'])} |")
 
     # an attention_noise.json without the own token's share is an older eval.py's: measured again
     path = out / "runs" / "base-n_embd16-seed1" / "attention_noise.json"

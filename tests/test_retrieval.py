@@ -70,18 +70,20 @@ def test_default_distances_span_the_window_and_misfits_are_errors(tmp_path):
 
 def probe_queries(first):
     """[(row, p, part(j))] for every copy position of examples whose first copy starts at `first`, with the
-    parts written out from the module docstring: source, span, own, text."""
+    parts written out from the module docstring: copy, occurrence, span, own, text."""
     queries = []
     for row, a in enumerate(first.tolist()):
         for i in range(K - 1):
             p = L - K + i
 
             def part(j, a=a, i=i, p=p):
-                if j in (a + i, a + i + 1):
+                if j == a + i + 1:
                     return 0
-                if a <= j < a + K or L - K <= j < p:
+                if j == a + i:
                     return 1
-                return 2 if j == p else 3
+                if a <= j < a + K or L - K <= j < p:
+                    return 2
+                return 3 if j == p else 4
             queries.append((row, p, part))
     return queries
 
@@ -93,24 +95,27 @@ def test_shares_equal_a_float64_loop_over_the_parts(tmp_path, attn_type):
     torch.manual_seed(3)
     r = retrieval(model, path, 8, 'cpu', NO_AUTOCAST, span=K, distances=[2, 8], per_distance=2, seed=1)
     tokens, first, dist, _, _ = probe_examples(path, 64, L, K, [2, 8], 2, seed=1)
-    expected, expected_layers = naive_part_shares(model, tokens, 3, probe_queries(first), parts=4)
+    expected, expected_layers = naive_part_shares(model, tokens, 3, probe_queries(first), parts=5)
     got = torch.tensor([r['shares'][part] for part in PARTS], dtype=torch.float64).permute(1, 2, 0)
     got_layers = torch.tensor([r['layer_shares'][part] for part in PARTS], dtype=torch.float64).T
     assert torch.allclose(got, expected, rtol=1e-9, atol=1e-12)
     assert torch.allclose(got_layers, expected_layers, rtol=1e-9, atol=1e-12)
     # the parts split the row, every part has weight somewhere, and the heads differ: equality says something
-    assert torch.allclose(got[..., :4].sum(-1), torch.ones_like(got[..., 0]))
-    assert (expected[..., :4].amax(dim=(0, 1)) > 1e-3).all()
-    assert (expected[..., :4].amax(dim=(0, 1)) - expected[..., :4].amin(dim=(0, 1))).max() > 0.05
-    # the copy head and the reading layer: the highest signed source share
-    rank = got[..., -1]
+    assert torch.allclose(got[..., :5].sum(-1), torch.ones_like(got[..., 0]))
+    assert (expected[..., :5].amax(dim=(0, 1)) > 1e-4).all()
+    assert (expected[..., :5].amax(dim=(0, 1)) - expected[..., :5].amin(dim=(0, 1))).max() > 0.05
+    # the token to copy and the earlier occurrence apart: their shares differ, and add up to the source's
+    assert (got[..., 0] - got[..., 1]).abs().max() > 1e-3
+    assert torch.allclose(got[..., PARTS.index('source')], got[..., 0] + got[..., 1])
+    # the copy head and the reading layer: the highest signed share on the token to copy
+    rank = got[..., PARTS.index('signed_copy')]
     assert (r['copy_head']['layer'], r['copy_head']['head']) == divmod(int(rank.argmax()), rank.size(1))
-    assert r['reading_layer']['layer'] == int(got_layers[:, -1].argmax())
+    assert r['reading_layer']['layer'] == int(got_layers[:, PARTS.index('signed_copy')].argmax())
     # by distance: the same measure over that distance's queries, at the copy head chosen over all of them
     near = [q for q in probe_queries(first) if dist[q[0]] == 2]
-    near_heads, _ = naive_part_shares(model, tokens, 3, near, parts=4)  # the same draws: one per layer and batch
+    near_heads, _ = naive_part_shares(model, tokens, 3, near, parts=5)  # the same draws: one per layer and batch
     layer, head = r['copy_head']['layer'], r['copy_head']['head']
-    assert r['by_distance']['2']['copy_head']['source'] == pytest.approx(float(near_heads[layer, head, 0]), rel=1e-9)
+    assert r['by_distance']['2']['copy_head']['copy'] == pytest.approx(float(near_heads[layer, head, 0]), rel=1e-9)
     assert r['by_distance']['2']['copies'] == r['by_distance']['8']['copies'] == 2 * (K - 1)
     assert r['copies'] == 4 * (K - 1) and r['examples'] == 4
 
@@ -169,8 +174,10 @@ def test_eval_script_probes_a_char_model_beside_another(tmp_path):
                                           '--retrieval_span=4', f"--compare_to={tmp_path / 'out-base'}"])
     assert r.returncode == 0, r.stderr
     out = tmp_path / 'out-diff'
+    at_chance = 0
     for name, model in (('retrieval.json', diff), ('retrieval_out-base.json', base)):
         written = json.loads((out / name).read_text())
+        at_chance += written['accuracy'] < 2 * written['chance']
         torch.manual_seed(5)
         expected = retrieval(model.eval(), str(data / 'val.bin'), 8, 'cpu', NO_AUTOCAST, span=4, per_distance=3,
                              seed=5)
@@ -184,6 +191,8 @@ def test_eval_script_probes_a_char_model_beside_another(tmp_path):
         width, height = struct.unpack('>II', (out / png).read_bytes()[16:24])  # the PNG header's IHDR
         assert width <= 1100 and height > width / 3  # six and twelve panels in rows: readable at a page's width
     assert r.stdout.count('copy accuracy') == r.stdout.count('copy head L') == 2
+    # untrained models do not copy: each one's copy head comes with that word, in one line
+    assert at_chance == 2 and r.stdout.count('this model does not copy (accuracy') == 2
 
 
 def test_eval_script_probes_a_gpt2_bpe_model(tmp_path):
@@ -201,17 +210,38 @@ def test_eval_script_probes_a_gpt2_bpe_model(tmp_path):
     assert written['chance'] == pytest.approx(1 / len(set(ids)))
 
 
-def test_heatmap_shows_the_source_at_each_distance_and_the_layer_as_a_whole(tmp_path):
+def test_heatmap_shows_the_signed_copy_share_and_accuracy_at_each_distance_and_the_layer_as_a_whole(tmp_path):
     path = str(write_text(tmp_path, text_tokens()) / 'val.bin')
     result = retrieval(peaked_model('dint', block_size=L), path, 8, 'cpu', NO_AUTOCAST, span=K, distances=[2, 8],
                        per_distance=2, seed=1)
     fig = plot_heatmaps([('out-dint', heatmap_panels(result))], 'share')
     panels = [ax for ax in fig.axes if ax.images]
-    assert [ax.get_title().split('\n')[1].split(' (mean')[0] for ax in panels] == \
-        ['source, distance 2', 'source, distance 8', 'layer as a whole']
-    assert panels[0].images[0].get_array().ravel().tolist() == pytest.approx(
-        sum(result['by_distance']['2']['shares']['source'], []))
-    assert [t.get_text() for t in panels[2].get_xticklabels()] == ['source', 'span', 'own token', 'text']
+    # a uniform row over keys 0 .. p gives the token to copy 1 / (p + 1), p = L - K + i
+    uniform = sum(1 / (L - K + i + 1) for i in range(K - 1)) / (K - 1)
+    for ax, d in zip(panels, ('2', '8')):
+        at = result['by_distance'][d]
+        assert ax.get_title().split('\n')[1:3] == [
+            f"token to copy, signed, D={d}; copy head boxed",
+            f"accuracy {at['accuracy']:.3f} (chance {result['chance']:.3f}), uniform row {uniform:.3f} "
+            f"(mean {float(torch.tensor(at['shares']['signed_copy']).mean()):.3f})"]
+        assert ax.images[0].get_array().ravel().tolist() == pytest.approx(sum(at['shares']['signed_copy'], []))
+        assert ax.images[0].get_clim() == (-1, 1)  # signed: a scale of its own
+        head = result['copy_head']
+        assert [p.get_xy() for p in ax.patches] == [(head['head'] - 0.5, head['layer'] - 0.5)]
+    u = result['uniform']
+    assert [t.get_text() for t in panels[2].get_xticklabels()] == [
+        f"token to copy ({u['copy']:.3f})", f"earlier occurrence ({u['occurrence']:.3f})", f"span ({u['span']:.3f})",
+        f"own token ({u['own']:.3f})", f"text ({u['text']:.3f})"]
+    assert [p.get_xy() for p in panels[2].patches] == [(-0.5, result['reading_layer']['layer'] - 0.5)]
+    assert_no_overlap(fig, panels[2].get_xticklabels())
+
+
+def assert_no_overlap(fig, labels):
+    """The labels, drawn, share no pixel."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    renderer = FigureCanvasAgg(fig).get_renderer()
+    boxes = [t.get_window_extent(renderer) for t in labels]
+    assert not any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1:])
 
 
 def test_eval_script_says_what_is_wrong_with_the_probe_settings(tmp_path):

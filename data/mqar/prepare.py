@@ -38,7 +38,8 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # data/, for prepare_common
-from prepare_common import PrepareError, atomic_outputs, check_out_dir, max_id, one_line_errors, write_array, write_json
+from prepare_common import (PrepareError, atomic_outputs, check_out_dir, choose_without_replacement, max_id,
+                            one_line_errors, write_array, write_json)
 
 from denoised_gpt.cli import human_bytes, ram_bytes  # (prepare_common put the repository on the path)
 
@@ -50,15 +51,6 @@ def power_law(space, power_a):
     """P(slot g) for g = 0 .. space - 1, proportional to a (g + 1)^(a - 1): the paper's gap law."""
     p = power_a * np.arange(1, space + 1, dtype=np.float64) ** (power_a - 1)
     return p / p.sum()
-
-
-def choose_without_replacement(rng, n_rows, population, size, p=None):
-    """(n_rows, size) indices into range(population), distinct within a row. With weights p, the draw is
-    the same in law as drawing one by one in proportion to the weights left (numpy's choice(replace=
-    False, p=p)): each row keeps the `size` largest log(u) / p (Efraimidis and Spirakis, 2006)."""
-    u = rng.random((n_rows, population))
-    score = u if p is None else np.log(u) / p
-    return np.argsort(-score, axis=1, kind="stable")[:, :size]
 
 
 def mqar_examples(num_examples, num_kv_pairs, seq_len, vocab_size, seed, power_a=0.01, filler="random"):

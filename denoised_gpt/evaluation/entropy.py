@@ -16,6 +16,7 @@ attention) this is the ordinary entropy of the row.
 """
 
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -59,6 +60,15 @@ def plot_entropy(results, path=None):
 PER_ROW = 3  # heatmaps side by side in plot_heatmaps' figure
 
 
+@dataclass
+class Panel:
+    """A plot_heatmaps panel with more than its values: signed (coloured from -1 to 1 on a scale of its own,
+    as signed shares are) and a cell (layer, head) or a whole layer (an int) boxed, e.g. the one a ranking chose."""
+    values: object  # [[per head] per layer], or {column name: [per layer]}
+    signed: bool = False
+    mark: object = None
+
+
 def plot_heatmaps(results, colour_label, path=None):
     """results: [(run name, {panel name: [[per head] per layer]})] with values in [0, 1] -> a matplotlib
     Figure of heatmaps (layers x heads) in rows of PER_ROW, one per panel that exists, the colour bar below; a
@@ -70,7 +80,10 @@ def plot_heatmaps(results, colour_label, path=None):
     is returned for inspection (fig.axes: the panels in that order, then the colour bar)."""
     from matplotlib.figure import Figure  # no pyplot: no backend to choose, no global figure to close
 
-    panels = [(label, name, layers) for label, maps in results for name, layers in maps.items()]
+    from matplotlib.patches import Rectangle
+
+    panels = [(label, name, p if isinstance(p, Panel) else Panel(p))
+              for label, maps in results for name, p in maps.items()]
     if not panels:
         raise ValueError("plot_heatmaps: nothing to plot")
     # at most PER_ROW panels a row, so that the PNG reads at a page's width (~1000 px) with fonts of 10 points
@@ -82,15 +95,24 @@ def plot_heatmaps(results, colour_label, path=None):
     for ax in axes[len(panels):]:  # the last row's empty places
         fig.delaxes(ax)
     axes = axes[:len(panels)]
-    for ax, (label, name, layers) in zip(axes, panels):
+    images = {}  # the last image of each colour scale, for its bar
+    for ax, (label, name, panel) in zip(axes, panels):
+        layers = panel.values
         columns = list(layers) if isinstance(layers, dict) else None
         if columns:
             layers = [list(row) for row in zip(*layers.values())]
-        image = ax.imshow(torch.tensor(layers).numpy(), vmin=0, vmax=1, cmap='viridis', aspect='auto',
-                          interpolation='nearest')
+        images[panel.signed] = ax.imshow(torch.tensor(layers).numpy(), vmin=-1 if panel.signed else 0, vmax=1,
+                                         cmap='RdBu_r' if panel.signed else 'viridis', aspect='auto',
+                                         interpolation='nearest')
+        if panel.mark is not None:  # a box around the cell, or around the whole layer's row
+            layer, head = (panel.mark, None) if isinstance(panel.mark, int) else panel.mark
+            x, width = (-0.5, len(layers[0])) if head is None else (head - 0.5, 1)
+            ax.add_patch(Rectangle((x, layer - 0.5), width, 1, fill=False, edgecolor='red', linewidth=2))
         if columns:
             ax.set_title(f"{label}\n{name}", fontsize=10)
-            ax.set_xticks(range(len(columns)), columns, fontsize=9)
+            # upright: names of several words side by side would run into each other
+            ax.set_xticks(range(len(columns)), columns, fontsize=9, rotation=90, ha='right', va='center',
+                          rotation_mode='anchor')
             ax.set_xlabel('part (all heads together)', fontsize=10)
         else:
             mean = sum(map(sum, layers)) / sum(map(len, layers))
@@ -100,8 +122,10 @@ def plot_heatmaps(results, colour_label, path=None):
         ax.set_yticks(range(len(layers)))
         ax.set_ylabel('layer', fontsize=10)
         ax.tick_params(labelsize=9)
-    bar = fig.colorbar(image, ax=axes, location='bottom', shrink=0.7, aspect=40)
-    bar.set_label(colour_label, fontsize=10)
+    for signed, image in images.items():
+        bar = fig.colorbar(image, ax=axes, location='bottom', shrink=0.7, aspect=40)
+        bar.set_label("signed share, -1 to 1 (negative where the row subtracts)" if signed else colour_label,
+                      fontsize=10)
     if path is not None:
         fig.savefig(path, dpi=100)
     return fig

@@ -11,21 +11,23 @@ is span[i + 1], which stands at a + i + 1 in the first copy (a its start).
 
 Copy accuracy: the share of those targets that the most likely next token gets right; chance is about 1 over
 the number of candidate ids. Where the effective attention row (the weights that multiply V, as
-attention_noise.py's) at p goes, in four parts:
-  source   a + i and a + i + 1: the earlier occurrence of the query's token and the token to copy
-  span     the rest of both copies up to p: relevant tokens, the wrong entries
-  own      the query's own token, p: it holds what a copy matches on, so attention to it is not noise
-  text     the real-text context: everything else up to p
-noise = span + text. Shares and the layer as a whole are attention_noise.py's (part_shares,
-layer_part_shares): absolute mass over the row's, the source's signed share beside it; the copy head and the
-reading layer are ranked by the signed source share over every distance, and read at each distance.
+attention_noise.py's) at p goes, in five parts:
+  copy        a + i + 1: the token to copy, what an induction head reads (as a lookup reads the value)
+  occurrence  a + i: the earlier occurrence of the query's token, what a copy matches on (as a lookup the key)
+  span        the rest of both copies up to p: relevant tokens, the wrong entries
+  own         the query's own token, p: it holds what a copy matches on, so attention to it is not noise
+  text        the real-text context: everything else up to p
+source = copy + occurrence; noise = span + text. Shares and the layer as a whole are attention_noise.py's
+(part_shares, layer_part_shares): absolute mass over the row's, the signed shares beside them; the copy head
+and the reading layer are ranked by the signed copy share over every distance, and read at each distance.
 """
 import numpy as np
 import torch
 
-from denoised_gpt.evaluation.attention_noise import layer_part_shares, summary
+from denoised_gpt.evaluation.attention_noise import layer_part_shares, summary, uniform_shares
 
-PARTS = ('source', 'span', 'own', 'text', 'noise', 'signed_source')
+PARTS = ('copy', 'occurrence', 'span', 'own', 'text', 'source', 'noise', 'signed_copy', 'signed_occurrence',
+         'signed_source')  # copy_parts' five, then part_shares' sums and signed shares
 SPAN = 10  # tokens in the repeated span (k): k - 1 copy targets per example
 DISTANCES = 5  # default distances: the longest that fits the window, then halved
 
@@ -80,18 +82,19 @@ def probe_examples(path, vocab_size, length, span, distances, per_distance, seed
 
 
 def copy_parts(length, span, first, offset):
-    """The (Q, length) bool masks of source, span, own and text (module docstring) for queries at offset i of the
-    second copy of examples whose first copy starts at `first` (both (Q,) tensors)."""
+    """The (Q, length) bool masks of copy, occurrence, span, own and text (module docstring) for queries at offset
+    i of the second copy of examples whose first copy starts at `first` (both (Q,) tensors)."""
     j = torch.arange(length)
     b = length - span
     at = b + offset
-    source = (j == (first + offset)[:, None]) | (j == (first + offset + 1)[:, None])
+    copy, occurrence = j == (first + offset + 1)[:, None], j == (first + offset)[:, None]
+    source = copy | occurrence
     in_first = (j >= first[:, None]) & (j < (first + span)[:, None])
     in_second = (j >= b) & (j < at[:, None])
     own = j == at[:, None]
     spans = (in_first | in_second) & ~source
     text = (j < at[:, None]) & ~source & ~spans
-    return [source, spans, own, text]
+    return [copy, occurrence, spans, own, text]
 
 
 @torch.no_grad()
@@ -109,13 +112,14 @@ def retrieval(model, path, batch_size, device, ctx, span=SPAN, distances=None, p
     tokens, first, dist, spans, candidates = probe_examples(path, model.config.vocab_size, length, span, distances,
                                                            per_distance, seed)
     offsets = torch.arange(span - 1)
-    hits, shares, layer_shares = [], [], []
+    hits, shares, layer_shares, uniform = [], [], [], []
     for i in range(0, len(tokens), batch_size):
         x = tokens[i:i + batch_size]
         b = torch.arange(len(x)).repeat_interleave(span - 1)  # every copy position of every row
         offset = offsets.repeat(len(x))
         masks = copy_parts(length, span, first[i:i + batch_size][b], offset)
         per_head, whole = layer_part_shares(model, x, b, length - span + offset, masks, device, ctx)
+        uniform.append(uniform_shares(masks, length - span + offset))
         shares.append(per_head)
         layer_shares.append(whole)
         y = torch.full_like(x, -1)
@@ -124,11 +128,12 @@ def retrieval(model, path, batch_size, device, ctx, span=SPAN, distances=None, p
             logits, _ = model(x.to(device), targets=y.to(device))
         hits.append((logits.argmax(-1).cpu() == y)[:, length - span:length - 1])  # (rows, span - 1)
     hits, shares, layer_shares = torch.cat(hits).double(), torch.cat(shares), torch.cat(layer_shares)
+    uniform = torch.cat(uniform)
     per_copy = dist.repeat_interleave(span - 1)
-    result = dict(normalisation='abs', parts=list(PARTS), ranked_by=PARTS[-1], span=span, length=length,
+    result = dict(normalisation='abs', parts=list(PARTS), ranked_by='signed_copy', span=span, length=length,
                   distances=distances, examples=len(tokens), candidates=candidates, chance=1 / candidates,
                   accuracy=float(hits.mean()),
-                  **summary(shares, layer_shares, parts=PARTS, counted='copies', best='copy_head'))
+                  **summary(shares, layer_shares, parts=PARTS, counted='copies', best='copy_head', uniform=uniform))
     copy_head = (result['copy_head']['layer'], result['copy_head']['head'])
     reading = result['reading_layer']['layer']
     result['by_offset'] = {str(i): float(hits[:, i].mean()) for i in range(span - 1)}
@@ -138,15 +143,22 @@ def retrieval(model, path, batch_size, device, ctx, span=SPAN, distances=None, p
         result['by_distance'][str(d)] = dict(
             accuracy=float(hits[dist == d].mean()),
             **summary(shares[chosen], layer_shares[chosen], copy_head, reading, parts=PARTS, counted='copies',
-                      best='copy_head'))
+                      best='copy_head', uniform=uniform[chosen]))
     return result
 
 
 def heatmap_panels(result):
-    """The panels of the probe's PNG: the source's (absolute) share per layer and head at each distance, then
-    the four parts per layer as a whole over every distance."""
-    panels = {f"source, distance {d}": r['shares']['source'] for d, r in result['by_distance'].items()}
-    layer = result['layer_shares']
-    panels['layer as a whole'] = {'source': layer['source'], 'span': layer['span'], 'own token': layer['own'],
-                                  'text': layer['text']}
+    """The panels of the probe's PNG: at each distance, the signed share on the token to copy per layer and head
+    (the copy head, ranked by it, boxed) with the copy accuracy there against chance; then the five parts per
+    layer as a whole over every distance (the reading layer boxed); each says what a uniform row would score."""
+    from denoised_gpt.evaluation.entropy import Panel
+    head, u = result['copy_head'], result['uniform']
+    words = dict(copy='token to copy', occurrence='earlier occurrence', span='span', own='own token', text='text')
+    panels = {f"token to copy, signed, D={d}; copy head boxed\naccuracy {r['accuracy']:.3f} (chance "
+              f"{result['chance']:.3f}), uniform row {r['uniform']['copy']:.3f}":
+              Panel(r['shares']['signed_copy'], signed=True, mark=(head['layer'], head['head']))
+              for d, r in result['by_distance'].items()}
+    panels["layer as a whole; reading layer boxed\n(beside each part: a uniform row's share)"] = Panel(
+        {f"{words[part]} ({u[part]:.3f})": result['layer_shares'][part] for part in PARTS[:5]},
+        mark=result['reading_layer']['layer'])
     return panels
