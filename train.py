@@ -27,13 +27,11 @@ over the ranks, so val losses compare across evals, runs and attention variants.
 """
 
 from configurator import answer_help, variant_settings
+from denoised_gpt.cli import check_before_torch
 from denoised_gpt.cpu_threads import wait_passively_if_busy
 
 answer_help(__file__)  # --help before the heavy imports below
 wait_passively_if_busy()  # before torch loads OpenMP, which reads its wait policy once
-
-from denoised_gpt.cli import check_before_torch  # noqa: E402 (torch-free, like the two above)
-
 check_before_torch(__file__)  # a mistyped key, attn_type or dataset: said at once, not after torch's import
 
 import dataclasses

@@ -241,6 +241,16 @@ def test_a_busy_cpu_makes_torchs_threads_sleep_while_they_wait(measured, env, po
     assert cpu_threads.wait_passively_if_busy(measured=(0.0, 2)) is None  # torch is loaded here: too late
 
 
+# modules the scripts import before the wait policy is settled: none of them imports torch (checked below)
+TORCH_FREE = ('configurator', 'denoised_gpt.cpu_threads', 'denoised_gpt.cli')
+
+
+def test_the_modules_imported_before_the_wait_policy_do_not_import_torch():
+    code = f"import sys; import {', '.join(TORCH_FREE)}; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert out.stdout.strip() == 'False', out.stdout + out.stderr
+
+
 @pytest.mark.parametrize('script', ['train.py', 'sample.py', 'eval.py', 'bench.py', 'grow.py'])
 def test_the_scripts_settle_the_wait_policy_before_anything_imports_torch(script):
     """The call comes before the first import other than configurator and cpu_threads (which import no torch);
@@ -250,7 +260,7 @@ def test_the_scripts_settle_the_wait_policy_before_anything_imports_torch(script
     calls = [i for i, node in enumerate(body) if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call)
              and getattr(node.value.func, 'id', None) == 'wait_passively_if_busy']
     imports = [i for i, node in enumerate(body) if isinstance(node, (ast.Import, ast.ImportFrom))
-               and getattr(node, 'module', None) not in ('configurator', 'denoised_gpt.cpu_threads')]
+               and getattr(node, 'module', None) not in TORCH_FREE]
     assert len(calls) == 1 and calls[0] < imports[0], script
 
 
