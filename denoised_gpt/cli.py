@@ -166,15 +166,20 @@ MAX_BATCH_SIZE = 1 << 16  # batch_size: sequences per forward pass (and rank); G
 MAX_STEPS = 10 ** 6  # a benchmark's steps, an evaluation's batches: hours at a millisecond each
 
 
+def setting_text(key, value):
+    """key=value for a message, a value of thousands of digits shortened (one line stays one line)."""
+    value = str(value)
+    if len(value) > 20:
+        value = f"{value[:12]}... ({len(value.lstrip('-')):,} digits)"
+    return f"{key}={value}"
+
+
 def check_ranges(config, at_least_one=(), non_negative=(), unit_interval=(), positive=(), seeds=(), at_most=None):
     """Numeric settings that cannot work: ValueError naming the first one. Every float must be finite
     too (a typed 1e309 is inf); seeds are non-negative integers below 2**63 (torch's generators); at_most:
     {key: (limit, what the limit is of)} for counts that would run for ever or exhaust memory beyond it."""
-    def shown(key):  # key=value, a value of thousands of digits shortened
-        value = str(config[key])
-        if len(value) > 20:
-            value = f"{value[:12]}... ({len(value.lstrip('-')):,} digits)"
-        return f"{key}={value}"
+    def shown(key):
+        return setting_text(key, config[key])
 
     for key, value in config.items():
         if isinstance(value, float) and not math.isfinite(value):

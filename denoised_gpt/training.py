@@ -13,7 +13,7 @@ import torch
 
 from denoised_gpt.checkpoint import (checkpoint_path, load_checkpoint, optimizer_param_names, restore_rng_state,
                                      restore_training_state, save_checkpoint)
-from denoised_gpt.cli import MAX_BATCH_SIZE, check_ranges, duration
+from denoised_gpt.cli import MAX_BATCH_SIZE, MAX_STEPS, check_ranges, duration, setting_text
 from denoised_gpt.device import device_type, mark_step
 from denoised_gpt.finetune import LORA_KEYS, check_finetune_settings
 from denoised_gpt.lr_schedule import check_schedule, get_lr
@@ -38,6 +38,7 @@ ARCHITECTURE_KEYS = set(MODEL_KEYS) - set(RUNTIME_MODEL_ARGS)
 # Far beyond any recipe (GPT-2's: 40 micro-batches of 12 sequences): a larger value is a slip that would run for
 # days before the first update, or fail allocating the first batch, so it is refused before any work
 MAX_ACCUMULATION = 1 << 20  # gradient_accumulation_steps: micro-batches per iteration, over all ranks
+MAX_ITERS = 10 ** 12  # max_iters: past any run (11 days at a step a microsecond), below float's exact integers
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)  # the loss is float32: kl_weight is cast to it
 KL_WEIGHT = 5e-6  # train.py's default (the paper's)
 
@@ -55,14 +56,17 @@ def check_training_settings(config, given):
                                   'batch_size', 'block_size', 'n_layer', 'n_head', 'n_embd', 'max_skipped_steps'),
                  non_negative=('max_iters', 'grad_clip', 'weight_decay', 'kl_weight', 'warmup_iters',
                                'stop_at_val_loss'),
-                 unit_interval=('beta1', 'beta2', 'dropout'), positive=('learning_rate',), seeds=('seed',))
+                 unit_interval=('beta1', 'beta2', 'dropout'), positive=('learning_rate',), seeds=('seed',),
+                 at_most={'max_iters': (MAX_ITERS, 'iterations'),
+                          'eval_iters': (MAX_STEPS, 'batches per evaluation')})
     if c['gradient_accumulation_steps'] > MAX_ACCUMULATION:
-        raise ValueError(f"gradient_accumulation_steps={c['gradient_accumulation_steps']} is over the limit of "
-                         f"{MAX_ACCUMULATION:,} micro-batches per iteration (GPT-2's recipe uses 40): every update "
-                         f"would wait for that many forward and backward passes; use fewer, with a larger batch_size")
+        raise ValueError(f"{setting_text('gradient_accumulation_steps', c['gradient_accumulation_steps'])} is over "
+                         f"the limit of {MAX_ACCUMULATION:,} micro-batches per iteration (GPT-2's recipe uses 40): "
+                         f"every update would wait for that many forward and backward passes; use fewer, with a "
+                         f"larger batch_size")
     if c['batch_size'] > MAX_BATCH_SIZE:
-        raise ValueError(f"batch_size={c['batch_size']} is over the limit of {MAX_BATCH_SIZE:,} sequences per "
-                         f"micro-batch (GPT-2's recipe uses 12); use a smaller batch_size, with more "
+        raise ValueError(f"{setting_text('batch_size', c['batch_size'])} is over the limit of {MAX_BATCH_SIZE:,} "
+                         f"sequences per micro-batch (GPT-2's recipe uses 12); use a smaller batch_size, with more "
                          f"gradient_accumulation_steps for the same tokens per iteration")
     if c['kl_weight'] > FLOAT32_MAX:
         raise ValueError(f"kl_weight={c['kl_weight']:g} is past float32's range ({FLOAT32_MAX:.3g}), in which the loss "

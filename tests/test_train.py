@@ -355,6 +355,10 @@ BAD_SETTINGS = [
     (['--gradient_accumulation_steps=2000000'], "gradient_accumulation_steps=2000000 is over the limit of 1,048,576 "
                                                 "micro-batches per iteration"),
     (['--batch_size=100000'], "batch_size=100000 is over the limit of 65,536 sequences per micro-batch"),
+    (['--batch_size=' + '9' * 4000], "batch_size=999999999999... (4,000 digits) is over the limit of 65,536"),
+    # an evaluation, or a run, that would never end
+    (['--eval_iters=10000000'], "eval_iters=10000000 is over the limit of 1,000,000 batches per evaluation"),
+    (['--max_iters=' + '1' * 40], "max_iters=111111111111... (40 digits) is over the limit of 1,000,000,000,000"),
     # a short run cut from a config with a longer warmup: the fix it needs
     (['--max_iters=50', '--lr_decay_iters=50', '--warmup_iters=50'], "e.g. --warmup_iters=5 (below max_iters)"),
     # base has no KL term: the weight of none was accepted without a word
