@@ -84,6 +84,16 @@ def one_line_errors():
         sys.exit(2)
 
 
+def run_examples_script(parser, argv, prepare, out_dir):
+    """The end of a synthetic-examples script (MQAR, needles): the seeds of its two splits and --out_dir added to
+    its parser, then prepare(the arguments), bad input said in one line."""
+    parser.add_argument("--seed", type=int, default=0, help="seed of the training examples")
+    parser.add_argument("--val_seed", type=int, default=1, help="seed of the validation examples (not --seed)")
+    parser.add_argument("--out_dir", default=out_dir, help="where the files go (default: %(default)s)")
+    with one_line_errors():
+        prepare(parser.parse_args(argv))
+
+
 def check_out_dir(out_dir):
     """Refuse, before any work, an --out_dir that cannot become a folder we write in: otherwise
     os.makedirs or the final renames fail only after the download and the tokenising. It is made and

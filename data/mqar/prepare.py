@@ -39,7 +39,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # data/, for prepare_common
 from prepare_common import (PrepareError, atomic_outputs, check_out_dir, choose_without_replacement, max_id,
-                            one_line_errors, write_array, write_json)
+                            run_examples_script, write_array, write_json)
 
 from denoised_gpt.cli import human_bytes, ram_bytes  # (prepare_common put the repository on the path)
 
@@ -202,11 +202,7 @@ def main(argv=None):
     p.add_argument("--filler", choices=["random", "zeros"], default="random",
                    help="what fills the positions that are neither pairs nor queries: uniformly random tokens "
                         "(the paper's random_non_queries=True) or token 0 (its False)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the training examples")
-    p.add_argument("--val_seed", type=int, default=1, help="seed of the validation examples (not --seed)")
-    p.add_argument("--out_dir", default=HERE, help="where the files go (default: %(default)s)")
-    with one_line_errors():
-        prepare(p.parse_args(argv))
+    run_examples_script(p, argv, prepare, HERE)
 
 
 if __name__ == "__main__":
