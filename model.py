@@ -1,11 +1,11 @@
 """
 A GPT language model whose attention is chosen by `GPTConfig.attn_type`, in one file.
 
-Read top to bottom: the config; what every attention variant shares (AttentionBase, the decoding cache, the
-causal SDPA calls); each variant with the kernels only it uses; the registry mapping `attn_type` to a class;
-MLP, Block and GPT, which are nanoGPT's; last the fused lm_head + cross-entropy loss. A variant is one
-AttentionBase subclass and one registry line (the checklist: docs/attention.md, Adding a variant). Equations and
-design decisions: docs/attention.md.
+Read top to bottom: the config; what every attention variant shares (AttentionBase, the decoding cache); each
+variant with the kernels only it uses; the registry mapping `attn_type` to a class; MLP, Block and GPT, which are
+nanoGPT's; last the causal SDPA calls the variants share. GPT's fused lm_head + cross-entropy loss is fused_loss.py.
+A variant is one AttentionBase subclass and one registry line (the checklist: docs/attention.md, Adding a
+variant). Equations and design decisions: docs/attention.md.
 
 References:
 1) nanoGPT: https://github.com/karpathy/nanoGPT/blob/master/model.py
@@ -26,6 +26,11 @@ import torch
 import torch.nn as nn
 import torch.utils.checkpoint
 from torch.nn import functional as F
+
+try:  # beside this file; in an exported Hugging Face folder both are modules of one package
+    from .fused_loss import lm_head_cross_entropy
+except ImportError:
+    from fused_loss import lm_head_cross_entropy
 
 
 @dataclass
@@ -178,80 +183,6 @@ class AttentionBase(nn.Module):
         return torch.ones_like(y)
 
 
-# The causal attention every softmax variant calls: one fused SDPA call for training and cached decoding alike;
-# the explicit (T, T) map is built for analysis only.
-
-# cuDNN attention is left out on CUDA: with torch 2.11 (cuDNN 9.19, H100) its backward returns wrong dq, dk, dv
-# (relative error 1.3-1.4) when the output gradient is contiguous while q, k, v are (B, T, H, D) memory seen as
-# (B, H, T, D), and it plans anew for every sequence length. Cost: 1.2 ms (4 %) of a compiled GPT-2-small step.
-CUDA_SDPA_BACKENDS = [torch.nn.attention.SDPBackend.FLASH_ATTENTION,
-                      torch.nn.attention.SDPBackend.EFFICIENT_ATTENTION, torch.nn.attention.SDPBackend.MATH]
-
-
-def sdpa(q, k, v, **kwargs):
-    """F.scaled_dot_product_attention, on CUDA restricted to CUDA_SDPA_BACKENDS."""
-    if q.device.type == 'cuda':
-        with torch.nn.attention.sdpa_kernel(CUDA_SDPA_BACKENDS):
-            return F.scaled_dot_product_attention(q, k, v, **kwargs)
-    return F.scaled_dot_product_attention(q, k, v, **kwargs)
-
-
-def split_heads(t, n_head):
-    """(B, T, n_head * hs) -> (B, n_head, T, hs)"""
-    B, T, C = t.size()
-    return t.view(B, T, n_head, C // n_head).transpose(1, 2)
-
-
-def merge_heads(t):
-    """(B, n_head, T, hs) -> (B, T, n_head * hs)"""
-    B, nh, T, hs = t.size()
-    return t.transpose(1, 2).contiguous().view(B, T, nh * hs)
-
-
-def causal_mask(t_q, t_k, device):
-    """Boolean (t_q, t_k) mask, True where query i (at absolute position t_k - t_q + i) may look."""
-    return torch.ones(t_q, t_k, dtype=torch.bool, device=device).tril(diagonal=t_k - t_q)
-
-
-def causal_attention(q, k, v, dropout_p=0.0, scale=None, score_bias=None):
-    """softmax(q k^T * scale + score_bias + M) v in one SDPA call. The queries are the last t_q positions of
-    the t_k keys: training (t_q == t_k) and cached decoding (t_q < t_k) alike. score_bias: an additive float
-    tensor broadcasting to (B, H, t_q, t_k) (NoiseFormer's noise)."""
-    t_q, t_k = q.size(-2), k.size(-2)
-    if score_bias is None:
-        if t_q == t_k:
-            return sdpa(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale)
-        mask = None if t_q == 1 else causal_mask(t_q, t_k, q.device)
-    else:
-        mask = score_bias.to(q.dtype).masked_fill(~causal_mask(t_q, t_k, q.device), float('-inf'))
-    return sdpa(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale)
-
-
-def causal_softmax_map(q, k, scale=None, score_bias=None):
-    """Analysis only: the (B, H, t, t) matrix softmax(q k^T * scale + bias + M) that causal_attention never
-    builds, in float32 at least."""
-    q, k = upcast(q), upcast(k)
-    scores = (q @ k.transpose(-1, -2)) * (scale if scale is not None else 1.0 / math.sqrt(q.size(-1)))
-    if score_bias is not None:
-        scores = scores + upcast(score_bias)
-    mask = causal_mask(q.size(-2), k.size(-2), q.device)
-    return torch.softmax(scores.masked_fill(~mask, float('-inf')), dim=-1)
-
-
-def append_to_cache(cache, **tensors):
-    """Concatenate new keys/values to a layer's decoding cache along time; return the full tensors."""
-    if cache is None:
-        return tuple(tensors.values())
-    for name, t in tensors.items():
-        cache[name] = t if name not in cache else torch.cat([cache[name], t], dim=-2)
-    return tuple(cache[name] for name in tensors)
-
-
-def upcast(t):
-    """Half-precision tensors to float32; float32/float64 unchanged (so float64 tests stay exact)."""
-    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
-
-
 # ----------------------------------------------------------------------------------------------
 # base and symmetric
 
@@ -333,7 +264,7 @@ class NoiseFormerAttention(SymmetricAttention):
         self.noise_at_eval = config.noise_at_eval
         self.noise_param = config.noise_param
         # the Triton kernel where it can run (training and prefill without attention dropout), else SDPA's path
-        self.fused = config.noise_kernel == 'triton' and load_noise_kernel(config.dropout) is not None
+        self.fused = config.noise_kernel == 'triton' and load_noise_kernel(config.dropout)
         self.noise_mu = nn.Parameter(config.noise_init_std * torch.randn(n))
         sigma = config.noise_init_std * torch.randn(n)
         if self.noise_param == 'sigma':
@@ -377,7 +308,7 @@ class NoiseFormerAttention(SymmetricAttention):
     def attend(self, q, k, v, batch_size):
         noisy = self.training or self.noise_at_eval
         if noisy and self.fused and self.attn_dropout_p == 0 and q.size(-2) == k.size(-2) \
-                and noise_kernel_runs_on(q, v):  # k is q: the kernel reads q twice
+                and _noise_kernel.runs_on(q, v):  # k is q: the kernel reads q twice
             return _noise_kernel.noise_attention(q, v, self.noise_mu, self.sigma(), self.noise_per_sample)
         eps = self.draw_noise(batch_size, q.size(-2), k.size(-2), like=q)
         if eps is None:
@@ -396,40 +327,25 @@ class NoiseFormerV2Attention(NoiseFormerAttention):
 
 
 # The fused kernel (denoised_gpt/noise_kernel.py, Triton): the noise drawn from a seed inside the attention kernel
-# and again in its backward, nothing T x T in memory. Optional: without triton, or where it cannot run, the SDPA
-# path below, said once.
+# and again in its backward, nothing T x T in memory. Optional: without triton, or where it cannot run (that module
+# says why, once), the SDPA path below.
 
 _noise_kernel = None  # the module once imported, False where it cannot be
-_said = set()
-
-
-def say_once(message):
-    if message not in _said and not torch.compiler.is_compiling():
-        _said.add(message)
-        warnings.warn(message, stacklevel=3)
 
 
 def load_noise_kernel(dropout):
-    """denoised_gpt.noise_kernel for noise_kernel='triton', or None where it cannot be used (said once)."""
+    """Whether denoised_gpt.noise_kernel can be imported for noise_kernel='triton' (where not: said once)."""
     global _noise_kernel
     if _noise_kernel is None:
         try:
             from denoised_gpt import noise_kernel as module
         except ImportError as e:  # no triton (or model.py copied without its package: an exported folder)
-            say_once(f"noise_kernel='triton': {e}; NoiseFormer uses its SDPA path (pip install triton, on CUDA)")
+            warnings.warn(f"noise_kernel='triton': {e}; NoiseFormer uses its SDPA path (pip install triton, on CUDA)")
             module = False
         _noise_kernel = module
-    if _noise_kernel and dropout > 0:
-        say_once(f"noise_kernel='triton' has no attention dropout: with dropout={dropout} NoiseFormer trains on "
-                 f"its SDPA path (evaluation and sampling, without dropout, use the kernel)")
-    return _noise_kernel or None
-
-
-def noise_kernel_runs_on(q, v):
-    reason = _noise_kernel.unsupported(q, v)
-    if reason is not None:
-        say_once(f"noise_kernel='triton': {reason}; NoiseFormer uses its SDPA path here")
-    return reason is None
+    if _noise_kernel:
+        _noise_kernel.note_dropout(dropout)
+    return bool(_noise_kernel)
 
 
 # Why NoiseFormer has kernels of its own: as a float mask that requires grad, the noise sends SDPA to its math
@@ -613,9 +529,7 @@ class DintAttention(DiffAttention):
 
     @staticmethod
     def running_mean(o1, cache):
-        past_sum, past_len = 0, 0
-        if cache is not None and 'o1_sum' in cache:
-            past_sum, past_len = cache['o1_sum'], cache['o1_len']
+        past_sum, past_len = (cache['o1_sum'], cache['o1_len']) if cache and 'o1_sum' in cache else (0, 0)
         sums = past_sum + torch.cumsum(o1, dim=2)
         if cache is not None:
             cache['o1_sum'], cache['o1_len'] = sums[:, :, -1:], past_len + o1.size(2)
@@ -855,23 +769,6 @@ class GPT(nn.Module):
                 values.setdefault(name, []).append(layer_values)
         return values
 
-    @torch.no_grad()
-    def attention_maps(self, idx):
-        """Analysis only (eval.py --entropy): yields (layer index, {name: (B, heads, T, T) map}) one layer at a
-        time, the names of the variant's attention_maps. NoiseFormer maps use their own noise draw."""
-        for i, attn, x in self.attention_inputs(idx):
-            yield i, attn.attention_maps(x)
-
-    @torch.no_grad()
-    def attention_inputs(self, idx):
-        """Analysis only: yields (layer index, the layer's attention module, its input after ln_1), layer by
-        layer, the block running after its attention module is analysed."""
-        pos = torch.arange(idx.size(1), dtype=torch.long, device=idx.device)
-        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
-        for i, block in enumerate(self.transformer.h):
-            yield i, block.attn, block.ln_1(x)
-            x = block(x)
-
     def crop_block_size(self, block_size):
         # model surgery to decrease the block size, e.g. to run a gpt2 checkpoint with a smaller context
         assert block_size <= self.config.block_size
@@ -981,99 +878,73 @@ class GPT(nn.Module):
 
 
 # ----------------------------------------------------------------------------------------------
-# The fused lm_head + cross-entropy loss. Why: at vocab 50304 the float32 (N, V) logits and their gradient were
-# most of a small model's step on CPU; this loss holds `chunk` rows of them at a time and has no separate backward.
+# The causal attention every softmax variant calls: one fused SDPA call for training and cached decoding alike;
+# the explicit (T, T) map is built for analysis only.
 
-def lm_head_ce_forward(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, compute_dtype: torch.dtype,
-                       chunk: int, needs_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean cross-entropy of x @ weight^T against targets (-1 ignored), F.cross_entropy(lm_head(x))'s numbers
-    (log-softmax in float32 on the matmul-dtype logits), with d loss / d logits = softmax - onehot written over
-    the logits in the same pass. Returns (loss, that gradient unscaled for every row, or an empty tensor when
-    needs_grad is False). A custom op (below), so torch.compile keeps it one node: traced, the chunk loop would
-    unroll into hundreds of small kernels (a compiled CPU step 15x slower than eager)."""
-    xc, wc = x.to(compute_dtype), weight.to(compute_dtype)
-    logits = xc @ wc.t()  # (N, V) in the matmul dtype; becomes the gradient below
-    valid = targets != -1
-    n_valid = valid.sum().clamp_min(1)
-    safe = targets.clamp_min(0)
-    total = torch.zeros((), dtype=upcast(logits[:1, :1]).dtype, device=x.device)  # float32 at least
-    for s in range(0, logits.size(0), chunk):
-        g, t, v = logits[s:s + chunk], safe[s:s + chunk], valid[s:s + chunk]
-        rows = torch.arange(t.size(0), device=x.device)
-        logp = torch.log_softmax(upcast(g), dim=-1)
-        logp_t = logp[rows, t]
-        total -= (logp_t * v).sum()
-        if needs_grad:
-            torch.exp(logp, out=g)  # softmax
-            g[rows, t] = (logp_t.exp() - 1).to(g.dtype)  # minus the one-hot, in float32
-    if not needs_grad:
-        return total / n_valid, logits.new_empty(0)
-    return total / n_valid, logits  # rows without a target are zeroed in the backward (no host sync here)
+# cuDNN attention is left out on CUDA: with torch 2.11 (cuDNN 9.19, H100) its backward returns wrong dq, dk, dv
+# (relative error 1.3-1.4) when the output gradient is contiguous while q, k, v are (B, T, H, D) memory seen as
+# (B, H, T, D), and it plans anew for every sequence length. Cost: 1.2 ms (4 %) of a compiled GPT-2-small step.
+CUDA_SDPA_BACKENDS = [torch.nn.attention.SDPBackend.FLASH_ATTENTION,
+                      torch.nn.attention.SDPBackend.EFFICIENT_ATTENTION, torch.nn.attention.SDPBackend.MATH]
 
 
-_lm_head_ce = torch.library.custom_op("denoised_gpt::lm_head_cross_entropy", lm_head_ce_forward, mutates_args=())
+def sdpa(q, k, v, **kwargs):
+    """F.scaled_dot_product_attention, on CUDA restricted to CUDA_SDPA_BACKENDS."""
+    if q.device.type == 'cuda':
+        with torch.nn.attention.sdpa_kernel(CUDA_SDPA_BACKENDS):
+            return F.scaled_dot_product_attention(q, k, v, **kwargs)
+    return F.scaled_dot_product_attention(q, k, v, **kwargs)
 
 
-@_lm_head_ce.register_fake
-def _lm_head_ce_shapes(x, weight, targets, compute_dtype, chunk, needs_grad):
-    loss_dtype = torch.float32 if compute_dtype in (torch.float16, torch.bfloat16) else compute_dtype
-    grad_shape = (x.size(0), weight.size(0)) if needs_grad else (0,)
-    return x.new_empty((), dtype=loss_dtype), x.new_empty(grad_shape, dtype=compute_dtype)
+def split_heads(t, n_head):
+    """(B, T, n_head * hs) -> (B, n_head, T, hs)"""
+    return t.unflatten(-1, (n_head, -1)).transpose(1, 2)
 
 
-def _lm_head_ce_save(ctx, inputs, output):
-    x, weight, targets, compute_dtype, chunk, needs_grad = inputs
-    ctx.save_for_backward(output[1], x, weight, targets != -1)
-    ctx.compute_dtype = compute_dtype
-    ctx.set_materialize_grads(False)  # no (N, V) zeros for the gradient output, which nothing differentiates
+def merge_heads(t):
+    """(B, n_head, T, hs) -> (B, T, n_head * hs)"""
+    return t.transpose(1, 2).flatten(2)
 
 
-def _lm_head_ce_backward(ctx, grad_loss, _):  # the second output is the forward's own gradient
-    grad, x, weight, valid = ctx.saved_tensors
-    if grad_loss is None:  # the loss took no part in what is differentiated
-        return None, None, None, None, None, None
-    xc, wc = x.to(ctx.compute_dtype), weight.to(ctx.compute_dtype)
-    scale = grad_loss / valid.sum().clamp_min(1)
-    # a row without a target has a softmax in `grad` but adds nothing: zeroed here, on (N, C), not (N, V)
-    row_used = valid.unsqueeze(1)
-    gx = gw = None
-    if ctx.needs_input_grad[0]:
-        gx = (grad @ wc).to(x.dtype) * scale * row_used
-    if ctx.needs_input_grad[1]:
-        gw = (grad.t() @ (xc * scale.to(xc.dtype) * row_used)).to(weight.dtype)
-    return gx, gw, None, None, None, None
+def causal_mask(t_q, t_k, device):
+    """Boolean (t_q, t_k) mask, True where query i (at absolute position t_k - t_q + i) may look."""
+    return torch.ones(t_q, t_k, dtype=torch.bool, device=device).tril(diagonal=t_k - t_q)
 
 
-_lm_head_ce.register_autograd(_lm_head_ce_backward, setup_context=_lm_head_ce_save)
+def causal_attention(q, k, v, dropout_p=0.0, scale=None, score_bias=None):
+    """softmax(q k^T * scale + score_bias + M) v in one SDPA call. The queries are the last t_q positions of
+    the t_k keys: training (t_q == t_k) and cached decoding (t_q < t_k) alike. score_bias: an additive float
+    tensor broadcasting to (B, H, t_q, t_k) (NoiseFormer's noise)."""
+    t_q, t_k = q.size(-2), k.size(-2)
+    if score_bias is None:
+        if t_q == t_k:
+            return sdpa(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale)
+        mask = None if t_q == 1 else causal_mask(t_q, t_k, q.device)
+    else:
+        mask = score_bias.to(q.dtype).masked_fill(~causal_mask(t_q, t_k, q.device), float('-inf'))
+    return sdpa(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale)
 
 
-# rows of float32 log-probabilities held at once by the fused loss. CPU: 32 rows stay in cache. GPUs: ~128 MiB
-# at a time, since each chunk costs ~8 kernel launches (32 rows at vocab 50304: ~3,000 per GPT-2 step)
-CPU_LOSS_CHUNK_ROWS = 32
-GPU_LOSS_CHUNK_BYTES = 128 * 2**20
+def causal_softmax_map(q, k, scale=None, score_bias=None):
+    """Analysis only: the (B, H, t, t) matrix softmax(q k^T * scale + bias + M) that causal_attention never
+    builds, in float32 at least."""
+    q, k = upcast(q), upcast(k)
+    scores = (q @ k.transpose(-1, -2)) * (scale if scale is not None else 1.0 / math.sqrt(q.size(-1)))
+    if score_bias is not None:
+        scores = scores + upcast(score_bias)
+    mask = causal_mask(q.size(-2), k.size(-2), q.device)
+    return torch.softmax(scores.masked_fill(~mask, float('-inf')), dim=-1)
 
 
-def lm_head_cross_entropy(x, weight, targets, chunk=None, low_memory=False):
-    """(B, T, C) activations, the (V, C) lm_head weight, (B, T) targets -> mean CE (float32 scalar).
-    Under autocast the matmuls run in the autocast dtype, as lm_head would (see lm_head_ce_forward)."""
-    kind = x.device.type
-    if kind == 'cuda' and torch.compiler.is_compiling() and not low_memory:
-        # compiled on CUDA, inductor fuses the plain loss into two passes over the bf16 logits: a GPT-2-small
-        # step 5.2 ms (15 %) faster than the op, for ~2 GiB more at batch 12 (docs/benchmarks.md). With
-        # activation checkpointing (low_memory) the op stays: there the logits are most of the activations
-        logits = F.linear(x, weight)
-        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
-    if chunk is None:  # (Gaudi takes the GPU rule too; not measured there)
-        chunk = CPU_LOSS_CHUNK_ROWS if kind == 'cpu' else \
-            max(CPU_LOSS_CHUNK_ROWS, GPU_LOSS_CHUNK_BYTES // (4 * weight.size(0)))
-    compute_dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
-    needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-    x, targets = x.reshape(-1, x.size(-1)), targets.reshape(-1)
-    scored = targets != -1
-    if kind == 'cpu' and not torch.compiler.is_compiling() and not bool(scored.all()):
-        # rows without a target add nothing: where few rows have one (answer-only data: 1 position in 4-16) the
-        # lm_head runs on those alone. CPU only (on a GPU bool() would wait for the device every step), and
-        # not when compiled (a data-dependent shape)
-        x, targets = x[scored], targets[scored]
-    loss, _ = _lm_head_ce(x, weight, targets, compute_dtype, chunk, needs_grad)
-    return loss
+def append_to_cache(cache, **tensors):
+    """Concatenate new keys/values to a layer's decoding cache along time; return the full tensors."""
+    if cache is None:
+        return tuple(tensors.values())
+    for name, t in tensors.items():
+        cache[name] = t if name not in cache else torch.cat([cache[name], t], dim=-2)
+    return tuple(cache[name] for name in tensors)
+
+
+def upcast(t):
+    """Half-precision tensors to float32; float32/float64 unchanged (so float64 tests stay exact)."""
+    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t

@@ -7,7 +7,7 @@ GPT2LMHeadModel folder (exact GELU, Conv1D weights transposed, lm_head tied to w
 without remote code. Any other model (another attn_type; base without biases or with widened query/key
 heads, which GPT-2's layers cannot hold) becomes a `denoised_gpt` folder: config.json with every GPTConfig
 field, model.safetensors with GPT's state_dict (the tied lm_head.weight stored once, as wte, the way
-transformers stores tied weights), a copy of model.py, and the two short files of hf_templates/ that make
+transformers stores tied weights), copies of model.py and fused_loss.py, and the two short files of hf_templates/ that make
 it an AutoModelForCausalLM with trust_remote_code=True.
 
 Either way the vocabulary keeps the checkpoint's size (GPT-2's 50257 padded to 50304), so the logits are
@@ -33,7 +33,6 @@ from denoised_gpt.checkpoint_base import short_reason, train_state_problem
 from denoised_gpt.extras import require
 from denoised_gpt.files import read_json
 
-OP_NAMESPACE = 'denoised_gpt'  # model.py's custom op: torch.ops.denoised_gpt.lm_head_cross_entropy
 MODEL_TYPE = 'denoised_gpt'  # config.json's model_type of a folder with our own modeling code
 WEIGHTS_FILE = 'model.safetensors'
 RUN_FILE = 'training_run.json'
@@ -54,7 +53,8 @@ CONV1D_WEIGHTS = ('attn.c_attn.weight', 'attn.c_proj.weight', 'mlp.c_fc.weight',
 # the names of the files an export writes (fnmatch patterns), whatever its format, tokenizer and the
 # transformers version that saved it: an export into an earlier one (overwrite) removes those it does not
 # write again, which would make a wrong folder, and keeps every other file (.git, .gitattributes, notes)
-EXPORT_FILES = ('README.md', RUN_FILE, 'config.json', 'generation_config.json', 'model.py', *CODE_FILES,
+MODEL_FILES = ('model.py', 'fused_loss.py')  # copied unchanged: the fused loss's copy names its op itself
+EXPORT_FILES = ('README.md', RUN_FILE, 'config.json', 'generation_config.json', *MODEL_FILES, *CODE_FILES,
                 WEIGHTS_FILE, 'model.safetensors.index.json', 'model-*-of-*.safetensors',
                 'pytorch_model.bin', 'pytorch_model.bin.index.json', 'pytorch_model-*-of-*.bin',
                 'tokenizer.json', 'tokenizer_config.json', 'special_tokens_map.json', 'added_tokens.json',
@@ -287,7 +287,7 @@ def write_gpt2_model(model, folder, end_of_text):
 
 
 def write_denoised_gpt_model(model, folder, end_of_text):
-    """model as config.json + model.safetensors + model.py + the hf_templates/ code, in folder."""
+    """model as config.json + model.safetensors + model.py, fused_loss.py + the hf_templates/ code, in folder."""
     import model as model_module
     from safetensors.torch import save_file
     state = {k: v.contiguous() for k, v in model.state_dict().items() if k != 'lm_head.weight'}  # = wte, tied
@@ -298,15 +298,9 @@ def write_denoised_gpt_model(model, folder, end_of_text):
               'bos_token_id': end_of_text, 'eos_token_id': end_of_text}
     with open(os.path.join(folder, 'config.json'), 'w') as f:
         json.dump(config, f, indent=2)
-    with open(model_module.__file__) as f:
-        source = f.read()
-    # the copy registers its fused-loss custom op under a namespace of its own (named by the source's
-    # hash): loaded next to this repository's model.py (or another version's copy), it must not replace
-    # the op that code runs
-    digest = hashlib.sha256(source.encode()).hexdigest()[:12]
-    assert source.count(f'"{OP_NAMESPACE}::') == 1, "model.py's custom op moved: update write_denoised_gpt_model"
-    with open(os.path.join(folder, 'model.py'), 'w') as f:
-        f.write(source.replace(f'"{OP_NAMESPACE}::', f'"{OP_NAMESPACE}_{digest}::'))
+    for name in MODEL_FILES:
+        shutil.copy(os.path.join(os.path.dirname(os.path.abspath(model_module.__file__)), name),
+                    os.path.join(folder, name))
     for name in CODE_FILES:
         shutil.copy(os.path.join(TEMPLATES, name), os.path.join(folder, name))
 

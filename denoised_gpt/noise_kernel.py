@@ -24,6 +24,7 @@ reference and the fallback (noise_kernel='sdpa', or where `unsupported` says why
 
 import math
 import os
+import warnings
 
 import torch
 import triton
@@ -33,6 +34,31 @@ INTERPRETED = os.environ.get('TRITON_INTERPRET') == '1'  # triton decides at eac
 MAX_HEAD_SIZE = 256  # one head's q, k, v rows are held whole by a program
 MAX_SEQUENCE = 65536  # the noise's int32 counters i * ceil(T / 4) + k stay below 2^31
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+_said = set()
+
+
+def say_once(message):
+    """Why NoiseFormer takes its SDPA path, one warning the first time (never while torch.compile traces)."""
+    if message not in _said and not torch.compiler.is_compiling():
+        _said.add(message)
+        warnings.warn(message, stacklevel=4)
+
+
+def note_dropout(dropout):
+    """The kernel has no attention dropout: a model built with some trains on the SDPA path (said once)."""
+    if dropout > 0:
+        say_once(f"noise_kernel='triton' has no attention dropout: with dropout={dropout} NoiseFormer trains on "
+                 f"its SDPA path (evaluation and sampling, without dropout, use the kernel)")
+
+
+def runs_on(q, v):
+    """Whether the kernel runs on these queries and values; where not, why is said once."""
+    reason = unsupported(q, v)
+    if reason is not None:
+        say_once(f"noise_kernel='triton': {reason}; NoiseFormer uses its SDPA path here")
+    return reason is None
 
 
 def unsupported(q, v):

@@ -305,7 +305,7 @@ def naive_part_shares(model, idx, seed, queries, parts):
     and (layers, parts + 5): the parts' shares, parts 0 and 1 together, noise (every part but 0, 1 and 3), the
     signed shares of part 0, part 1 and the two together. The layer inputs come from the
     model's own blocks; NoiseFormer's noise is drawn after torch.manual_seed(seed), in the order
-    GPT.attention_inputs draws it (the layer's map, then the block's forward)."""
+    denoised_gpt.evaluation.attention_inputs draws it (the layer's map, then the block's forward)."""
     from model import causal_randn
     torch.manual_seed(seed)
     cfg = model.config

@@ -102,7 +102,7 @@ def test_transformers_gives_model_pys_logits_and_generated_tokens(exported, kind
     op = torch.ops.denoised_gpt.lm_head_cross_entropy.default
     hf = load_hf(folder)
     own_code = kind != 'base'
-    # the folder's model.py registers its fused loss under a namespace of its own: ours is not replaced
+    # the folder's fused_loss.py registers its op under a namespace of its own: ours is not replaced
     assert torch.ops.denoised_gpt.lm_head_cross_entropy.default is op
     assert (type(hf).__name__ == 'DenoisedGPTForCausalLM') == own_code  # base with biases: GPT2LMHeadModel
     assert os.path.isfile(folder / 'modeling_denoised_gpt.py') == own_code

@@ -5,7 +5,8 @@ import ast
 from helpers import ROOT
 
 PACKAGE = 'denoised_gpt'
-ALLOWED_SCRIPTS = {'model', 'configurator'}  # beside the scripts, as in nanoGPT; every other top-level file is one
+# beside the scripts, as in nanoGPT (model.py's fused loss in a file of its own); every other top-level file is one
+ALLOWED_SCRIPTS = {'model', 'fused_loss', 'configurator'}
 FOUNDATION = ('denoised_gpt.checkpoint_base', 'denoised_gpt.weights')
 FORMATS = FOUNDATION + ('denoised_gpt.sharded_checkpoint', 'denoised_gpt.checkpoint', 'denoised_gpt.hf_format')
 ABOVE_FORMATS = ('denoised_gpt.models', 'denoised_gpt.cli', 'denoised_gpt.training')
@@ -84,3 +85,28 @@ def test_the_formats_know_nothing_of_what_builds_models_or_the_command_line():
     assert all(not graph[m] for m in FOUNDATION), {m: graph[m] for m in FOUNDATION}
     reaching = {m: sorted(reachable(graph, m) & set(ABOVE_FORMATS)) for m in FORMATS}
     assert {m: above for m, above in reaching.items() if above} == {}
+
+
+def test_the_model_files_need_torch_and_the_standard_library_only():
+    """model.py and fused_loss.py travel alone (an exported Hugging Face folder copies them): they import torch,
+    the standard library and each other at the top; inside functions, model.py may import what is optional there
+    (the package's Triton kernel, with a fallback; transformers for GPT-2 weights)."""
+    import sys
+    optional = {'model': {'denoised_gpt', 'transformers'}, 'fused_loss': set()}
+    for name, inside_functions in optional.items():
+        tree = ast.parse((ROOT / f'{name}.py').read_text())
+        top, anywhere = set(), set()
+        for node in ast.walk(tree):
+            modules = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                       [node.module] if isinstance(node, ast.ImportFrom) else [])
+            anywhere |= {m.split('.')[0] for m in modules}
+        for node in tree.body:  # module level, try blocks included
+            for inner in ast.walk(node):
+                if isinstance(inner, (ast.FunctionDef, ast.ClassDef)):
+                    break
+                if isinstance(inner, (ast.Import, ast.ImportFrom)):
+                    top |= {m.split('.')[0] for m in ([a.name for a in inner.names] if isinstance(inner, ast.Import)
+                                                        else [inner.module])}
+        own = {'torch', 'fused_loss', 'model'} | set(sys.stdlib_module_names)
+        assert top <= own, (name, top - own)
+        assert anywhere <= own | inside_functions, (name, anywhere - own - inside_functions)

@@ -831,7 +831,7 @@ def test_fused_cross_entropy_any_chunk_equals_reference_float64(chunk):
     """The rows per chunk (32 on CPU, ~128 MiB of float32 rows on GPUs) never change the numbers:
     chunks of 1, a partial last chunk, and one chunk for all 120 rows give F.cross_entropy's loss
     and input / weight gradients."""
-    from model import lm_head_cross_entropy
+    from fused_loss import lm_head_cross_entropy
     g = torch.Generator().manual_seed(3)
     x = torch.randn(3, 40, 16, generator=g, dtype=F64, requires_grad=True)
     w = torch.randn(97, 16, generator=g, dtype=F64, requires_grad=True)
@@ -1010,7 +1010,7 @@ def test_fused_cross_entropy_never_reads_back_from_the_device():
     loss and gradients equal F.cross_entropy's in float64 with those rows handed to the op itself."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    import model as model_module
+    import fused_loss
 
     class Calls(TorchDispatchMode):
         def __init__(self):
@@ -1027,8 +1027,8 @@ def test_fused_cross_entropy_never_reads_back_from_the_device():
     targets = torch.randint(0, 97, (50,), generator=g)
     targets[::3] = -1
     with Calls() as calls:  # the op's body as its kernel runs it, then its backward through autograd
-        model_module.lm_head_ce_forward(x.detach(), w.detach(), targets, F64, 7, True)
-        loss, _ = model_module._lm_head_ce(x, w, targets, F64, 7, True)
+        fused_loss.lm_head_ce_forward(x.detach(), w.detach(), targets, F64, 7, True)
+        loss, _ = fused_loss._lm_head_ce(x, w, targets, F64, 7, True)
         grads = torch.autograd.grad(loss, (x, w))
     assert 'aten.mm.default' in calls.names  # the mode saw the op's work
     assert not {name for name in calls.names if name.startswith(('aten._local_scalar_dense.', 'aten.nonzero.',

@@ -21,6 +21,18 @@ def mean_std(values):
 
 
 @torch.no_grad()
+def attention_inputs(model, idx):
+    """Yields (layer index, the layer's attention module, its input after ln_1) for a GPT and (B, T) token ids,
+    layer by layer, as GPT.forward computes them: each block runs after its attention module is analysed, so
+    NoiseFormer's analysis draws its noise before the block's own forward draws."""
+    pos = torch.arange(idx.size(1), dtype=torch.long, device=idx.device)
+    x = model.transformer.drop(model.transformer.wte(idx) + model.transformer.wpe(pos))
+    for i, block in enumerate(model.transformer.h):
+        yield i, block.attn, block.ln_1(x)
+        x = block(x)
+
+
+@torch.no_grad()
 def final_hidden_states(model, idx):
     """(B, T) token ids -> (B, T, C): the output of the model's final LayerNorm (ln_f), i.e. what
     lm_head reads. Taken with a forward hook, so it is exactly GPT.forward's computation for every

@@ -3,7 +3,7 @@ Where attention goes on a recall task (DIFF's "attention noise"): for every answ
 validation examples (data/mqar), in every layer and head, how the query's *effective* attention row
 divides between the answer span and everything else.
 
-The row is the one that multiplies V (GPT.attention_maps): softmax for base, symmetric and NoiseFormer
+The row is the one that multiplies V (the layer's attention_maps): softmax for base, symmetric and NoiseFormer
 (with its noise exactly as evaluation runs it: on, one draw per layer and batch, unless noise_at_eval is
 off), A1 - lambda A2 for DIFF, A1 + lambda (A3 - A2) for DINT and low-rank DINT, linear attention's
 normalised feature-map weights. The query at position p sees keys 0..p, in six parts:
@@ -39,6 +39,7 @@ the same denominator (o_p = sum_j u_pj): negative where the layer subtracts what
 import numpy as np
 import torch
 
+from denoised_gpt.evaluation import attention_inputs
 from denoised_gpt.evaluation.recall import dataset_task, distance_bucket, validation_examples
 
 PARTS = ('value', 'key', 'pairs', 'own', 'queries', 'filler', 'answer', 'noise', 'signed_value', 'signed_key',
@@ -100,7 +101,7 @@ def layer_part_shares(model, x, b, at, masks, device, ctx):
     b_on, at_on = b.to(device), at.to(device)
     per_layer, whole_layer = [], []
     with ctx:
-        for _, attn, h in model.attention_inputs(x.to(device)):
+        for _, attn, h in attention_inputs(model, x.to(device)):
             rows = effective_map(attn.attention_maps(h))[b_on, :, at_on, :]
             per_layer.append(part_shares(rows.cpu(), masks))
             norms, along = contributions(attn, rows, attn.value_heads(h)[b_on])

@@ -2,7 +2,7 @@
 Attention entropy (the low-rank DINT plan: "measure the entropy of attention weight distribution,
 compare with the original model").
 
-For every layer, head and map the model's analysis path gives (GPT.attention_maps: 'attn', or
+For every layer, head and map the model's analysis path gives (each attention layer's attention_maps: 'attn', or
 'branch1', 'branch2' and 'combined' for diff / dint / dint_lowrank), each query row i sees i + 1 keys.
 Its Shannon entropy H_i = -sum_j p_ij log p_ij is divided by its largest possible value log(i + 1),
 so a uniform row scores 1 and a one-hot row 0 whatever its position. Row 0 (one visible key, log 1 = 0)
@@ -19,6 +19,8 @@ import os
 from dataclasses import dataclass
 
 import torch
+
+from denoised_gpt.evaluation import attention_inputs
 
 
 def normalised_row_entropy(maps):
@@ -38,8 +40,8 @@ def attention_entropy(model, batches, ctx):
     sums, rows = {}, 0
     for idx in batches:
         with ctx:
-            for layer, maps in model.attention_maps(idx):
-                for name, a in maps.items():
+            for layer, attn, x in attention_inputs(model, idx):
+                for name, a in attn.attention_maps(x).items():
                     per_head = normalised_row_entropy(a).sum(dim=(0, 2)).cpu()  # (heads,)
                     layers = sums.setdefault(name, [None] * model.config.n_layer)
                     layers[layer] = per_head if layers[layer] is None else layers[layer] + per_head
