@@ -52,7 +52,7 @@ class GPTConfig:
     noise_at_eval: bool = True  # noiseformer: keep the noise on in evaluation and sampling (as the paper)
     noise_kernel: str = 'sdpa'  # noiseformer: 'sdpa' (the noise as SDPA's mask) or 'triton' (drawn in one kernel, CUDA)
     lowrank_rank: int = 32  # dint_lowrank: rank r of the second branch's query/key factors
-    lowrank_score_divisor: float = 81.0  # dint_lowrank: second-branch scores use scale sqrt(81) / sqrt(d)
+    lowrank_score_divisor: float = 81.0  # dint_lowrank: the branch-2 scores are multiplied by sqrt(81 / d)
     linear_chunk_size: int = 64  # linear: tokens per chunk of the chunked causal linear attention
 
     def __post_init__(self):

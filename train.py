@@ -35,7 +35,6 @@ wait_passively_if_busy()  # before torch loads OpenMP, which reads its wait poli
 check_before_torch(__file__)  # a mistyped key, attn_type or dataset: said at once, not after torch's import
 
 import dataclasses
-import math
 import os
 import sys
 import time
@@ -54,15 +53,15 @@ from denoised_gpt.device import (autocast_context, compile_model, ddp_backend, d
                                  resolve_device, resolve_dtype, setup)
 from denoised_gpt.finetune import apply_trainable, trainable_summary, write_merged_checkpoint
 from denoised_gpt.lr_schedule import get_lr
-from denoised_gpt.models import is_checkpoint, load_gpt2, start_model
+from denoised_gpt.models import is_checkpoint, load_gpt2, model_for_new_run
 from denoised_gpt.parallel import (broadcast_from_rank0, check_parallel, learned_values, shard_model,
                                    shard_optimizer_state, sharded_kl)
 from denoised_gpt.run_dir import (StopRequest, checkpoint_note, log_row, next_step, peak_memory_mib, prepare_out_dir,
                                   restart_advice, start_wandb, stop_diverged, wandb_learned_values)
-from denoised_gpt.training import (MODEL_KEYS, StepSpeed, abandon_step, batch_seed, check_training_settings,
-                                   checkpoint_reason, compile_training_step, divergence_cause, load_resumed,
-                                   nonfinite_state, resume_training_state, resumed_model_args, save_training_state,
-                                   schedule_note)
+from denoised_gpt.training import (MODEL_KEYS, RunState, StepSpeed, abandon_step, agree_on_step, batch_seed,
+                                   check_training_settings, checkpoint_reason, clip_gradients, compile_training_step,
+                                   load_resumed, nonfinite_state, resume_training_state, resumed_model_args,
+                                   save_training_state, schedule_note)
 from denoised_gpt.weights import empty_model, model_with_weights
 from model import GPT, GPTConfig
 
@@ -224,14 +223,7 @@ def get_batch(split, seed_value):
 # model init
 model_args = {k: config[k] for k in MODEL_KEYS if k != 'vocab_size'}  # vocab_size: from the data or weights
 manual_seed(seed)  # the same initial weights in every run and on every rank
-iter_num = 0
-best_val_loss = 1e9
-best_iter = None  # the iteration best_val_loss was measured at (None: not known, or none yet)
-checkpoint_val_loss = None  # a resumed checkpoint's own val loss (None: not evaluated, or not known)
-# a stop at (or during) an evaluation saved the state unevaluated: the resumed run evaluates it first, as the
-# uninterrupted run did (checkpoints of earlier versions record no val_loss at all: not owed)
-evaluation_owed = False
-train_time = 0.0  # seconds spent training (not evaluating), over every process that resumed this run
+run = RunState()  # the loop's counters (iteration, best val loss, the checkpoint on disk, ...)
 try:
     if init_from == 'scratch':
         if master_process:
@@ -252,19 +244,12 @@ try:
             model = empty_model(GPTConfig(**model_args), prepare)
         else:
             model = model_with_weights(GPTConfig(**model_args), checkpoint['model'], prepare, resume_from)
-        iter_num = checkpoint['iter_num']
-        best_val_loss = checkpoint['best_val_loss']
-        best_iter = checkpoint.get('best_iter')  # (these two are not in the checkpoints of older versions)
-        if not math.isfinite(best_val_loss):  # a NaN best beats nothing (x < nan is False): no best yet
-            best_val_loss, best_iter = 1e9, None
-        checkpoint_val_loss = checkpoint.get('val_loss')
-        evaluation_owed = 'val_loss' in checkpoint and checkpoint_val_loss is None and iter_num % eval_interval == 0
-        train_time = checkpoint.get('train_time', 0.0)
+        run = RunState.resumed(checkpoint, eval_interval)
     elif is_checkpoint(init_from):  # a new run from a trained model, converted to attn_type (finetune.py)
         if master_process:
             print(f"Initializing from the checkpoint {init_from} as attn_type={attn_type!r} (a new run: fresh "
                   f"optimizer and LR schedule, iter 0)")
-        model, model_args = start_model(init_from, model_args, given)  # the checkpoint's shape
+        model, model_args = model_for_new_run(init_from, model_args, given)  # the checkpoint's shape
         if 'block_size' not in given:
             block_size = model_args['block_size']
     else:  # a GPT-2 name or a local transformers directory
@@ -308,7 +293,7 @@ if master_process:
 # is the OS's and dies with this process), and a new run never destroys another run's checkpoint
 if master_process:
     try:
-        out_dir_lock, message = prepare_out_dir(out_dir, iter_num if init_from == 'resume' else None, overwrite,
+        out_dir_lock, message = prepare_out_dir(out_dir, run.saved_iter, overwrite,
                                                 eval_only)
     except ValueError as e:  # in use, unwritable, a full disk
         fail(e)
@@ -317,7 +302,7 @@ if master_process:
     if resume_changes:
         print("resuming with these settings changed from the checkpoint's (the others are the checkpoint's):\n"
               + "\n".join(resume_changes))
-    if init_from == 'resume' and iter_num == max_iters and not eval_only:
+    if init_from == 'resume' and run.iter_num == max_iters and not eval_only:
         print(f"note: max_iters={max_iters} is the checkpoint's iteration: nothing to train (give --max_iters above "
               f"{max_iters} to continue the run)")
 
@@ -402,22 +387,22 @@ def save(reason, val_loss):
     (sharded_checkpoint.py). A state is never saved when its evaluation (val_loss: this iteration's, or None)
     or last step was non-finite, or its weights or optimizer moments are: it would be resumed from, sampled,
     and become the fallback. Returns why it was not saved, or None (saved)."""
-    refusal = unsaveable or nonfinite_state(raw_model, optimizer)
+    refusal = run.unsaveable or nonfinite_state(raw_model, optimizer)
     if refusal:
         if master_process:
-            kept = (f"{checkpoint_path(out_dir)} still holds iter {saved_iter}" if saved_iter is not None
+            kept = (f"{checkpoint_path(out_dir)} still holds iter {run.saved_iter}" if run.saved_iter is not None
                     else "no checkpoint has been written")
-            print(f"not saving iter {iter_num} ({reason}): {refusal}; {kept}", file=sys.stderr)
+            print(f"not saving iter {run.iter_num} ({reason}): {refusal}; {kept}", file=sys.stderr)
         return refusal
     if not master_process and not fsdp:
         return None
     state = {
         'model_args': model_args,
-        'iter_num': iter_num,
+        'iter_num': run.iter_num,
         'val_loss': val_loss,  # this state's (None: not evaluated), for the run's last line after a resume
-        'best_val_loss': best_val_loss,
-        'best_iter': best_iter,
-        'train_time': train_time,
+        'best_val_loss': run.best_val_loss,
+        'best_iter': run.best_iter,
+        'train_time': run.train_time,
         'config': config,
         'scaler': scaler.state_dict(),
         # batches and model noise are re-seeded from (seed, iter, micro-batch) anyway; these make
@@ -433,7 +418,7 @@ def save(reason, val_loss):
     finally:
         stop_request.saving = False
     if master_process:
-        print(f"saved checkpoint to {path} (iter {iter_num}, {reason})")
+        print(f"saved checkpoint to {path} (iter {run.iter_num}, {reason})")
     return None
 
 
@@ -448,75 +433,76 @@ if master_process and decay_lr and (note := schedule_note(max_iters, learning_ra
     print(note)
 
 
+
+def report_evaluation(losses, lr):
+    """Rank 0 prints the evaluation and logs it with the learned values (under FSDP every rank gathers them)."""
+    learned = learned_values(raw_model) if fsdp else raw_model.learned_values() if master_process else None
+    if not master_process:
+        return
+    speed.eval_seconds = time.time() - t0  # (t0: the end of the last step)
+    left = speed.time_left(run.iter_num, max_iters, eval_interval, evaluated=True)
+    print(f"step {run.iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}"
+          + (f" ({left})" if left else ""))
+    if run.target_reached and run.iter_num < max_iters:
+        print(f"val loss {run.val_loss:.4f} <= stop_at_val_loss={stop_at_val_loss:g}: training ends at iter "
+              f"{run.iter_num} of max_iters={max_iters}")
+    row = {"iter": run.iter_num, "train_loss": losses['train'], "val_loss": losses['val'], "lr": lr,
+           "time": run.train_time, "peak_memory_mib": peak_memory_mib(device)}
+    if not eval_only:
+        log_row(out_dir, {**row, **learned})  # e.g. {'sigma': [[per head] per layer]}
+    if wandb_log:
+        wandb.log({**row, **wandb_learned_values(learned)})
+
+
+def report_step(loss_mean, ce_mean, kl_mean, lr, dt):
+    """Rank 0's log line of a step, and its row in metrics.jsonl (and wandb)."""
+    mfu = speed.update(dt, settled=run.local_iter_num >= speed.SETTLED_AFTER)  # None until measured from settled steps
+    mfu_text = f", mfu {mfu * 100:.2f}%" if mfu is not None else ""
+    left = speed.time_left(run.iter_num + 1, max_iters, eval_interval)
+    print(f"iter {run.iter_num}: loss {loss_mean:.6f}, ce {ce_mean:.6f}, kl {kl_mean:.4g}, lr {lr:.3e}, "
+          f"{dt * 1000:.2f}ms/iter, {tokens_per_iter / dt:,.0f} tok/s{mfu_text}" + (f", {left}" if left else ""))
+    row = {"iter": run.iter_num, "loss": loss_mean, "ce": ce_mean, "kl": kl_mean, "lr": lr, "ms": dt * 1000,
+           "time": run.train_time, "tokens_per_s": tokens_per_iter / dt}
+    if mfu is not None:
+        row["mfu"] = mfu * 100
+    log_row(out_dir, row)
+    if wandb_log:
+        wandb.log(row)
+
+
 # training loop
 t0 = time.time()
-local_iter_num = 0  # number of iterations in the lifetime of this process
-# the iteration of the checkpoint on disk (a finite state): a resumed run evaluates and saves only after
-# training further
-saved_iter = iter_num if init_from == 'resume' else None
-saved_val_loss = checkpoint_val_loss  # the val loss of that state (None: not evaluated, or not known)
-unsaveable = None  # why the current state must not be saved: its evaluation or last step was non-finite
-refusal = None  # why the last state the loop meant to save was not
-stopping = False
-skipped_in_a_row = 0
-val_loss, improved = None, False  # the current state's evaluation (kept when a stop drops the step after it)
 # stop_at_val_loss reached: a resumed run whose checkpoint reached it has nothing left to train
-target_reached = bool(stop_at_val_loss) and saved_val_loss is not None and saved_val_loss <= stop_at_val_loss
+run.target_reached = (bool(stop_at_val_loss) and run.saved_val_loss is not None
+                      and run.saved_val_loss <= stop_at_val_loss)
 while True:
 
     # determine and set the learning rate for this iteration
-    lr = get_lr(iter_num, learning_rate, warmup_iters, lr_decay_iters, min_lr) if decay_lr else learning_rate
+    lr = get_lr(run.iter_num, learning_rate, warmup_iters, lr_decay_iters, min_lr) if decay_lr else learning_rate
     for param_group in optimizer.param_groups:
         param_group['lr'] = lr
 
     # evaluate the loss on train/val sets and write checkpoints
-    done = eval_only or stopping or iter_num >= max_iters or target_reached
-    evaluate = not stopping and (iter_num % eval_interval == 0 or done) and (
-        iter_num != saved_iter or eval_only or evaluation_owed)
-    losses = estimate_loss() if evaluate else None
-    evaluation_owed = False
-    if evaluate and losses is None:  # stopped part-way: save this state unevaluated (it is a finished step)
-        stopping = done = True
-        if master_process:
-            print(f"{stop_request.signal or 'stop signal'} received during the evaluation at iter {iter_num}: "
-                  f"stopping without it")
-    if losses is not None:
-        val_loss = losses['val']
-        finite = math.isfinite(losses['train']) and math.isfinite(val_loss)
-        if not finite:
-            unsaveable = f"its evaluation is not finite (train loss {losses['train']}, val loss {val_loss})"
-        improved = finite and val_loss < best_val_loss
-        if improved:
-            best_val_loss, best_iter = val_loss, iter_num
-        if finite and stop_at_val_loss and val_loss <= stop_at_val_loss and not eval_only:
-            target_reached = done = True  # the same on every rank: the evaluation's losses are all-reduced
-        if master_process:
-            speed.eval_seconds = time.time() - t0  # (t0: the end of the last step)
-            left = speed.time_left(iter_num, max_iters, eval_interval, evaluated=True)
-            print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}"
-                  + (f" ({left})" if left else ""))
-            if target_reached and iter_num < max_iters:
-                print(f"val loss {val_loss:.4f} <= stop_at_val_loss={stop_at_val_loss:g}: training ends at iter "
-                      f"{iter_num} of max_iters={max_iters}")
-            row = {"iter": iter_num, "train_loss": losses['train'], "val_loss": losses['val'], "lr": lr,
-                   "time": train_time, "peak_memory_mib": peak_memory_mib(device)}
-        # e.g. {'sigma': [[per head] per layer]}; under FSDP every rank takes part in gathering them
-        learned = learned_values(raw_model) if fsdp else raw_model.learned_values() if master_process else None
-        if master_process:
-            if not eval_only:
-                log_row(out_dir, {**row, **learned})
-            if wandb_log:
-                wandb.log({**row, **wandb_learned_values(learned)})
-        t0 = time.time()  # evaluation time is not training time
-    stop = (stop_request.signal or "stop signal") if stopping else None  # (SIGTERM / Ctrl-C: always saved)
-    reason = checkpoint_reason(iter_num, val_loss, improved, done, stop, saved_iter, always_save_checkpoint,
-                               out_dir) if master_process and not eval_only else None
-    if ddp and (val_loss is not None or done or stopping):  # every rank learns what is on disk (and under
-        reason = broadcast_from_rank0(reason)               # FSDP takes part in gathering the state)
+    done = eval_only or run.stopping or run.iter_num >= max_iters or run.target_reached
+    if run.evaluates(done, eval_interval, eval_only):
+        losses = estimate_loss()
+        if losses is None:  # stopped part-way: save this state unevaluated (it is a finished step)
+            run.stopping = done = True
+            if master_process:
+                print(f"{stop_request.signal or 'stop signal'} received during the evaluation at iter {run.iter_num}: "
+                      f"stopping without it")
+        else:
+            run.record_evaluation(losses, stop_at_val_loss, eval_only)
+            done = done or run.target_reached
+            report_evaluation(losses, lr)
+            t0 = time.time()  # evaluation time is not training time
+    stop = (stop_request.signal or "stop signal") if run.stopping else None  # (SIGTERM / Ctrl-C: always saved)
+    reason = checkpoint_reason(run.iter_num, run.val_loss, run.improved, done, stop, run.saved_iter,
+                               always_save_checkpoint, out_dir) if master_process and not eval_only else None
+    if ddp and (run.val_loss is not None or done or run.stopping):  # every rank learns what is on disk (and
+        reason = broadcast_from_rank0(reason)                       # under FSDP takes part in gathering the state)
     if reason:
-        refusal = save(reason, val_loss)
-        if refusal is None:
-            saved_iter, saved_val_loss = iter_num, val_loss
+        run.record_save(save(reason, run.val_loss))
     if done:
         break
 
@@ -527,11 +513,12 @@ while True:
     loss_sum = torch.zeros((), device=device)
     ce_sum = torch.zeros((), device=device)
     m = ddp_rank  # index of this rank's micro-batch among the iteration's micro-batches
-    s = batch_seed(seed, 0, iter_num, m)
+    s = batch_seed(seed, 0, run.iter_num, m)
     X, Y = get_batch('train', s)
     for micro_step in range(gradient_accumulation_steps):
         # a stop waits for one micro-batch, not the whole step (under DDP an all-reduce, from the second on)
-        if micro_step and (stopping := stop_request.requested()):
+        if micro_step and stop_request.requested():
+            run.stopping = True
             break
         if fsdp:  # the same for FSDP: reduce-scatter the gradients after the last micro step only
             model.set_requires_gradient_sync(micro_step == gradient_accumulation_steps - 1)
@@ -551,61 +538,37 @@ while True:
         # immediately async prefetch next batch while model is doing the forward pass on the device
         if micro_step < gradient_accumulation_steps - 1:
             m += ddp_world_size
-            s = batch_seed(seed, 0, iter_num, m)
+            s = batch_seed(seed, 0, run.iter_num, m)
             X, Y = get_batch('train', s)
         # backward pass, with gradient scaling if training in fp16
         scaler.scale(loss / gradient_accumulation_steps).backward()
         mark_step()
-    if stopping:  # the step is dropped: the state saved is the last finished step's, which a resume continues
-        abandon_step(optimizer, step_rng, device, master_process and f"{stop_request.signal or 'stop signal'} received "
-                     f"during iter {iter_num} ({micro_step} of its {gradient_accumulation_steps} micro-batches "
-                     f"done): stopping without it")
+    if run.stopping:  # the step is dropped: the state saved is the last finished step's, which a resume continues
+        abandon_step(optimizer, step_rng, device, master_process and f"{stop_request.signal or 'stop signal'} "
+                     f"received during iter {run.iter_num} ({micro_step} of its {gradient_accumulation_steps} "
+                     f"micro-batches done): stopping without it")
         continue
-    # clip the gradient; with clipping off, only measure it (for the non-finite check and the log)
+    # clip the gradient (with clipping off, only measure it), then agree over the ranks on the step's means, on
+    # whether it was finite everywhere, and on a stop signal
     scaler.unscale_(optimizer)
-    if grad_clip != 0.0:
-        grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), grad_clip)
-    else:
-        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in raw_model.parameters() if p.grad is not None])
-    if fsdp:  # the norm of the sharded gradients, summed over the ranks: the same value on every rank
-        grad_norm = grad_norm.full_tensor()
-    # one all-reduce for what every rank must agree on: the logged means, non-finite values, SIGTERM.
-    # Under fp16 an inf grad norm is the GradScaler's business (it skips the step), not an error.
-    local_bad = ~torch.isfinite(loss_sum) if scaler.is_enabled() else ~(torch.isfinite(loss_sum) & torch.isfinite(grad_norm))
-    stats = torch.stack([loss_sum, ce_sum, kl.detach().float(), local_bad.float(),
-                         torch.tensor(float(stop_request.signal is not None), device=device)])
-    if ddp:
-        dist.all_reduce(stats)
-    loss_mean, ce_mean, kl_mean, n_bad, n_stop = stats.tolist()
-    loss_mean /= gradient_accumulation_steps * ddp_world_size
-    ce_mean /= gradient_accumulation_steps * ddp_world_size
-    kl_mean /= ddp_world_size
+    grad_norm = clip_gradients(raw_model, grad_clip, fsdp)
+    loss_mean, ce_mean, kl_mean, n_bad, n_stop, bad_here = agree_on_step(
+        loss_sum, ce_sum, kl, grad_norm, scaler.is_enabled(), stop_request.signal is not None,
+        gradient_accumulation_steps, ddp_world_size)
     if n_bad > 0:
-        if local_bad.item():
-            print(f"rank {ddp_rank}: non-finite loss or gradient at iter {iter_num} "
+        if bad_here:
+            print(f"rank {ddp_rank}: non-finite loss or gradient at iter {run.iter_num} "
                   f"(loss {loss_sum.item() / gradient_accumulation_steps}, grad norm {grad_norm.item()})",
                   file=sys.stderr)
-        cause, advice = divergence_cause(ce_mean, kl_mean, kl_weight, local_iter_num == 0, out_dir, saved_iter,
-                                         {**config, **model_args})
-        if nonfinite == 'stop':
-            stop_diverged(f"stopping at iter {iter_num}: non-finite loss or gradient{cause} (nonfinite='stop'). "
-                          f"{advice}, or set --nonfinite=skip to skip such steps.", master_process, ddp)
-        skipped_in_a_row += 1
-        if skipped_in_a_row >= max_skipped_steps:
-            stop_diverged(f"stopping at iter {iter_num}: {skipped_in_a_row} steps in a row had a non-finite loss "
-                          f"or gradient (max_skipped_steps={max_skipped_steps}): the run has diverged{cause}. "
-                          f"{advice}.", master_process, ddp)
+        if why := run.skip_nonfinite_step(ce_mean, kl_mean, kl_weight, nonfinite, max_skipped_steps, out_dir,
+                                          {**config, **model_args}):
+            stop_diverged(why, master_process, ddp)
         if master_process:
-            print(f"iter {iter_num}: skipping the update (non-finite loss or gradient, nonfinite='skip')")
-        scaler.update()
-        unsaveable = f"its last step (iter {iter_num}) had a non-finite loss or gradient"
+            print(f"iter {run.iter_num}: skipping the update (non-finite loss or gradient, nonfinite='skip')")
     else:
-        skipped_in_a_row = 0
-        unsaveable = None  # a new state
-        # step the optimizer and scaler if training in fp16
-        scaler.step(optimizer)
-        scaler.update()
-        mark_step()
+        scaler.step(optimizer)  # step the optimizer and scaler if training in fp16
+    scaler.update()
+    mark_step()
     # flush the gradients as soon as we can, no need for this memory anymore
     optimizer.zero_grad(set_to_none=True)
 
@@ -613,33 +576,20 @@ while True:
     t1 = time.time()
     dt = t1 - t0
     t0 = t1
-    train_time += dt
-    if iter_num % log_interval == 0 and master_process:
-        mfu = speed.update(dt, settled=local_iter_num >= speed.SETTLED_AFTER)  # None until measured from settled steps
-        mfu_text = f", mfu {mfu * 100:.2f}%" if mfu is not None else ""
-        left = speed.time_left(iter_num + 1, max_iters, eval_interval)
-        print(f"iter {iter_num}: loss {loss_mean:.6f}, ce {ce_mean:.6f}, kl {kl_mean:.4g}, lr {lr:.3e}, "
-              f"{dt * 1000:.2f}ms/iter, {tokens_per_iter / dt:,.0f} tok/s{mfu_text}" + (f", {left}" if left else ""))
-        row = {"iter": iter_num, "loss": loss_mean, "ce": ce_mean, "kl": kl_mean, "lr": lr, "ms": dt * 1000, "time": train_time,
-               "tokens_per_s": tokens_per_iter / dt, **({"mfu": mfu * 100} if mfu is not None else {})}
-        log_row(out_dir, row)
-        if wandb_log:
-            wandb.log(row)
-    iter_num += 1
-    local_iter_num += 1
-    val_loss, improved = None, False  # a new state, not evaluated yet
-    if n_stop > 0:
-        stopping = True
-        if master_process:
-            print(f"{stop_request.signal or 'stop signal'} received: stopping after iter {iter_num - 1}")
+    run.train_time += dt
+    if run.iter_num % log_interval == 0 and master_process:
+        report_step(loss_mean, ce_mean, kl_mean, lr, dt)
+    run.next_iteration(finite_step=n_bad == 0, stop_requested=n_stop > 0)
+    if n_stop > 0 and master_process:
+        print(f"{stop_request.signal or 'stop signal'} received: stopping after iter {run.iter_num - 1}")
 
-if saved_iter is None and not eval_only:  # (every rank) the state the run ended with was not saved
-    stop_diverged(f"stopping at iter {iter_num} without a checkpoint: {refusal}. {restart_advice(out_dir, None)}.",
-                  master_process, ddp)
+if run.saved_iter is None and not eval_only:  # (every rank) the state the run ended with was not saved
+    stop_diverged(f"stopping at iter {run.iter_num} without a checkpoint: {run.refusal}. "
+                  f"{restart_advice(out_dir, None)}.", master_process, ddp)
 if master_process and not eval_only:
-    keeps_best = always_save_checkpoint and bool(best_iter) and not stop_request.signal
-    print(checkpoint_note(checkpoint_path(out_dir), saved_iter, saved_val_loss, best_iter, best_val_loss, iter_num,
-                          keeps_best))
+    keeps_best = always_save_checkpoint and bool(run.best_iter) and not stop_request.signal
+    print(checkpoint_note(checkpoint_path(out_dir), run.saved_iter, run.saved_val_loss, run.best_iter,
+                          run.best_val_loss, run.iter_num, keeps_best))
     print(next_step(out_dir, lora=trainable == 'lora', meta=meta))
 if wandb_log and master_process:
     wandb.finish()

@@ -283,22 +283,18 @@ def retrieval_lines(summary, results, plots):
              "span of random tokens written twice, D tokens of text between (the same examples for every run); copy "
              "accuracy is the share of the second copy's tokens (after its first) that the most likely next token "
              f"gets right; chance is about {first['copy_chance']:.4f} (1 over the token ids of the file). Mean ± sample "
-             "standard deviation over seeds; reading: minus base's, seed by seed, as for the val loss.", "",
-             "| variant | copy accuracy | per seed | " + " | ".join(f"D={d}" for d in ds) + " | reading |",
-             "|---|---|---|" + "---|" * len(ds) + "---|"]
-    for variant, s in probed.items():
-        lines.append(f"| `{variant}` | {fmt(s['copy_accuracy'], 3)} | "
-                     f"{', '.join(f'{v:.3f}' for v in s['copy_accuracy']['values'])} | "
-                     + " | ".join(fmt(s[f'copy_accuracy@{d}'], 3) for d in ds)
-                     + f" | {paired_reading(s, 'copy_accuracy')} |")
+             "standard deviation over seeds; reading: minus base's, seed by seed, as for the val loss.", ""]
+    at = [f"D={d}" for d in ds]
+    lines += table(['variant', 'copy accuracy', 'per seed', *at, 'reading'],
+                   [[f"`{variant}`", fmt(s['copy_accuracy'], 3), per_seed(s['copy_accuracy']),
+                     *(fmt(s[f'copy_accuracy@{d}'], 3) for d in ds), paired_reading(s, 'copy_accuracy')]
+                    for variant, s in probed.items()])
     paired = {v: s for v, s in probed.items() if 'copy_accuracy_vs_base' in s}
     if paired:
         lines += ["", "Copy accuracy minus base's at each distance, seed by seed (mean ± std; * two or more seeds, "
-                  "all the same sign):", "", "| variant | " + " | ".join(f"D={d}" for d in ds) + " |",
-                  "|---|" + "---|" * len(ds)]
-        for variant, s in paired.items():
-            lines.append(f"| `{variant}` | " + " | ".join(paired_cell(s.get(f'copy_accuracy@{d}_vs_base')) for d in ds)
-                         + " |")
+                  "all the same sign):", ""]
+        lines += table(['variant', *at], [[f"`{variant}`", *(paired_cell(s.get(f'copy_accuracy@{d}_vs_base'))
+                                                              for d in ds)] for variant, s in paired.items()])
     for where, prefix, what, chosen in (
             ('copy head', 'copy_', "the layer and head with the highest mean signed share on the token to copy over "
              "every distance (among the variant's own heads)", 'copy_head'),
@@ -307,21 +303,18 @@ def retrieval_lines(summary, results, plots):
         lines += ["", f"Where attention goes while copying, at each run's {where}: {what}. Shares of the absolute "
                   "mass: the source (the earlier occurrence of the query's token and the token to copy), each apart, "
                   "the rest of the span, the query's own token, the text; noise = span + text; signed: negative "
-                  "where it subtracts. Over every distance, and the noise share at each distance.", "",
-                  f"| variant | {where} per seed | source (signed) | token to copy (signed) | earlier occurrence "
-                  "(signed) | span | own token | text | noise | " + " | ".join(f"noise D={d}" for d in ds)
-                  + " | reading (signed token to copy) | reading (noise) |",
-                  "|---|---|---|---|---|---|---|---|---|" + "---|" * len(ds) + "---|---|"]
-        for variant, s in probed.items():
-            heads = ', '.join(r[chosen] for r in results if r['variant'] == variant and chosen in r)
-            lines.append(f"| `{variant}` | {heads} | "
-                         + " | ".join(f"{fmt(s[f'{prefix}{part}_share'], 3)} "
-                                      f"({fmt(s[f'{prefix}signed_{part}_share'], 3)})"
-                                      for part in ('source', 'copy', 'occurrence')) + " | "
-                         + " | ".join(fmt(s[f'{prefix}{part}_share'], 3) for part in ('span', 'own', 'text', 'noise'))
-                         + " | " + " | ".join(fmt(s[f'{prefix}noise_share@{d}'], 3) for d in ds)
-                         + f" | {paired_reading(s, f'{prefix}signed_copy_share')} | "
-                           f"{paired_reading(s, f'{prefix}noise_share')} |")
+                  "where it subtracts. Over every distance, and the noise share at each distance.", ""]
+        lines += table(
+            ['variant', f'{where} per seed', 'source (signed)', 'token to copy (signed)', 'earlier occurrence (signed)',
+             'span', 'own token', 'text', 'noise', *(f"noise D={d}" for d in ds), 'reading (signed token to copy)',
+             'reading (noise)'],
+            [[f"`{variant}`", ', '.join(r[chosen] for r in results if r['variant'] == variant and chosen in r),
+              *(f"{fmt(s[f'{prefix}{part}_share'], 3)} ({fmt(s[f'{prefix}signed_{part}_share'], 3)})"
+                for part in ('source', 'copy', 'occurrence')),
+              *(fmt(s[f'{prefix}{part}_share'], 3) for part in ('span', 'own', 'text', 'noise')),
+              *(fmt(s[f'{prefix}noise_share@{d}'], 3) for d in ds),
+              paired_reading(s, f'{prefix}signed_copy_share'), paired_reading(s, f'{prefix}noise_share')]
+             for variant, s in probed.items()])
     lines.append("")
     if 'retrieval' in plots:
         lines += [f"![copy accuracy, signed share on the token to copy and noise share against distance]"
@@ -332,6 +325,17 @@ def retrieval_lines(summary, results, plots):
 def paired_reading(summary, key):
     """reading() of a variant's key against base (summarize's f'{key}_vs_base'); '' for base itself."""
     return reading(summary[f'{key}_vs_base']) if f'{key}_vs_base' in summary else ''
+
+
+def table(header, rows):
+    """A Markdown table's lines: the header's cells, the rule under them, then each row's cells."""
+    return (['| ' + ' | '.join(header) + ' |', '|' + '---|' * len(header)]
+            + ['| ' + ' | '.join(row) + ' |' for row in rows])
+
+
+def per_seed(stat, digits=3):
+    """A statistic's values, seed by seed."""
+    return ', '.join(f'{v:.{digits}f}' for v in stat['values'])
 
 
 def fmt(stat, digits=4):
@@ -381,8 +385,7 @@ def protocol_lines(protocol, tuning):
     if any(len(t['candidates']) < len(labels) for t in tuning):
         labels.sort(key=lambda label: [(0, v, '') if isinstance(v, (int, float)) else (1, 0, str(v))
                                        for v in tried[label].values()])
-    lines += ["| variant | " + " | ".join(f"`{label}`" for label in labels) + " | chosen |",
-              "|---|" + "---|" * len(labels) + "---|"]
+    rows = []
     for t in tuning:
         cells = []
         own = {c['label']: c for c in t['candidates']}
@@ -397,7 +400,8 @@ def protocol_lines(protocol, tuning):
             elif c.get('outranked'):
                 cell = f"out-ranked at iter {c['iters']:.0f}: {cell}"
             cells.append(f"**{cell}**" if c['chosen'] else cell)
-        lines.append(f"| `{t['variant']}` | " + " | ".join(cells) + f" | {t['chosen'] or 'none: every candidate diverged'} |")
+        rows.append([f"`{t['variant']}`", *cells, t['chosen'] or 'none: every candidate diverged'])
+    lines += table(['variant', *(f"`{label}`" for label in labels), 'chosen'], rows)
     lines += ["", "Each cell: the candidate's " + ("answer accuracy (and final val loss)" if 'accuracy' in protocol['metric']
               else "final val loss") + ", the mean over the tuning seeds; bold: chosen."
               + (" Blank: not one of that variant's candidates (each variant tried values around its own)."
@@ -421,13 +425,13 @@ def stop_lines(results, target, max_iters):
     lines = [f"## Iterations to val loss <= {target:g}", "",
              f"Every run ended at its first evaluation whose val loss was at or below stop_at_val_loss={target:g} "
              f"(an iteration below), or at max_iters={max_iters} without reaching it (\"not by\"). The final val "
-             "losses above are then those of the stopping point.", "",
-             "| variant | reached | iteration, per seed |", "|---|---|---|"]
+             "losses above are then those of the stopping point.", ""]
+    rows = []
     for variant in dict.fromkeys(r['variant'] for r in results):
         rs = [r for r in results if r['variant'] == variant]
-        per_seed = ', '.join(f"{r['final_iter']}" if r['reached_target'] else f"not by {r['final_iter']}" for r in rs)
-        lines.append(f"| `{variant}` | {sum(r['reached_target'] for r in rs)} of {len(rs)} | {per_seed} |")
-    lines.append("")
+        rows.append([f"`{variant}`", f"{sum(r['reached_target'] for r in rs)} of {len(rs)}",
+                     ', '.join(f"{r['final_iter']}" if r['reached_target'] else f"not by {r['final_iter']}" for r in rs)])
+    lines += table(['variant', 'reached', 'iteration, per seed'], rows) + [""]
     for variant in dict.fromkeys(r['variant'] for r in results if r['variant'] == r['base']):
         rs = [r for r in results if r['variant'] == variant]
         if not all(r['reached_target'] for r in rs):
@@ -472,6 +476,23 @@ def value_and_key(summary, prefix):
                       for part in ('value', 'key'))
 
 
+def share_table(shares, results, prefix, answer, chosen, key):
+    """attention_lines' table of the parts' shares at each run's lookup head (prefix '') or reading layer
+    ('layer_'): answer and chosen name the columns, key the run's field naming its head or layer."""
+    parts = ('noise', 'pairs', 'own', 'queries', 'filler')
+    return table(
+        ['variant', 'filler tokens', answer, 'value (signed)', 'key (signed)', 'signed value, per seed',
+         f'{chosen} per seed', 'noise', 'other pairs', 'own token', 'earlier queries', 'filler',
+         'reading (signed value)', 'reading (noise)'],
+        [[f"`{variant}`", f"{s['filler_length']['mean']:g}",
+          f"{fmt(s[f'{prefix}answer_share'], 3)} ({fmt(s[f'{prefix}signed_answer_share'], 3)})",
+          value_and_key(s, prefix), per_seed(s[ranked(s, prefix)]),
+          ', '.join(r[key] for r in results if r['variant'] == variant and key in r),
+          *(fmt(s[f'{prefix}{part}_share'], 3) for part in parts),
+          paired_reading(s, ranked(s, prefix)), paired_reading(s, f'{prefix}noise_share')]
+         for variant, s in shares.items()])
+
+
 def attention_lines(summary, results, plots):
     """The report's section on where attention goes (recall data), or [] without it."""
     shares = {a: s for a, s in summary.items() if 'signed_answer_share' in s}
@@ -490,37 +511,16 @@ def attention_lines(summary, results, plots):
              "best-of-more choice favours it slightly); a run read by an earlier eval.py, without the value and "
              "key apart (—), was ranked by the signed answer share. Mean ± sample standard deviation over seeds. "
              "Reading: the signed value share (the answer's, where there is none) minus base's at the same point, "
-             "seed by seed, as for the val loss, and likewise the noise share.", "",
-             "| variant | filler tokens | answer share (signed) | value (signed) | key (signed) | signed value, per "
-             "seed | lookup head per seed | noise | other pairs | own token | earlier queries | filler | reading "
-             "(signed value) | reading (noise) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for variant, s in shares.items():
-        heads = ', '.join(r['lookup_head'] for r in results if r['variant'] == variant and 'lookup_head' in r)
-        lines.append(f"| `{variant}` | {s['filler_length']['mean']:g} | {fmt(s['answer_share'], 3)} "
-                     f"({fmt(s['signed_answer_share'], 3)}) | {value_and_key(s, '')} | "
-                     f"{', '.join(f'{v:.3f}' for v in s[ranked(s, '')]['values'])} | {heads} | "
-                     + ' | '.join(fmt(s[f'{part}_share'], 3) for part in ('noise', 'pairs', 'own', 'queries', 'filler'))
-                     + f" | {paired_reading(s, ranked(s, ''))} | {paired_reading(s, 'noise_share')} |")
+             "seed by seed, as for the val loss, and likewise the noise share.", ""]
+    lines += share_table(shares, results, '', 'answer share (signed)', 'lookup head', 'lookup_head')
     lines += ["", "The layer as a whole: a head's share cannot tell a lookup spread over several heads from attention "
               "on noise, so each layer is also read by the norm of what each key adds to its output (all heads, "
               "through the values and c_proj; heads that cancel on a key cancel in its share; the signed answer "
               "share: a part's additions along the layer's output; docs/eval.md). Each run is read at its "
               "reading layer, the layer with the highest mean signed value share (the answer's, for a run read "
-              "without the value and key apart).", "",
-              "| variant | filler tokens | layer answer share (signed) | value (signed) | key (signed) | signed value, "
-              "per seed | reading layer per seed | noise | other pairs | own token | earlier queries | filler | "
-              "reading (signed value) | reading (noise) |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for variant, s in shares.items():
-        if 'layer_signed_answer_share' not in s:
-            continue
-        layers = ', '.join(r['reading_layer'] for r in results if r['variant'] == variant and 'reading_layer' in r)
-        lines.append(f"| `{variant}` | {s['filler_length']['mean']:g} | {fmt(s['layer_answer_share'], 3)} "
-                     f"({fmt(s['layer_signed_answer_share'], 3)}) | {value_and_key(s, 'layer_')} | "
-                     f"{', '.join(f'{v:.3f}' for v in s[ranked(s, 'layer_')]['values'])} | {layers} | "
-                     + ' | '.join(fmt(s[f'layer_{part}_share'], 3) for part in ('noise', 'pairs', 'own', 'queries', 'filler'))
-                     + f" | {paired_reading(s, ranked(s, 'layer_'))} | {paired_reading(s, 'layer_noise_share')} |")
+              "without the value and key apart).", ""]
+    layered = {v: s for v, s in shares.items() if 'layer_signed_answer_share' in s}
+    lines += share_table(layered, results, 'layer_', 'layer answer share (signed)', 'reading layer', 'reading_layer')
     lines.append("")
     if 'attention' in plots:
         lines += [f"![answer accuracy, signed value shares and noise share against filler length]"
@@ -540,20 +540,18 @@ def write_report(report_dir, summary, results, failures, samples, plots, setup):
         f"Every run: `{setup['base_config']}`" + (f" with `{setup['overrides']}`" if setup['overrides'] else '')
         + f", {setup['max_iters']} iterations; seeds {', '.join(map(str, setup['seeds']))}. Only {differ} "
           f"differ between runs.{grid} Val loss is train.py's evaluation (the same fixed batches for every "
-          f"run); mean ± sample standard deviation over seeds.", "",
-        "| variant | parameters | vs base | final val loss | per seed | best val loss | tokens/s | "
-        "peak memory (MiB) | training time (s) | reading |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
+          f"run); mean ± sample standard deviation over seeds.", ""]
+    rows = []
     for attn_type, s in summary.items():
         base_params = summary[s['base']]['params'] if s['base'] in summary else None
         delta = (f"{s['params'] - base_params:+,} ({(s['params'] - base_params) / base_params:+.2%})"
                  if base_params and attn_type != s['base'] else '')
-        per_seed = ', '.join(f"{v:.4f}" for v in s['final_val_loss']['values'])
-        lines.append(f"| `{attn_type}` | {s['params']:,} | {delta} | {fmt(s['final_val_loss'])} | {per_seed} | "
-                     f"{fmt(s['best_val_loss'])} | {fmt(s['tokens_per_s'], 0)} | {fmt(s['peak_memory_mib'], 0)} | "
-                     f"{fmt(s['train_time_s'], 1)} | "
-                     f"{reading(s['paired_vs_base']) if 'paired_vs_base' in s else ''} |")
+        rows.append([f"`{attn_type}`", f"{s['params']:,}", delta, fmt(s['final_val_loss']),
+                     per_seed(s['final_val_loss'], 4), fmt(s['best_val_loss']), fmt(s['tokens_per_s'], 0),
+                     fmt(s['peak_memory_mib'], 0), fmt(s['train_time_s'], 1),
+                     reading(s['paired_vs_base']) if 'paired_vs_base' in s else ''])
+    lines += table(['variant', 'parameters', 'vs base', 'final val loss', 'per seed', 'best val loss', 'tokens/s',
+                    'peak memory (MiB)', 'training time (s)', 'reading'], rows)
     lines += ["", "Tokens/s: the median over logged iterations. Peak memory: tensors on CUDA/Gaudi, the "
               "process's peak resident size on CPU. Reading: runs with the same seed share data order and "
               "evaluation batches, so each variant is compared with base seed by seed (its final val loss "
@@ -568,16 +566,14 @@ def write_report(report_dir, summary, results, failures, samples, plots, setup):
     if paired:
         lines += ["## Final val loss against base, seed by seed", "",
                   "d = final val loss of the variant minus that of base with the same seed; mean ± sample "
-                  "standard deviation of d over the seeds both finished.", "",
-                  "| attn_type | seeds | d per seed | mean ± std | same sign on every seed |",
-                  "|---|---|---|---|---|"]
-        for attn_type, p in paired.items():
-            stat = ('' if p['mean'] is None else f"{p['mean']:+.4f}"
-                    + (f" ± {p['std']:.4f}" if p['std'] is not None else ''))
-            lines.append(f"| `{attn_type}` | {', '.join(map(str, p['seeds']))} | "
-                         f"{', '.join(f'{d:+.4f}' for d in p['differences'])} | {stat} | "
-                         f"{'one seed' if len(p['seeds']) == 1 else 'yes' if p['same_sign'] else 'no'} |")
-        lines.append("")
+                  "standard deviation of d over the seeds both finished.", ""]
+        lines += table(['attn_type', 'seeds', 'd per seed', 'mean ± std', 'same sign on every seed'],
+                       [[f"`{attn_type}`", ', '.join(map(str, p['seeds'])),
+                         ', '.join(f'{d:+.4f}' for d in p['differences']),
+                         '' if p['mean'] is None else f"{p['mean']:+.4f}"
+                         + (f" ± {p['std']:.4f}" if p['std'] is not None else ''),
+                         'one seed' if len(p['seeds']) == 1 else 'yes' if p['same_sign'] else 'no']
+                        for attn_type, p in paired.items()]) + [""]
     accuracy = {a: s for a, s in summary.items() if 'accuracy' in s}
     if accuracy:
         pairs = list(next(iter(accuracy.values()))['accuracy_by_pairs'])
@@ -585,16 +581,11 @@ def write_report(report_dir, summary, results, failures, samples, plots, setup):
                   "eval.py --recall=True on each run's final checkpoint: the share of answers in every validation "
                   "example that the model's most likely next token gets right; overall and by the example's number "
                   "of key-value pairs (mean ± sample standard deviation over seeds). Reading: the accuracy minus "
-                  "base's at the same point, seed by seed, as for the val loss.", "",
-                  "| variant | accuracy | per seed | " + " | ".join(f"{p} pairs" for p in pairs) + " | reading |",
-                  "|---|---|---|" + "---|" * len(pairs) + "---|"]
-        for variant, s in accuracy.items():
-            lines.append(f"| `{variant}` | {fmt(s['accuracy'], 3)} | "
-                         f"{', '.join(f'{v:.3f}' for v in s['accuracy']['values'])} | "
-                         + " | ".join(fmt(s['accuracy_by_pairs'][p], 3) if p in s['accuracy_by_pairs'] else ''
-                                      for p in pairs)
-                         + f" | {paired_reading(s, 'accuracy')} |")
-        lines.append("")
+                  "base's at the same point, seed by seed, as for the val loss.", ""]
+        lines += table(['variant', 'accuracy', 'per seed', *(f"{p} pairs" for p in pairs), 'reading'],
+                       [[f"`{variant}`", fmt(s['accuracy'], 3), per_seed(s['accuracy']),
+                         *(fmt(s['accuracy_by_pairs'][p], 3) if p in s['accuracy_by_pairs'] else '' for p in pairs),
+                         paired_reading(s, 'accuracy')] for variant, s in accuracy.items()]) + [""]
         if 'accuracy' in plots:
             lines += [f"![answer accuracy against the number of key-value pairs]({plots['accuracy']})", ""]
     lines += attention_lines(summary, results, plots)

@@ -58,7 +58,7 @@ def lora_target_list(lora_targets):
 # ----------------------------------------------------------------------------------------------
 # Conversion
 
-def start_model_args(saved_args, run_args, given):
+def new_run_model_args(saved_args, run_args, given):
     """model_args for a run that starts from a checkpoint with `saved_args`: the shape is the
     checkpoint's (a shape setting this run gives that differs is an error, not a silent change),
     the attn_type, variant settings and dropout are this run's. block_size may be given smaller

@@ -3,7 +3,8 @@ A model from any source, built for a script to run or train: out_dir's checkpoin
 checkpoint, whichever is newer), a folder in the Hugging Face format (export_hf.py's, or GPT-2 saved by
 transformers), GPT-2's weights from the hub, and a trained model a new run starts from. It sits above the
 formats and their readers (checkpoint.py, sharded_checkpoint.py, hf_format.py, weights.py), which never
-import it, and below cli.py: what cannot give a model is a one-line ValueError, which the scripts print.
+import it; it knows nothing of the command line: what cannot give a model is a one-line ValueError, which the
+scripts print (cli.fail).
 """
 import contextlib
 import dataclasses
@@ -16,7 +17,7 @@ import urllib.parse
 from denoised_gpt.checkpoint import CheckpointError, checkpoint_path, load_checkpoint, read_checkpoint
 from denoised_gpt.checkpoint_base import short_reason, untrusted_file_error
 from denoised_gpt.extras import INSTALL
-from denoised_gpt.finetune import model_from_checkpoint, start_model_args
+from denoised_gpt.finetune import model_from_checkpoint, new_run_model_args
 from denoised_gpt.hf_format import MODEL_TYPE, exported_model_type, exported_run, read_exported
 from denoised_gpt.weights import all_finite, model_with_weights, nonfinite_weights, refuse_nonfinite_state
 from model import ATTENTION_TYPES, GPT, GPTConfig
@@ -138,19 +139,19 @@ def is_checkpoint(init_from):
     return os.path.exists(checkpoint_path(init_from)) or exported_model_type(init_from) == MODEL_TYPE
 
 
-def load_start(init_from):
+def read_start_checkpoint(init_from):
     """The checkpoint dict (load_checkpoint's) a new run starts from: any of is_checkpoint's kinds."""
     if exported_model_type(init_from) == MODEL_TYPE:
         return read_exported(init_from)
     return load_checkpoint(init_from, map_location='cpu')
 
 
-def start_model(init_from, model_args, given):
+def model_for_new_run(init_from, model_args, given):
     """A new run's model from a trained one (any of is_checkpoint's kinds), converted to the attn_type of
     model_args, this run's (finetune.py): the shape is the checkpoint's, given shape settings must agree with
     it. Returns (the model, its model_args). ValueError, FileNotFoundError or CheckpointError."""
-    start = load_start(init_from)  # a ckpt.pt, or a folder export_hf.py wrote with model.py's code
+    start = read_start_checkpoint(init_from)  # a ckpt.pt, or a folder export_hf.py wrote with model.py's code
     refuse_nonfinite_state(start, init_from, weights_only=True)  # (a new run: a fresh optimizer)
-    model_args = start_model_args(start['model_args'], model_args, given)
+    model_args = new_run_model_args(start['model_args'], model_args, given)
     model, _ = model_from_checkpoint(start, model_args)  # prints the parameters that are new
     return model, model_args

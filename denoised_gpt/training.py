@@ -182,6 +182,115 @@ def save_training_state(model, optimizer, state, out_dir, sharded, writer):
                             'optimizer_param_names': optimizer_param_names(model, optimizer), **state}, out_dir)
 
 
+@dataclasses.dataclass
+class RunState:
+    """What train.py's loop carries from one iteration to the next: the run's counters, its best evaluation, the
+    state on disk and the current state's (its evaluation, whether it may be saved), and whether the run stops."""
+    iter_num: int = 0
+    best_val_loss: float = 1e9
+    best_iter: int = None  # the iteration best_val_loss was measured at (None: not known, or none yet)
+    train_time: float = 0.0  # seconds spent training (not evaluating), over every process that resumed this run
+    saved_iter: int = None  # the iteration of the checkpoint on disk (a finite state; None: none yet)
+    saved_val_loss: float = None  # that state's val loss (None: not evaluated, or not known)
+    # a stop at (or during) an evaluation saved the state unevaluated: the resumed run evaluates it first, as the
+    # uninterrupted run did (checkpoints of earlier versions record no val_loss at all: not owed)
+    evaluation_owed: bool = False
+    local_iter_num: int = 0  # iterations taken by this process
+    val_loss: float = None  # the current state's evaluation (kept when a stop drops the step after it)
+    improved: bool = False
+    unsaveable: str = None  # why the current state must not be saved: its evaluation or last step was non-finite
+    refusal: str = None  # why the last state the loop meant to save was not
+    stopping: bool = False
+    target_reached: bool = False  # stop_at_val_loss reached
+    skipped_in_a_row: int = 0  # non-finite steps skipped in a row
+
+    @classmethod
+    def resumed(cls, checkpoint, eval_interval):
+        """The state a resumed run starts from: the checkpoint's counters, and that checkpoint on disk."""
+        best_val_loss, best_iter = checkpoint['best_val_loss'], checkpoint.get('best_iter')  # (older: no best_iter)
+        if not math.isfinite(best_val_loss):  # a NaN best beats nothing (x < nan is False): no best yet
+            best_val_loss, best_iter = 1e9, None
+        iter_num, val_loss = checkpoint['iter_num'], checkpoint.get('val_loss')
+        return cls(iter_num, best_val_loss, best_iter, checkpoint.get('train_time', 0.0), saved_iter=iter_num,
+                   saved_val_loss=val_loss,
+                   evaluation_owed='val_loss' in checkpoint and val_loss is None and iter_num % eval_interval == 0)
+
+    def evaluates(self, done, eval_interval, eval_only):
+        """Whether this iteration evaluates: every eval_interval and at the end, but not while stopping, and not the
+        state on disk (a resumed run evaluates only after training further) unless its evaluation is owed."""
+        owed, self.evaluation_owed = self.evaluation_owed, False
+        return not self.stopping and (self.iter_num % eval_interval == 0 or done) and (
+            self.iter_num != self.saved_iter or eval_only or owed)
+
+    def record_evaluation(self, losses, stop_at_val_loss, eval_only):
+        """This state's evaluation ({'train': mean loss, 'val': ...}, all-reduced: the same on every rank): its val
+        loss, the best one, whether it may be saved, and whether it reaches stop_at_val_loss."""
+        self.val_loss = losses['val']
+        finite = math.isfinite(losses['train']) and math.isfinite(self.val_loss)
+        if not finite:
+            self.unsaveable = f"its evaluation is not finite (train loss {losses['train']}, val loss {self.val_loss})"
+        self.improved = finite and self.val_loss < self.best_val_loss
+        if self.improved:
+            self.best_val_loss, self.best_iter = self.val_loss, self.iter_num
+        if finite and stop_at_val_loss and self.val_loss <= stop_at_val_loss and not eval_only:
+            self.target_reached = True
+
+    def record_save(self, refusal):
+        """save()'s answer for the current state: None (saved, now the state on disk) or why it was not."""
+        self.refusal = refusal
+        if refusal is None:
+            self.saved_iter, self.saved_val_loss = self.iter_num, self.val_loss
+
+    def skip_nonfinite_step(self, ce_mean, kl_mean, kl_weight, nonfinite, max_skipped_steps, out_dir, settings):
+        """A step with a non-finite loss or gradient on some rank: the line to stop the run with (nonfinite='stop',
+        or max_skipped_steps such steps in a row), or None, its update skipped and the state marked unsaveable."""
+        cause, advice = divergence_cause(ce_mean, kl_mean, kl_weight, self.local_iter_num == 0, out_dir,
+                                         self.saved_iter, settings)
+        if nonfinite == 'stop':
+            return (f"stopping at iter {self.iter_num}: non-finite loss or gradient{cause} (nonfinite='stop'). "
+                    f"{advice}, or set --nonfinite=skip to skip such steps.")
+        self.skipped_in_a_row += 1
+        if self.skipped_in_a_row >= max_skipped_steps:
+            return (f"stopping at iter {self.iter_num}: {self.skipped_in_a_row} steps in a row had a non-finite loss "
+                    f"or gradient (max_skipped_steps={max_skipped_steps}): the run has diverged{cause}. {advice}.")
+        self.unsaveable = f"its last step (iter {self.iter_num}) had a non-finite loss or gradient"
+        return None
+
+    def next_iteration(self, finite_step, stop_requested):
+        """After the update (or its skip): a new state, not evaluated yet."""
+        if finite_step:
+            self.skipped_in_a_row, self.unsaveable = 0, None
+        self.iter_num += 1
+        self.local_iter_num += 1
+        self.val_loss, self.improved = None, False
+        self.stopping = self.stopping or stop_requested
+
+
+def clip_gradients(model, grad_clip, sharded):
+    """The gradients' total norm, clipped to grad_clip (0: only measured, for the non-finite check and the log);
+    under FSDP (sharded) the norm over every rank's shards, the same on every rank."""
+    if grad_clip != 0.0:
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    else:
+        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
+    return grad_norm.full_tensor() if sharded else grad_norm
+
+
+def agree_on_step(loss_sum, ce_sum, kl, grad_norm, scaler_enabled, stop_requested, micro_steps, world_size):
+    """What every rank must agree on after the backward, in one all-reduce (world_size > 1): the logged means of the
+    loss, cross-entropy and KL over the micro-batches and ranks, how many ranks saw a non-finite loss or gradient,
+    and how many were asked to stop. Under fp16 (scaler_enabled) an inf grad norm is the GradScaler's business (it
+    skips the step), not an error. Returns (loss, ce, kl, ranks not finite, ranks stopping, this rank not finite)."""
+    bad_here = ~torch.isfinite(loss_sum) if scaler_enabled else ~(torch.isfinite(loss_sum) & torch.isfinite(grad_norm))
+    stats = torch.stack([loss_sum, ce_sum, kl.detach().float(), bad_here.float(),
+                         torch.tensor(float(stop_requested), device=loss_sum.device)])
+    if world_size > 1:
+        torch.distributed.all_reduce(stats)
+    loss_mean, ce_mean, kl_mean, n_bad, n_stop = stats.tolist()
+    return (loss_mean / (micro_steps * world_size), ce_mean / (micro_steps * world_size), kl_mean / world_size,
+            n_bad, n_stop, bool(bad_here))
+
+
 def checkpoint_reason(iter_num, val_loss, improved, done, stop, saved_iter, always_save_checkpoint, out_dir):
     """The one rule for writing a checkpoint, asked once per iteration on rank 0 after the evaluation
     (val_loss: None when there was none): the reason to save now, or None. stop: why the run is stopping

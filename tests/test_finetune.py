@@ -9,7 +9,7 @@ import torch
 
 from denoised_gpt.checkpoint import load_checkpoint
 from denoised_gpt.finetune import (apply_trainable, check_finetune_settings, merge_lora, merged_checkpoint,
-                                   model_from_checkpoint, new_parameter_names, start_model_args)
+                                   model_from_checkpoint, new_parameter_names, new_run_model_args)
 from helpers import (TINY_MODEL, VOCAB, iter_losses, make_dataset, run_train, run_train_in_process,
                      save_model_checkpoint, tiny_gpt)
 from model import GPT, GPTConfig
@@ -46,7 +46,7 @@ def converted(base_dir, attn_type, seed=SEED, **variant):
     ckpt = load_checkpoint(base_dir)
     run_args = {**TINY_MODEL, 'dropout': 0.0, 'attn_type': attn_type, **variant}
     torch.manual_seed(seed)
-    return model_from_checkpoint(ckpt, start_model_args(ckpt['model_args'], run_args, given=set()))
+    return model_from_checkpoint(ckpt, new_run_model_args(ckpt['model_args'], run_args, given=set()))
 
 
 # ---------------------------------------------------------------------------- conversion
@@ -97,10 +97,10 @@ def test_a_checkpoint_of_another_variant_only_converts_from_base(tmp_path):
 def test_the_checkpoints_shape_wins_and_a_different_given_one_is_an_error():
     saved = {**TINY_MODEL, 'dropout': 0.1}
     run = {**TINY_MODEL, 'n_layer': 4, 'block_size': 16, 'dropout': 0.0, 'attn_type': 'linear'}
-    args = start_model_args(saved, run, given={'block_size', 'dropout', 'attn_type'})
+    args = new_run_model_args(saved, run, given={'block_size', 'dropout', 'attn_type'})
     assert args == {**TINY_MODEL, 'dropout': 0.0, 'attn_type': 'linear'}  # train.py crops block_size after
     with pytest.raises(ValueError, match="n_layer: checkpoint 2, this run 4"):
-        start_model_args(saved, run, given={'n_layer'})
+        new_run_model_args(saved, run, given={'n_layer'})
 
 
 # ---------------------------------------------------------------------------- LoRA
