@@ -756,7 +756,7 @@ def run_results(run):
     steps, evals = read_metrics(run.dir)
     return {
         'attn_type': run.attn_type, 'seed': run.seed, 'variant': run.variant, 'base': run.base,
-        'point': run.variant[len(run.attn_type) + 1:], 'out_dir': run.dir,
+        'point': run.variant[len(run.attn_type) + 1:], 'out_dir': os.path.relpath(run.dir, out_dir),  # runs/<name>
         'params': count_params(run.dir),
         'final_val_loss': evals[-1]['val_loss'], 'best_val_loss': min(r['val_loss'] for r in evals),
         'final_iter': evals[-1]['iter'], 'reached_target': reached_target(run, evals[-1]),

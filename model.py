@@ -64,9 +64,8 @@ class GPTConfig:
         if self.n_head < 1 or self.n_embd % self.n_head != 0:
             raise ValueError(f"GPTConfig.n_embd={self.n_embd} must be divisible by n_head={self.n_head} "
                              f"(the head size is n_embd / n_head)")
-        # A variant's field changed on a variant that ignores it is a config mistake (noise settings copied into
-        # a diff run): refused, not ignored. Values that cannot build or train a model are refused in one line,
-        # not met as a torch error deep in a layer or as nan losses mid-run.
+        # A variant's field set on a variant that ignores it (noise settings copied into a diff run), and values
+        # that cannot build or train a model, are refused in one line, not ignored or met deep in a layer.
         attn_cls = ATTENTION_TYPES[self.attn_type]
         for f in fields(self):
             value = getattr(self, f.name)
@@ -100,16 +99,16 @@ class KVCache:
 
 class AttentionBase(nn.Module):
     """What every variant has: head bookkeeping, the input projection c_attn, the output projection c_proj and
-    dropout; forward(x, cache=None) -> (B, T, C). A variant declares the GPTConfig fields it reads
-    (config_fields), how many n_embd-wide projections c_attn computes and how many of them are queries / keys
-    of qk_head_size per head, and may refuse a config (check_config). The rest of the project asks the class,
-    never its name: each hook below has the default of a variant that needs nothing there.
+    dropout; forward(x, cache=None) -> (B, T, C). A variant declares the GPTConfig fields it reads (config_fields;
+    runtime_fields: those a resumed run may change), how many n_embd-wide projections c_attn computes and how many
+    of them are queries / keys of qk_head_size per head, and may refuse a config (check_config). The rest of the
+    project asks the class, never its name: each hook below has the default of a variant that needs nothing there.
 
     Precision: in bf16 / fp16 a variant always runs under autocast (train.py, bench.py, eval.py, and sample.py,
     which holds the Linear, Embedding and LayerNorm weights in that dtype), and its own parameters stay float32.
     So a variant may use its parameters in any op autocast covers (a matmul); elsewhere it upcasts the
     activations it combines them with, as DIFF's lambda and NoiseFormer's sigma are used here."""
-    config_fields = ()
+    config_fields = runtime_fields = ()  # runtime: how it runs, not what its weights mean (changeable on resume)
     c_attn_projections = 3  # q, k, v
     qk_projections = 0  # of them, queries / keys qk_head_size wide per head (base 2, symmetric 1)
     # (x) -> (q, k, scale or None for 1/sqrt(d), additive score bias or None) where the attention is
@@ -243,6 +242,7 @@ class NoiseFormerAttention(SymmetricAttention):
     Softmax is shift-invariant along a row, so mu never changes the output (dCE/dmu = 0 up to rounding; only
     the KL term moves it): sigma is what matters."""
     config_fields = ('noise_init_std', 'noise_per_sample', 'noise_param', 'noise_at_eval', 'noise_kernel')
+    runtime_fields = ('noise_at_eval', 'noise_kernel')
     noise_heads = None  # 1: one (mu, sigma) per layer (v1); None: one per head (v2)
     materialise_noise = False  # True: the noise as a differentiable (B, H, T, T) mask, the slow reference path
 
@@ -582,7 +582,7 @@ class LowRankDintAttention(DintAttention):
 class LinearAttention(AttentionBase):
     """linear: O_i = phi(q_i)^T S_i / (phi(q_i)^T z_i + eps), S_i = sum_{j<=i} phi(k_j) v_j^T,
     z_i = sum_{j<=i} phi(k_j), phi = elu + 1. Training uses the chunked form; decoding carries (S, z)."""
-    config_fields = ('linear_chunk_size',)
+    config_fields = runtime_fields = ('linear_chunk_size',)
     eps = 1e-6
 
     @classmethod

@@ -30,9 +30,9 @@ from model import ATTENTION_TYPES, AttentionBase, GPTConfig
 NOT_RESUMED = ('init_from', 'out_dir', 'eval_only', 'device', 'dtype', 'compile', 'backend', 'merge_lora')
 # what trains decides what the optimizer holds: a resumed run keeps the checkpoint's
 FIXED_ON_RESUME = ('trainable',) + LORA_KEYS
-# model settings that change how the model runs, not what its weights mean: a resumed run may change
-# them; the other model settings must match the checkpoint's
-RUNTIME_MODEL_ARGS = ('dropout', 'noise_at_eval', 'noise_kernel', 'linear_chunk_size')
+# model settings that change how the model runs, not what its weights mean (dropout and each variant's
+# runtime_fields): a resumed run may change them; the other model settings must match the checkpoint's
+RUNTIME_MODEL_ARGS = ('dropout', *dict.fromkeys(f for cls in ATTENTION_TYPES.values() for f in cls.runtime_fields))
 MODEL_KEYS = tuple(f.name for f in dataclasses.fields(GPTConfig))
 ARCHITECTURE_KEYS = set(MODEL_KEYS) - set(RUNTIME_MODEL_ARGS)
 # Far beyond any recipe (GPT-2's: 40 micro-batches of 12 sequences): a larger value is a slip that would run for

@@ -1,8 +1,9 @@
-"""A variant added the way the README says, one class and one registry line, reaches every part of the project
-that loops over the variants, or is told in one line what it lacks. Two toys are registered for each test and
-removed after it: `tempered`, softmax(Q K^T / (tau sqrt(d)) + M) V, whose attention is a softmax of its own
-scores, so its maps and memory formula follow from its class; and `relu`, relu(Q K^T / sqrt(d)) V averaged over
-the visible keys, which rewrites base's forward and so inherits none of what base's softmax implies."""
+"""A variant added as docs/attention.md says (Adding a variant), one class and one registry line, reaches every
+part of the project that loops over the variants, or is told in one line what it lacks. Two toys are registered
+for each test and removed after it: `tempered`, softmax(Q K^T / (tau sqrt(d)) + M) V, whose attention is a
+softmax of its own scores, so its maps and memory formula follow from its class; and `relu`, relu(Q K^T /
+sqrt(d)) V averaged over the visible keys, which rewrites base's forward and so inherits none of what base's
+softmax implies."""
 import contextlib
 import dataclasses
 import json
@@ -141,6 +142,23 @@ def test_the_new_variant_takes_the_config_fields_of_its_class():
     with pytest.raises(ValueError, match=r"noise_init_std=0\.5 is only used by attn_type noiseformer_v1 / "
                                          r"noiseformer_v2, but attn_type='relu'"):
         GPTConfig(attn_type='relu', noise_init_std=0.5)
+
+
+def test_a_resumed_run_may_change_the_settings_a_class_calls_runtime_and_no_other():
+    """runtime_fields names some of a class's own config_fields; a resume takes those (and dropout) from the new run
+    and every other model setting from the checkpoint (resumed_model_args), whichever class declares them."""
+    from denoised_gpt.training import RUNTIME_MODEL_ARGS, resumed_model_args
+    for name, cls in ATTENTION_TYPES.items():
+        assert set(cls.runtime_fields) <= set(cls.config_fields), name
+    saved = {f.name: f.default for f in dataclasses.fields(GPTConfig)}
+    for field in {f for cls in ATTENTION_TYPES.values() for f in cls.config_fields}:
+        changed = {**saved, field: 'changed'}
+        if field in RUNTIME_MODEL_ARGS:
+            assert resumed_model_args(saved, changed, {field}, None, 'd', 'out')[field] == 'changed'
+        else:
+            with pytest.raises(ValueError, match=field):
+                resumed_model_args(saved, changed, {field}, None, 'd', 'out')
+    assert {'noise_at_eval', 'noise_kernel', 'linear_chunk_size'} <= set(RUNTIME_MODEL_ARGS)
 
 
 def test_a_variant_s_kl_term_is_what_its_class_says(monkeypatch):
