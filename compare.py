@@ -75,7 +75,7 @@ from tqdm import tqdm
 
 from configurator import ConfigError, apply_config, script_defaults
 from denoised_gpt.batches import ExampleLayout
-from denoised_gpt.checkpoint import CheckpointError, checkpoint_path, load_checkpoint
+from denoised_gpt.checkpoint import CheckpointError, checkpoint_path, read_checkpoint
 from denoised_gpt.cli import check_attn_types, fail, read_config
 from denoised_gpt.device import slot_gpus
 from denoised_gpt.evaluation import mean_std
@@ -307,7 +307,7 @@ def changed_settings(run):
     if not os.path.exists(checkpoint_path(run.dir)):
         return None, {}
     try:
-        ckpt = load_checkpoint(run.dir, metadata_only=True)
+        ckpt = read_checkpoint(run.dir, metadata_only=True)[1]
     except CheckpointError as e:
         fail(e)
     want = {**run.config, 'attn_type': run.attn_type, 'seed': run.seed}
@@ -748,7 +748,7 @@ def count_params(run_dir):
     """get_num_params of the run's model, built on the meta device from its checkpoint's model_args.
     CheckpointError when the checkpoint cannot be read."""
     with torch.device('meta'):
-        model = GPT(GPTConfig(**load_checkpoint(run_dir, metadata_only=True)['model_args']))
+        model = GPT(GPTConfig(**read_checkpoint(run_dir, metadata_only=True)[1]['model_args']))
     return model.get_num_params()
 
 

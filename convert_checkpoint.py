@@ -19,7 +19,7 @@ answer_help(__file__)  # --help before the heavy imports below
 import os
 
 from denoised_gpt.checkpoint import (CKPT_NAME, CheckpointError, check_optimizer_state, checkpoint_path,
-                                     load_checkpoint, save_checkpoint)
+                                     read_checkpoint, save_checkpoint)
 from denoised_gpt.cli import fail, read_config
 from denoised_gpt.run_dir import lock_out_dir
 from denoised_gpt.sharded_checkpoint import (checkpoint_as_sharded, is_sharded_checkpoint, newest_sharded,
@@ -52,7 +52,7 @@ except ValueError as e:
 
 def iteration(path):
     try:
-        return load_checkpoint(path, metadata_only=True)['iter_num']
+        return read_checkpoint(path, metadata_only=True)[1]['iter_num']
     except (CheckpointError, OSError, ValueError, KeyError):
         return '?'
 
@@ -63,7 +63,7 @@ if not os.path.samefile(newest, source):  # never an older training state over a
          f"converting {source} would put an older state in its place. Convert the newer one "
          f"(--to={'sharded' if to == 'file' else 'file'}), or move {newest} out of {out_dir} first")
 try:
-    checkpoint = load_checkpoint(source, map_location='cpu', trust_old_format=trust_old_format)
+    checkpoint = read_checkpoint(source, map_location='cpu', trust_old_format=trust_old_format)[1]
     refuse_nonfinite_state(checkpoint, source)
     try:  # what a resume from the converted one would refuse, refused before writing it
         check_optimizer_state(checkpoint)

@@ -58,7 +58,7 @@ import os
 import time
 
 from denoised_gpt.batches import ExampleLayout, TokenBatches, TokenIdError, check_token_ids, load_meta
-from denoised_gpt.checkpoint import CheckpointError, checkpoint_path, load_checkpoint
+from denoised_gpt.checkpoint import CheckpointError, checkpoint_path, read_checkpoint
 from denoised_gpt.cli import (MAX_BATCH_SIZE, MAX_STEPS, check_inference_source, check_ranges, check_writable_folder,
                               fail, gpt2_encoding, log, prepare_device, print_result, quiet_ctrl_c, read_config,
                               run_dtype)
@@ -203,7 +203,7 @@ def load_compare_to():
     """compare_to's model and info, loaded before anything is computed: a wrong path fails in seconds,
     not after the first model's entropy, and names compare_to (load_model's messages name out_dir)."""
     try:
-        other = load_checkpoint(compare_to, metadata_only=True)  # settings only: the tensors are read next
+        other = read_checkpoint(compare_to, metadata_only=True)[1]  # settings only: the tensors are read next
     except FileNotFoundError:
         fail(f"compare_to={compare_to!r}: no checkpoint at {checkpoint_path(compare_to)}; give the out_dir "
              f"of the run to compare with")
@@ -223,7 +223,7 @@ def recall_data_dir():
     name = dataset
     if not name and init_from == 'resume':
         try:
-            name = load_checkpoint(out_dir, metadata_only=True).get('config', {}).get('dataset')
+            name = read_checkpoint(out_dir, metadata_only=True)[1].get('config', {}).get('dataset')
         except (FileNotFoundError, CheckpointError):
             return None  # loading the model says why
     return os.path.join('data', name) if name else None

@@ -4,8 +4,8 @@ laid out so that nanoGPT's scripts read ours and ours read nanoGPT's.
 
 out_dir/ckpt.pt       the newest checkpoint
 out_dir/ckpt.prev.pt  the one before it, kept in case the newest is damaged later (disk full, a
-                      copy cut short): loadable directly with load_checkpoint('out_dir/ckpt.prev.pt')
-(fsdp runs write sharded checkpoints instead, sharded_checkpoint.py; load_checkpoint(out_dir) reads the
+                      copy cut short): loadable directly with read_checkpoint('out_dir/ckpt.prev.pt')
+(fsdp runs write sharded checkpoints instead, sharded_checkpoint.py; read_checkpoint(out_dir) reads the
 newer of the two kinds, so every script reads both.)
 
 A save writes ckpt.pt.tmp-<pid>, fsyncs it, hard-links the current ckpt.pt to ckpt.prev.pt (so
@@ -27,14 +27,14 @@ nanoGPT interoperability:
   `base` checkpoint of ours with their own GPTConfig(**model_args). Other variants keep attn_type
   in model_args, so nanoGPT refuses them by name instead of running softmax attention on weights
   that mean something else (linear attention has base's exact parameter names and shapes).
-  load_checkpoint merges the two again: callers always see the full dict in ckpt['model_args'],
+  read_checkpoint merges the two again: callers always see the full dict in ckpt['model_args'],
   for new checkpoints, older ones of ours and nanoGPT's alike.
 - Optimizer state: torch stores AdamW's state by parameter position. load_optimizer_state maps it
   by parameter name instead: from 'optimizer_param_names' (see optimizer_param_names) in our
   checkpoints, or, in nanoGPT's, from the order nanoGPT's configure_optimizers gives (the keys of
   checkpoint['model'] in order, 2-D and larger tensors decayed, the rest not).
 - Integrity: torch.save writes a zip whose records carry CRC-32s (nanoGPT's files too);
-  load_checkpoint checks them, so bytes flipped inside a tensor are reported like a truncated file.
+  read_checkpoint checks them, so bytes flipped inside a tensor are reported like a truncated file.
 """
 
 import concurrent.futures
@@ -119,7 +119,7 @@ def full_model_args(ckpt):
 
 
 def _write_synced(state, tmp):
-    # the CRC-32s are what load_checkpoint verifies: write them even if someone turned them off
+    # the CRC-32s are what read_checkpoint verifies: write them even if someone turned them off
     crc32_was = torch.serialization.get_crc32_options()
     torch.serialization.set_crc32_options(True)
     try:
@@ -207,21 +207,15 @@ def checkpoint_path(out_dir_or_file):
         with _open_checkpoint(path, "") as f:  # checked as every reader checks it
             file_iter = _read_checkpoint_file(f, path, 'cpu', True, False, "")[0]['iter_num']
     except Exception:
-        return path  # damaged: load_checkpoint says so, naming the fallback
+        return path  # damaged: read_checkpoint says so, naming the fallback
     try:
         folder_iter = read_index(folder)['train_state']['iter_num']
     except Exception:
-        return folder  # damaged, or of the earlier format: load_checkpoint says which
+        return folder  # damaged, or of the earlier format: read_checkpoint says which
     for it, which in ((file_iter, path), (folder_iter, folder)):
         if train_state_problem({'iter_num': it}):
-            return which  # not a count: load_checkpoint says so
+            return which  # not a count: read_checkpoint says so
     return folder if folder_iter >= file_iter else path
-
-
-def load_checkpoint(out_dir_or_file, map_location='cpu', metadata_only=False, model_only=False,
-                    trust_old_format=False):
-    """read_checkpoint's checkpoint alone (see there)."""
-    return read_checkpoint(out_dir_or_file, map_location, metadata_only, model_only, trust_old_format)[1]
 
 
 def read_checkpoint(out_dir_or_file, map_location='cpu', metadata_only=False, model_only=False,
@@ -241,7 +235,7 @@ def read_checkpoint(out_dir_or_file, map_location='cpu', metadata_only=False, mo
     prev = os.path.join(os.path.dirname(path), PREV_NAME)
     has_fallback = os.path.basename(path) == CKPT_NAME and os.path.isfile(prev)
     use_prev = (f"The previous checkpoint {prev} was kept for this: resume from it with "
-                f"`mv {prev} {path}`, or load it directly with load_checkpoint({prev!r})."
+                f"`mv {prev} {path}`, or load it directly with read_checkpoint({prev!r})."
                 if has_fallback else "No previous checkpoint (ckpt.prev.pt) exists next to it.")
     if os.path.isdir(path):  # (a sharded checkpoint's folder returned above)
         raise CheckpointError(f"{path} is a folder, not a checkpoint file: move it away" + (
@@ -290,7 +284,7 @@ def _open_checkpoint(path, use_prev):
 
 
 def _read_checkpoint_file(f, path, map_location, metadata_only, model_only, use_prev):
-    """(the checkpoint in the open file f, the name of its first damaged record or None), see load_checkpoint.
+    """(the checkpoint in the open file f, the name of its first damaged record or None), see read_checkpoint.
     torch reads the file f is (f's /proc/self/fd path where there is one), whatever path names by then."""
     head = f.read(2)
     if head not in (b'PK', b'\x80\x02'):  # torch.save's zip; its legacy pickle format
@@ -351,7 +345,7 @@ def check_zip_parts(file, what):
 
 
 def _load_sharded(folder, metadata_only, model_only, trust_old_format):
-    """load_checkpoint for a sharded checkpoint's folder: the same dict (metadata_only: no tensors read,
+    """read_checkpoint for a sharded checkpoint's folder: the same dict (metadata_only: no tensors read,
     'model' and 'optimizer' None)."""
     folder = os.path.normpath(folder)  # a Path, a trailing slash: compared with the other folders' names below
     try:

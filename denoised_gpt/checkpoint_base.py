@@ -125,7 +125,7 @@ def nanogpt_param_names(checkpoint, model):
     (= checkpoint['model'] order without the tied lm_head.weight and buffers such as its causal
     mask attn.bias), split into dim >= 2 (decayed) and dim < 2 (not decayed). Older checkpoints of
     ours (attn.c_proj registered before attn.c_attn) follow their own key order the same way."""
-    if model is None:  # the checkpoint alone: every tensor but the tied lm_head (load_checkpoint dropped the masks)
+    if model is None:  # the checkpoint alone: every tensor but the tied lm_head (read_checkpoint dropped the masks)
         own = {clean_name(k) for k in checkpoint['model']} - {'lm_head.weight'}
     else:
         own = {clean_name(n) for n, _ in model.named_parameters()}  # excludes the tied lm_head, buffers

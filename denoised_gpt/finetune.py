@@ -72,7 +72,7 @@ def new_run_model_args(saved_args, run_args, given):
 
 
 def model_from_checkpoint(ckpt, model_args):
-    """A GPT of model_args['attn_type'] holding the weights of checkpoint `ckpt` (load_checkpoint's
+    """A GPT of model_args['attn_type'] holding the weights of checkpoint `ckpt` (read_checkpoint's
     dict): converted from `base` with GPT.load_base_weights, or loaded as it is when the checkpoint
     has the run's attn_type. Returns (model, names of the parameters the checkpoint did not have)."""
     source = ckpt['model_args'].get('attn_type', 'base')  # nanoGPT's checkpoints are base

@@ -122,7 +122,7 @@ def exported_code_problem(config):
 
 
 def export(checkpoint, hf_dir, data_dir=None, overwrite=False):
-    """Write `checkpoint` (load_checkpoint's dict) to hf_dir in the Hugging Face format; data_dir: the
+    """Write `checkpoint` (read_checkpoint's dict) to hf_dir in the Hugging Face format; data_dir: the
     dataset folder whose metadata says what the token ids mean (None: unknown). The files are written
     into a temporary folder beside hf_dir and moved into place when all are written (_move_into_place),
     so a failed export leaves hf_dir as it was. Returns notes for the user: the format chosen and why,
@@ -531,7 +531,7 @@ def exported_run(path):
 
 def read_exported(path):
     """A denoised_gpt folder (export_hf.py's, or saved again by the transformers model's save_pretrained)
-    as a checkpoint dict like load_checkpoint's: model (GPT's state_dict, lm_head.weight = wte again),
+    as a checkpoint dict like read_checkpoint's: model (GPT's state_dict, lm_head.weight = wte again),
     model_args, and iter_num, best_val_loss, config from training_run.json; no optimizer state.
     ValueError / FileNotFoundError for a folder that is not one."""
     require('safetensors', f"reading {path} (an exported folder)")

@@ -14,7 +14,7 @@ import socket
 import sys
 import urllib.parse
 
-from denoised_gpt.checkpoint import CheckpointError, checkpoint_path, load_checkpoint, read_checkpoint
+from denoised_gpt.checkpoint import CheckpointError, checkpoint_path, read_checkpoint
 from denoised_gpt.checkpoint_base import short_reason, untrusted_file_error
 from denoised_gpt.extras import INSTALL
 from denoised_gpt.finetune import model_from_checkpoint, new_run_model_args
@@ -35,7 +35,7 @@ def load_model(init_from, out_dir, noise_at_eval=None, model_overrides=None):
     folder read, or init_from). init_from: 'resume' (out_dir's newest checkpoint, or a checkpoint file), a GPT-2
     name, or a Hugging Face folder: a denoised_gpt one (export_hf.py) is read like a checkpoint, a GPT-2 one by
     GPT.from_pretrained. The checkpoint is None for GPT-2's weights; for an exported folder, a dict like
-    load_checkpoint's with what its training_run.json records (iter_num, best_val_loss, config); for 'resume'
+    read_checkpoint's with what its training_run.json records (iter_num, best_val_loss, config); for 'resume'
     its config names the dtype it was trained in (trained_dtype). noise_at_eval: None keeps the checkpoint's
     setting; True / False is refused for a model without NoiseFormer noise. model_overrides: model_args replaced
     where the model has that setting (e.g. noise_per_sample for NoiseFormer). ValueError saying why, in one line, when
@@ -140,10 +140,10 @@ def is_checkpoint(init_from):
 
 
 def read_start_checkpoint(init_from):
-    """The checkpoint dict (load_checkpoint's) a new run starts from: any of is_checkpoint's kinds."""
+    """The checkpoint dict (read_checkpoint's) a new run starts from: any of is_checkpoint's kinds."""
     if exported_model_type(init_from) == MODEL_TYPE:
         return read_exported(init_from)
-    return load_checkpoint(init_from, map_location='cpu')
+    return read_checkpoint(init_from, map_location='cpu')[1]
 
 
 def model_for_new_run(init_from, model_args, given):

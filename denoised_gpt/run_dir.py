@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from denoised_gpt.checkpoint import (CKPT_NAME, PREV_NAME, SHARDED_GLOB, CheckpointError, checkpoint_path,
-                                     load_checkpoint)
+                                     read_checkpoint)
 from denoised_gpt.checkpoint_base import MAX_COUNT, is_float_value
 from denoised_gpt.cli import fail
 from denoised_gpt.sharded_checkpoint import POINTER_NAME
@@ -338,7 +338,7 @@ def next_step(out_dir, lora, meta=None):
 def checkpoint_on_disk(out_dir):
     """A line naming out_dir's checkpoint and the iteration it holds, read from the file itself."""
     try:
-        iter_num = load_checkpoint(out_dir, metadata_only=True)['iter_num']
+        iter_num = read_checkpoint(out_dir, metadata_only=True)[1]['iter_num']
     except FileNotFoundError:
         return f"no checkpoint was written in {out_dir}"
     except CheckpointError as e:

@@ -29,7 +29,7 @@ once and read, not mapped, from that descriptor: a file cut short meanwhile is a
 
 Reading: a run under fsdp loads its rows in place (load_sharded_state), however many ranks wrote them;
 everything else (one process, DDP, sample.py, eval.py, convert_checkpoint.py) reads whole tensors into a
-ckpt.pt's dict (read_sharded), through load_checkpoint, which takes the newer of ckpt.pt and the sharded
+ckpt.pt's dict (read_sharded), through read_checkpoint, which takes the newer of ckpt.pt and the sharded
 checkpoint. Every rank must see out_dir (a shared filesystem across nodes).
 
 Folders of the earlier format (torch.distributed.checkpoint's pickled .metadata and train_state.pt) are
@@ -79,7 +79,7 @@ def sharded_pointer(out_dir):
 
 def newest_sharded(out_dir):
     """The folder out_dir/ckpt.sharded names, or None when out_dir has no sharded checkpoint, or a pointer
-    that cannot be followed (pointer_problem says why; load_checkpoint does)."""
+    that cannot be followed (pointer_problem says why; read_checkpoint does)."""
     return _read_pointer(out_dir)[0]
 
 
@@ -307,7 +307,7 @@ def _write_pointer(out_dir, folder_name):
 
 
 def checkpoint_as_sharded(ckpt):
-    """A checkpoint dict in ckpt.pt's layout (load_checkpoint's) -> save_sharded's arguments (whole
+    """A checkpoint dict in ckpt.pt's layout (read_checkpoint's) -> save_sharded's arguments (whole
     tensors: one shard), for convert_checkpoint.py."""
     weights = {k: v for k, v in ckpt['model'].items() if k != TIED[0]}
     optimizer_state, param_groups = optimizer_state_by_name(ckpt)

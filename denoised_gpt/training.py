@@ -11,7 +11,7 @@ import time
 import numpy as np
 import torch
 
-from denoised_gpt.checkpoint import (checkpoint_path, load_checkpoint, optimizer_param_names, restore_rng_state,
+from denoised_gpt.checkpoint import (checkpoint_path, optimizer_param_names, read_checkpoint, restore_rng_state,
                                      restore_training_state, save_checkpoint)
 from denoised_gpt.cli import MAX_BATCH_SIZE, MAX_STEPS, check_ranges, duration, setting_text
 from denoised_gpt.device import device_type, mark_step
@@ -140,7 +140,7 @@ def load_resumed(out_dir, config, given, distributed):
     if not out_dir:
         raise ValueError("out_dir='' is empty: name the directory that holds ckpt.pt")
     path = checkpoint_path(out_dir)
-    checkpoint = load_checkpoint(path, map_location='cpu', metadata_only=is_sharded_checkpoint(path))
+    checkpoint = read_checkpoint(path, map_location='cpu', metadata_only=is_sharded_checkpoint(path))[1]
     config, changes = resumed_config(checkpoint['config'], config, given, out_dir)
     if config['max_iters'] < checkpoint['iter_num'] and not config['eval_only']:
         setting = f"max_iters={config['max_iters']}" + ('' if 'max_iters' in given else " (the checkpoint's)")
@@ -149,7 +149,7 @@ def load_resumed(out_dir, config, given, distributed):
                          f"{checkpoint['iter_num']} to continue its run (--eval_only=True evaluates it)")
     sharded = checkpoint['model'] is None and config['parallel'] == 'fsdp' and distributed
     if checkpoint['model'] is None and not sharded:  # one process or DDP: the whole tensors
-        checkpoint = load_checkpoint(path, map_location='cpu')
+        checkpoint = read_checkpoint(path, map_location='cpu')[1]
     refuse_nonfinite_state(checkpoint, path)  # every step from it would be skipped, stop, or not move
     return checkpoint, config, changes, path, sharded
 

@@ -110,7 +110,7 @@ def nonfinite_optimizer_state(source):
 
 
 def refuse_nonfinite_state(checkpoint, source, weights_only=False):
-    """ValueError in one line naming source when the checkpoint (load_checkpoint's dict) holds a weight or
+    """ValueError in one line naming source when the checkpoint (read_checkpoint's dict) holds a weight or
     (unless weights_only: a tool that drops the optimizer) an optimizer moment that is NaN or inf: every tool
     that reads a state refuses one, so none is written again."""
     if checkpoint.get('model') is not None and not all_finite(checkpoint['model'].values()):

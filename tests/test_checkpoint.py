@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-from denoised_gpt.checkpoint import (NANOGPT_MODEL_ARGS, CheckpointError, capture_rng_state, checkpoint_path, load_checkpoint,
-                        load_optimizer_state, optimizer_param_names, restore_rng_state, save_checkpoint)
+from denoised_gpt.checkpoint import (NANOGPT_MODEL_ARGS, CheckpointError, capture_rng_state, checkpoint_path,
+                                     load_optimizer_state, optimizer_param_names, read_checkpoint, restore_rng_state,
+                                     save_checkpoint)
 from helpers import ROOT, small_disk_available, tiny_gpt
 
 
@@ -32,7 +33,7 @@ def test_save_keeps_previous_and_leaves_no_temp_files(tmp_path):
     save_checkpoint(state(2), tmp_path)
     save_checkpoint(state(3), tmp_path)
     assert sorted(os.listdir(tmp_path)) == ['ckpt.prev.pt', 'ckpt.pt']
-    newest, prev = load_checkpoint(tmp_path), load_checkpoint(tmp_path / 'ckpt.prev.pt')
+    newest, prev = read_checkpoint(tmp_path)[1], read_checkpoint(tmp_path / 'ckpt.prev.pt')[1]
     assert (newest['iter_num'], prev['iter_num']) == (3, 2)
     assert torch.equal(newest['model']['w'], state(3)['model']['w'])
 
@@ -45,10 +46,10 @@ def test_truncated_newest_names_previous_which_still_loads(tmp_path):
     for cut in (0, 100, len(data) // 2, len(data) - 1):
         path.write_bytes(data[:cut])
         with pytest.raises(CheckpointError) as e:
-            load_checkpoint(tmp_path)
+            read_checkpoint(tmp_path)[1]
         msg = str(e.value)
         assert 'truncated or corrupt' in msg and str(tmp_path / 'ckpt.prev.pt') in msg and 'mv ' in msg
-    assert load_checkpoint(tmp_path / 'ckpt.prev.pt')['iter_num'] == 1
+    assert read_checkpoint(tmp_path / 'ckpt.prev.pt')[1]['iter_num'] == 1
 
 
 def test_failed_save_leaves_existing_checkpoints_intact(tmp_path):
@@ -58,7 +59,7 @@ def test_failed_save_leaves_existing_checkpoints_intact(tmp_path):
     with pytest.raises(Exception):  # pickling a lambda fails midway through torch.save
         save_checkpoint(state(3, bad=lambda: None), tmp_path)
     assert {n: (tmp_path / n).read_bytes() for n in os.listdir(tmp_path)} == before
-    assert load_checkpoint(tmp_path)['iter_num'] == 2
+    assert read_checkpoint(tmp_path)[1]['iter_num'] == 2
 
 
 def test_process_killed_mid_save_leaves_checkpoint_intact(tmp_path):
@@ -79,25 +80,25 @@ def test_process_killed_mid_save_leaves_checkpoint_intact(tmp_path):
     assert proc.returncode == -9
     assert any(n.startswith('ckpt.pt.tmp-') for n in os.listdir(tmp_path))  # the half-written file
     assert (tmp_path / 'ckpt.pt').read_bytes() == good
-    assert load_checkpoint(tmp_path)['iter_num'] == 1
+    assert read_checkpoint(tmp_path)[1]['iter_num'] == 1
     save_checkpoint(state(2), tmp_path)  # the next save clears the stale temp file
     assert sorted(os.listdir(tmp_path)) == ['ckpt.prev.pt', 'ckpt.pt']
 
 
 def test_missing_files_and_foreign_files(tmp_path):
     with pytest.raises(FileNotFoundError, match="no checkpoint at"):
-        load_checkpoint(tmp_path)
+        read_checkpoint(tmp_path)[1]
     # the file path itself (train.py's resume passes checkpoint_path(out_dir)): named once, not as ckpt.pt/ckpt.pt
     with pytest.raises(FileNotFoundError, match=f"no checkpoint at {tmp_path / 'ckpt.pt'}: train one first"):
-        load_checkpoint(checkpoint_path(tmp_path))
+        read_checkpoint(checkpoint_path(tmp_path))[1]
     save_checkpoint(state(1), tmp_path)
     save_checkpoint(state(2), tmp_path)
     os.remove(tmp_path / 'ckpt.pt')  # e.g. deleted by hand: the previous one is named
     with pytest.raises(CheckpointError, match="ckpt.prev.pt"):
-        load_checkpoint(tmp_path)
+        read_checkpoint(tmp_path)[1]
     torch.save({'weights': torch.zeros(2)}, tmp_path / 'other.pt')
     with pytest.raises(CheckpointError, match="not a training checkpoint: it lacks model, optimizer"):
-        load_checkpoint(tmp_path / 'other.pt')
+        read_checkpoint(tmp_path / 'other.pt')[1]
 
 
 def test_a_folder_in_the_checkpoints_place_is_named_once_with_advice_that_works(tmp_path):
@@ -108,26 +109,26 @@ def test_a_folder_in_the_checkpoints_place_is_named_once_with_advice_that_works(
     path, prev = tmp_path / 'ckpt.pt', tmp_path / 'ckpt.prev.pt'
     for given in (tmp_path, path):
         with pytest.raises(CheckpointError) as e:
-            load_checkpoint(given)
+            read_checkpoint(given)[1]
         assert str(e.value) == (f"{path} is a folder, not a checkpoint file: move it away, then resume from the "
                                 f"previous checkpoint with `mv {prev} {path}`")
     os.rmdir(path)  # the advice, followed
     os.rename(prev, path)
-    assert load_checkpoint(tmp_path)['iter_num'] == 1
+    assert read_checkpoint(tmp_path)[1]['iter_num'] == 1
 
 
 def test_nanogpt_compiled_checkpoint_keys_are_cleaned(tmp_path):
     s = state(1)
     s['model'] = {'_orig_mod.transformer.wte.weight': torch.zeros(3)}
     save_checkpoint(s, tmp_path)
-    assert list(load_checkpoint(tmp_path)['model']) == ['transformer.wte.weight']
+    assert list(read_checkpoint(tmp_path)[1]['model']) == ['transformer.wte.weight']
 
 
 def test_rng_states_round_trip_through_a_weights_only_checkpoint(tmp_path):
     save_checkpoint(state(1), tmp_path)  # captures the RNG state right after seeding
     draws = (torch.rand(3), np.random.rand(3), random.random())
     torch.rand(5), np.random.rand(5), random.random()  # move every generator on
-    restore_rng_state(load_checkpoint(tmp_path)['rng'], 'cpu')  # loads with weights_only=True
+    restore_rng_state(read_checkpoint(tmp_path)[1]['rng'], 'cpu')  # loads with weights_only=True
     again = (torch.rand(3), np.random.rand(3), random.random())
     assert torch.equal(draws[0], again[0]) and np.array_equal(draws[1], again[1]) and draws[2] == again[2]
 
@@ -146,12 +147,12 @@ def test_model_args_are_written_in_nanogpt_layout_and_read_back_whole(tmp_path):
     assert list(raw['model_args']) == [k for k in FULL_BASE_ARGS if k in NANOGPT_MODEL_ARGS]
     assert sorted(raw['model_args']) == sorted(NANOGPT_MODEL_ARGS)
     assert raw['attn_args'] == {k: v for k, v in FULL_BASE_ARGS.items() if k not in NANOGPT_MODEL_ARGS}
-    loaded = load_checkpoint(tmp_path)
+    loaded = read_checkpoint(tmp_path)[1]
     assert loaded['model_args'] == FULL_BASE_ARGS and 'attn_args' not in loaded
     # older checkpoints of ours (everything in model_args) and nanoGPT's (its 7 keys) read as before
     for name, model_args in (('ours_old.pt', FULL_BASE_ARGS), ('nanogpt.pt', raw['model_args'])):
         torch.save({**state(2), 'model_args': model_args}, tmp_path / name)
-        assert load_checkpoint(tmp_path / name)['model_args'] == model_args
+        assert read_checkpoint(tmp_path / name)[1]['model_args'] == model_args
 
 
 # ---------------------------------------------------------------------------- integrity
@@ -176,11 +177,11 @@ def test_bytes_flipped_inside_a_tensor_are_reported_like_a_truncated_file(tmp_pa
     damaged = torch.load(path, weights_only=True)['model']['w']  # torch itself loads it silently
     assert not torch.equal(damaged, state(2)['model']['w'])
     with pytest.raises(CheckpointError) as e:
-        load_checkpoint(tmp_path)
+        read_checkpoint(tmp_path)[1]
     msg = str(e.value)
     assert 'truncated or corrupt' in msg and 'CRC-32' in msg and str(tmp_path / 'ckpt.prev.pt') in msg
     assert '\n' not in msg
-    assert load_checkpoint(tmp_path / 'ckpt.prev.pt')['iter_num'] == 1
+    assert read_checkpoint(tmp_path / 'ckpt.prev.pt')[1]['iter_num'] == 1
 
 
 def test_files_saved_without_crcs_load_and_our_saves_always_have_them(tmp_path):
@@ -193,7 +194,7 @@ def test_files_saved_without_crcs_load_and_our_saves_always_have_them(tmp_path):
         torch.serialization.set_crc32_options(was)
     with zipfile.ZipFile(tmp_path / 'no_crc.pt') as z:
         assert all(i.CRC == 0 for i in z.infolist())  # nothing to verify: not reported as damage
-    assert load_checkpoint(tmp_path / 'no_crc.pt')['iter_num'] == 1
+    assert read_checkpoint(tmp_path / 'no_crc.pt')[1]['iter_num'] == 1
     with zipfile.ZipFile(tmp_path / 'ckpt.pt') as z:
         assert all(i.CRC == zipfile.crc32(z.read(i)) for i in z.infolist())
         assert any(i.CRC != 0 for i in z.infolist())
@@ -281,7 +282,7 @@ def trained_checkpoint(tmp_path, attn_type='noiseformer_v2', **overrides):
     train_steps(model, optimizer, [1, 2])
     save_checkpoint({**state(2), 'model': model.state_dict(), 'optimizer': optimizer.state_dict(),
                      'optimizer_param_names': optimizer_param_names(model, optimizer)}, tmp_path)
-    return load_checkpoint(tmp_path)
+    return read_checkpoint(tmp_path)[1]
 
 
 def test_optimizer_param_names_name_every_slot_in_order():
@@ -325,7 +326,7 @@ def test_an_older_checkpoint_of_ours_with_c_proj_first_resumes_by_name(tmp_path)
     save_checkpoint({**state(2), 'model': sd, 'optimizer': optimizer.state_dict()}, tmp_path)
 
     new_model, new_optimizer = model_and_optimizer(5, 'base')
-    ckpt = load_checkpoint(tmp_path)
+    ckpt = read_checkpoint(tmp_path)[1]
     new_model.load_state_dict(ckpt['model'])
     load_optimizer_state(new_optimizer, new_model, ckpt)
     for name, p in new_model.named_parameters():
@@ -380,17 +381,17 @@ def test_running_the_model_reads_only_its_tensors_and_still_refuses_a_damaged_on
         save_checkpoint(state, tmp_path / name)
     # a flipped byte in the optimizer state: sample.py / eval.py never read it; a resume does
     flip_byte_in(tmp_path / 'opt' / 'ckpt.pt', optimizer.state_dict()['state'][0]['exp_avg_sq'])
-    loaded = load_checkpoint(tmp_path / 'opt', model_only=True)
+    loaded = read_checkpoint(tmp_path / 'opt', model_only=True)[1]
     for k, v in model.state_dict().items():
         assert torch.equal(loaded['model'][k], v), k
     with pytest.raises(CheckpointError, match="truncated or corrupt"):
-        load_checkpoint(tmp_path / 'opt')
+        read_checkpoint(tmp_path / 'opt')[1]
     # a flipped byte inside a model tensor: refused either way, naming the tensor
     flip_byte_in(tmp_path / 'weights' / 'ckpt.pt', model.state_dict()['transformer.h.1.mlp.c_fc.weight'])
     with pytest.raises(CheckpointError, match=r"truncated or corrupt \(the bytes of transformer.h.1.mlp.c_fc.weight"):
-        load_checkpoint(tmp_path / 'weights', model_only=True)
+        read_checkpoint(tmp_path / 'weights', model_only=True)[1]
     with pytest.raises(CheckpointError, match="truncated or corrupt"):
-        load_checkpoint(tmp_path / 'weights')
+        read_checkpoint(tmp_path / 'weights')[1]
 
 
 def test_a_compressed_part_is_refused_before_torch_load_inflates_it(tmp_path):
@@ -405,6 +406,6 @@ def test_a_compressed_part_is_refused_before_torch_load_inflates_it(tmp_path):
             info.compress_type = zipfile.ZIP_DEFLATED
             z.writestr(info, data)
     with pytest.raises(CheckpointError) as e:
-        load_checkpoint(tmp_path)
+        read_checkpoint(tmp_path)[1]
     assert str(e.value).startswith(f"checkpoint {path} holds ") and "compressed or larger than the file" in str(e.value)
     assert "so it is not read. No previous checkpoint" in str(e.value)

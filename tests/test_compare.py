@@ -619,7 +619,7 @@ def test_tuning_chooses_each_variants_best_and_compares_it_there(tuned_sweep):
     """The tuning table is the tuning runs' final val losses; the rate that cannot learn scores clearly worse,
     the diverged one ranks last; the comparison trains each variant at the chosen rate, min_lr at the config's
     ratio (tests/config_tiny.py: 3e-3 and 3e-4)."""
-    from denoised_gpt.checkpoint import load_checkpoint
+    from denoised_gpt.checkpoint import read_checkpoint
     out, _, proc = tuned_sweep
     results = json.loads((out / 'report' / 'results.json').read_text())
     assert results['protocol'] == {'tuned': True, 'tune': {'learning_rate': [0.01, 1e-06, 1e+30]},
@@ -635,7 +635,7 @@ def test_tuning_chooses_each_variants_best_and_compares_it_there(tuned_sweep):
         assert t['chosen'] == 'learning_rate=0.01' and [c['chosen'] for c in t['candidates']] == [True, False, False]
         assert t['warnings'] == []  # 0.01 lies inside the range tried
         assert f"| `{a}` | **{good:.4f}** | {small:.4f} | diverged | learning_rate=0.01 |" in report
-        config = load_checkpoint(out / 'runs' / f'{a}-seed1', metadata_only=True)['config']
+        config = read_checkpoint(out / 'runs' / f'{a}-seed1', metadata_only=True)[1]['config']
         assert config['learning_rate'] == 0.01 and config['min_lr'] == pytest.approx(1e-3)
     assert report.index("**Protocol: each variant at its own best settings.**") < report.index("## Comparison")
     assert "diverged: ranked below every candidate" in proc.stdout + proc.stderr
@@ -678,7 +678,7 @@ def test_a_compared_run_is_never_continued_at_a_value_the_tuning_chose_anew(tune
 def test_tune_at_tunes_at_one_grid_point_and_compares_every_point_at_its_choice(sweep):
     """Tuned at the grid's first point only; both points' comparison runs train at the rate chosen there,
     and the report says where the tuning ran and that the other point was not tuned."""
-    from denoised_gpt.checkpoint import load_checkpoint
+    from denoised_gpt.checkpoint import read_checkpoint
     tmp, data, _ = sweep
     out = tmp / 'tuned-at'
     proc = compare(sweep_args(out, data, "--tune={'learning_rate': [1e-06, 0.01]}", '--tune_seeds=5', '--samples=False',
@@ -687,7 +687,7 @@ def test_tune_at_tunes_at_one_grid_point_and_compares_every_point_at_its_choice(
     assert sorted(p.name for p in (out / 'tune').iterdir()) == ['base-n_embd16-learning_rate0.01-seed5',
                                                                 'base-n_embd16-learning_rate1e-06-seed5']
     for width in (16, 32):
-        config = load_checkpoint(out / 'runs' / f'base-n_embd{width}-seed1', metadata_only=True)['config']
+        config = read_checkpoint(out / 'runs' / f'base-n_embd{width}-seed1', metadata_only=True)[1]['config']
         assert config['learning_rate'] == 0.01 and config['n_embd'] == width
     results = json.loads((out / 'report' / 'results.json').read_text())
     assert results['protocol']['tuned_at'] == 'n_embd=16'
@@ -779,7 +779,7 @@ def test_tuning_ranks_candidates_and_warns_at_the_edge_of_the_range():
 def test_chosen_settings_train_each_variant_at_its_own_and_the_report_says_where_they_come_from(sweep):
     """chosen: no tuning; each variant's runs train at its own rate (min_lr at the config's ratio, as a tuned
     choice would), and the report's protocol names every variant's settings and where they were chosen."""
-    from denoised_gpt.checkpoint import load_checkpoint
+    from denoised_gpt.checkpoint import read_checkpoint
     tmp, data, _ = sweep
     out = tmp / 'chosen'
     proc = compare(sweep_args(out, data, "--chosen={'base': {'learning_rate': 0.01}, 'linear': {'learning_rate': 0.001}}",
@@ -787,7 +787,7 @@ def test_chosen_settings_train_each_variant_at_its_own_and_the_report_says_where
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert not (out / 'tune').exists()
     for attn_type, rate in (('base', 0.01), ('linear', 0.001)):
-        config = load_checkpoint(out / 'runs' / f'{attn_type}-seed1', metadata_only=True)['config']
+        config = read_checkpoint(out / 'runs' / f'{attn_type}-seed1', metadata_only=True)[1]['config']
         assert config['learning_rate'] == rate and config['min_lr'] == pytest.approx(rate / 10)
     results = json.loads((out / 'report' / 'results.json').read_text())
     assert results['protocol']['chosen'] == {'base': {'learning_rate': 0.01}, 'linear': {'learning_rate': 0.001}}

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from helpers import iter_losses, make_dataset, run_train
-from denoised_gpt.checkpoint import load_checkpoint
+from denoised_gpt.checkpoint import read_checkpoint
 import model as model_module
 from model import ATTENTION_TYPES, KVCache, causal_attention, causal_randn
 from naive_attention import NAIVE
@@ -207,7 +207,7 @@ def test_train_on_cuda_resumes_bitwise(tmp_path, attn_type, dtype):
     resumed = run_train(tmp_path / 'resumed', data, *common, '--max_iters=20', '--init_from=resume')
     for it, loss in iter_losses(resumed.stdout).items():
         assert loss == reference_losses[it], (it, loss, reference_losses[it])
-    a, b = load_checkpoint(tmp_path / 'full'), load_checkpoint(tmp_path / 'resumed')
+    a, b = read_checkpoint(tmp_path / 'full')[1], read_checkpoint(tmp_path / 'resumed')[1]
     assert a['iter_num'] == b['iter_num'] == 20
     for name in a['model']:
         assert torch.equal(a['model'][name], b['model'][name]), name

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from denoised_gpt.checkpoint import load_checkpoint
+from denoised_gpt.checkpoint import read_checkpoint
 from denoised_gpt.run_dir import LOCK_NAME
 from denoised_gpt.training import divergence_cause
 from denoised_gpt.weights import all_finite, nonfinite_optimizer_state, nonfinite_weights
@@ -104,15 +104,15 @@ def test_the_advice_after_a_divergence_names_a_finite_checkpoint_that_resumes(tm
     train(data, out, '--max_iters=4', '--eval_interval=2')  # finite checkpoints at iters 2 and 4
     proc = train(data, out, '--init_from=resume', *BLOW_UP, '--eval_interval=1', '--max_iters=20', expect_rc=3)
     assert math.isnan(eval_losses(proc.stdout)[5])
-    ckpt = load_checkpoint(out)
+    ckpt = read_checkpoint(out)[1]
     assert f"Resume from the last checkpoint ({out / 'ckpt.pt'}, iter {ckpt['iter_num']}) with a lower " \
            f"learning_rate" in proc.stderr
     assert ckpt['iter_num'] == 4 and state_is_finite(ckpt, data)
-    assert state_is_finite(load_checkpoint(out / 'ckpt.prev.pt'), data)
+    assert state_is_finite(read_checkpoint(out / 'ckpt.prev.pt')[1], data)
     # following the advice trains on (it used to resume the NaN state and stop again with the same advice)
     proc = train(data, out, '--init_from=resume', '--learning_rate=1e-3', '--max_iters=8')
     assert sorted(iter_losses(proc.stdout)) == [4, 5, 6, 7]
-    assert load_checkpoint(out)['iter_num'] == 8
+    assert read_checkpoint(out)[1]['iter_num'] == 8
 
 
 def test_nonfinite_skip_never_leaves_both_checkpoints_nonfinite(tmp_path, data):
@@ -123,7 +123,7 @@ def test_nonfinite_skip_never_leaves_both_checkpoints_nonfinite(tmp_path, data):
     assert [it for it in range(4, 8) if f"iter {it}: skipping the update" in proc.stdout] == [5, 6]
     assert "3 steps in a row had a non-finite loss or gradient (max_skipped_steps=3)" in proc.stderr
     assert "not saving iter 6 (val loss nan)" in proc.stderr and "not saving iter 7 (val loss nan)" in proc.stderr
-    current, previous = load_checkpoint(out), load_checkpoint(out / 'ckpt.prev.pt')
+    current, previous = read_checkpoint(out)[1], read_checkpoint(out / 'ckpt.prev.pt')[1]
     assert (current['iter_num'], previous['iter_num']) == (4, 2)
     assert state_is_finite(current, data) and state_is_finite(previous, data)
     assert f"Resume from the last checkpoint ({out / 'ckpt.pt'}, iter 4)" in proc.stderr

@@ -329,7 +329,7 @@ def test_eval_script_a_wrong_compare_to_fails_before_any_entropy_is_computed(cha
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1, r.stderr
     assert lines[0].startswith(f"eval.py: error: compare_to={str(compare_to)!r}: ")
-    assert 'out_dir at' not in lines[0]  # load_checkpoint's advice for out_dir, the wrong flag here
+    assert 'out_dir at' not in lines[0]  # read_checkpoint's advice for out_dir, the wrong flag here
     if wrong != 'not_a_checkpoint':
         assert f"no checkpoint at {compare_to / 'ckpt.pt'}; give the out_dir of the run to compare with" in lines[0]
 

@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from denoised_gpt.checkpoint import load_checkpoint
+from denoised_gpt.checkpoint import read_checkpoint
 from denoised_gpt.finetune import (apply_trainable, check_finetune_settings, merge_lora, merged_checkpoint,
                                    model_from_checkpoint, new_parameter_names, new_run_model_args)
 from helpers import (TINY_MODEL, VOCAB, iter_losses, make_dataset, run_train, run_train_in_process,
@@ -43,7 +43,7 @@ def nanogpt_base_checkpoint(out_dir, mask_buffer=True):
 
 def converted(base_dir, attn_type, seed=SEED, **variant):
     """What train.py builds from init_from=base_dir: (model, listed new names)."""
-    ckpt = load_checkpoint(base_dir)
+    ckpt = read_checkpoint(base_dir)[1]
     run_args = {**TINY_MODEL, 'dropout': 0.0, 'attn_type': attn_type, **variant}
     torch.manual_seed(seed)
     return model_from_checkpoint(ckpt, new_run_model_args(ckpt['model_args'], run_args, given=set()))
@@ -68,7 +68,7 @@ def test_a_checkpoint_of_the_runs_own_attn_type_is_taken_as_it_is(tmp_path):
     """No conversion: the model is built empty and holds the checkpoint's tensors, bitwise, still tied."""
     trained = tiny_gpt('dint', seed=3)
     save_model_checkpoint(tmp_path / 'dint', trained)
-    model, listed = model_from_checkpoint(load_checkpoint(tmp_path / 'dint'), {**TINY_MODEL, 'attn_type': 'dint'})
+    model, listed = model_from_checkpoint(read_checkpoint(tmp_path / 'dint')[1], {**TINY_MODEL, 'attn_type': 'dint'})
     assert listed == []
     own, theirs = model.state_dict(), trained.state_dict()
     assert own.keys() == theirs.keys() and all(torch.equal(own[k], theirs[k]) for k in own)
@@ -180,7 +180,7 @@ def resume_from_previous_checkpoint(full_dir, part_dir, data, max_iters, nproc=1
     part_dir.mkdir()
     shutil.copyfile(full_dir / 'ckpt.prev.pt', part_dir / 'ckpt.pt')
     resumed = train(part_dir, data, '--init_from=resume', f'--max_iters={max_iters}', nproc=nproc)  # config: 20
-    return resumed, load_checkpoint(full_dir / 'ckpt.prev.pt')['iter_num']
+    return resumed, read_checkpoint(full_dir / 'ckpt.prev.pt')[1]['iter_num']
 
 
 def assert_same_run(full, full_dir, resumed, part_dir, resumed_from, n):
@@ -188,7 +188,7 @@ def assert_same_run(full, full_dir, resumed, part_dir, resumed_from, n):
     before, again = iter_losses(full.stdout), iter_losses(resumed.stdout)
     assert sorted(again) == list(range(resumed_from, n)) and len(set(before.values())) > n // 2
     assert all(again[it] == before[it] for it in again), (again, before)
-    a, b = load_checkpoint(full_dir)['model'], load_checkpoint(part_dir)['model']
+    a, b = read_checkpoint(full_dir)[1]['model'], read_checkpoint(part_dir)[1]['model']
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
@@ -204,7 +204,7 @@ def test_trainable_new_from_a_nanogpt_checkpoint_moves_only_the_new_tensors_and_
     assert sorted(iter_losses(full.stdout)) == list(range(10))  # a new run: iteration 0 onwards
     total = sum(p.numel() for p in at_init.parameters())
     assert f"trainable parameters: {sum(at_init.get_parameter(n).numel() for n in new):,} of {total:,}" in full.stdout
-    ckpt = load_checkpoint(tmp_path / 'full')
+    ckpt = read_checkpoint(tmp_path / 'full')[1]
     for name, tensor in base_sd.items():
         assert torch.equal(ckpt['model'][name], tensor), name
     for name in new:
@@ -230,7 +230,7 @@ def test_lora_run_resumes_exactly_and_merges_into_a_plain_checkpoint(tmp_path):
 
     merge = train(tmp_path / 'full', data, '--merge_lora=True')
     assert f"into {tmp_path / 'full' / 'merged' / 'ckpt.pt'}" in merge.stdout
-    lora_ckpt, merged = load_checkpoint(tmp_path / 'full'), load_checkpoint(tmp_path / 'full' / 'merged')
+    lora_ckpt, merged = read_checkpoint(tmp_path / 'full')[1], read_checkpoint(tmp_path / 'full' / 'merged')[1]
     # the adapter model, rebuilt the way a resume does, against the merged checkpoint read the way sample.py does
     adapter = apply_trainable(GPT(GPTConfig(**lora_ckpt['model_args'])), 'lora', lora_rank=4, lora_alpha=16.0,
                               lora_dropout=0.1, lora_targets='c_attn,c_proj,c_fc').eval()

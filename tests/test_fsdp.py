@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from denoised_gpt.checkpoint import load_checkpoint
+from denoised_gpt.checkpoint import read_checkpoint
 from denoised_gpt.weights import model_with_weights
 from helpers import (ITER_LINE, ROOT, TINY, VOCAB, eval_losses, iter_losses, logged_losses, make_dataset,
                      run_script_in_process, run_train, run_train_in_process, subprocess_env, tiny_checkpoint,
@@ -72,7 +72,7 @@ def assert_ddp_matches_one_process(one, ddp, tmp_path):
     # only rank 0 saves (twice: at the evaluations of iters 4 and 8); the results agree
     assert one.stdout.count('saved checkpoint') == ddp.stdout.count('saved checkpoint') == 2
     assert sorted(os.listdir(tmp_path / 'ddp')) == ['.lock', 'ckpt.prev.pt', 'ckpt.pt', 'metrics.jsonl']  # rank 0's
-    w1, w2 = load_checkpoint(tmp_path / 'one')['model'], load_checkpoint(tmp_path / 'ddp')['model']
+    w1, w2 = read_checkpoint(tmp_path / 'one')[1]['model'], read_checkpoint(tmp_path / 'ddp')[1]['model']
     for name in w1:
         torch.testing.assert_close(w1[name], w2[name], rtol=0, atol=1e-5)
 
@@ -107,7 +107,7 @@ def test_fsdp_matches_ddp_and_one_process_and_resumes_after_kill_9_on_two_ranks_
     assert sorted(p.name for p in (fsdp_dir / 'ckpt.sharded-0000008').iterdir()) == [
         'checkpoint.json', 'rank-00000.safetensors', 'rank-00001.safetensors']
     assert f"checkpoint: {fsdp_dir / 'ckpt.sharded-0000008'} (best val loss" in fsdp.stdout
-    ck1, ckd, ckf = (load_checkpoint(tmp_path / name) for name in ('one', 'ddp', 'fsdp'))  # ckf: shards read whole
+    ck1, ckd, ckf = (read_checkpoint(tmp_path / name)[1] for name in ('one', 'ddp', 'fsdp'))  # ckf: shards read whole
     assert ckf['model']['lm_head.weight'] is ckf['model']['transformer.wte.weight']
     assert list(ckf['model']) == list(ckd['model']) and ckf['optimizer_param_names'] == ckd['optimizer_param_names']
     assert weights_differ(ckf['model'], ckd['model']) < 1e-7 and weights_differ(ckf['model'], ck1['model']) < 1e-6
@@ -116,7 +116,7 @@ def test_fsdp_matches_ddp_and_one_process_and_resumes_after_kill_9_on_two_ranks_
             assert ckf['optimizer']['state'][slot][key].shape == value.shape
             torch.testing.assert_close(ckf['optimizer']['state'][slot][key], value, rtol=0, atol=1e-7)
     # noise_mu moves through the KL term alone (sharded_kl): it moved, and as in one process (above)
-    ck4 = load_checkpoint(fsdp_dir / 'ckpt.sharded-0000004')
+    ck4 = read_checkpoint(fsdp_dir / 'ckpt.sharded-0000004')[1]
     assert ck4['iter_num'] == 4
     mu = [k for k in ckf['model'] if k.endswith('noise_mu')]
     assert mu and min((ckf['model'][k] - ck4['model'][k]).abs().max().item() for k in mu) > 1e-3
@@ -133,7 +133,7 @@ def test_fsdp_matches_ddp_and_one_process_and_resumes_after_kill_9_on_two_ranks_
                 os.kill(pid, signal.SIGKILL)
             break
     proc.wait(timeout=60)
-    assert load_checkpoint(killed)['iter_num'] == 4
+    assert read_checkpoint(killed)[1]['iter_num'] == 4
     (tmp_path / 'one_rank').mkdir()  # a copy of it, for the one-process resume below
     shutil.copytree(killed / 'ckpt.sharded-0000004', tmp_path / 'one_rank' / 'ckpt.sharded-0000004')
     shutil.copy(killed / 'ckpt.sharded', tmp_path / 'one_rank')
@@ -141,7 +141,7 @@ def test_fsdp_matches_ddp_and_one_process_and_resumes_after_kill_9_on_two_ranks_
     assert sorted(iter_losses(resumed.stdout)) == [4, 5, 6, 7]
     assert logged_losses(killed) == lf  # iterations 0-3 before the kill, 4-7 resumed: bit for bit
     assert eval_losses(resumed.stdout)[8] == ef[8]
-    ckr = load_checkpoint(killed)
+    ckr = read_checkpoint(killed)[1]
     for name, w in ckf['model'].items():
         assert torch.equal(ckr['model'][name], w), name
     for slot, state in ckf['optimizer']['state'].items():
@@ -154,7 +154,7 @@ def test_fsdp_matches_ddp_and_one_process_and_resumes_after_kill_9_on_two_ranks_
     l_one_rank = logged_losses(tmp_path / 'one_rank')
     assert sorted(l_one_rank) == [4, 5, 6, 7]
     assert all(abs(l_one_rank[it] - lf[it]) <= 8 * torch.finfo(torch.float32).eps * lf[it] for it in l_one_rank)
-    assert weights_differ(load_checkpoint(tmp_path / 'one_rank' / 'ckpt.pt')['model'], ckf['model']) < 1e-6
+    assert weights_differ(read_checkpoint(tmp_path / 'one_rank' / 'ckpt.pt')[1]['model'], ckf['model']) < 1e-6
 
     # consolidated into one ckpt.pt: the same tensors, the tied weight stored once; sample.py reads either
     proc = run_script_in_process('convert_checkpoint.py', [f'--out_dir={fsdp_dir}'])
@@ -189,9 +189,9 @@ def test_every_attention_variant_steps_sharded_as_unsharded(tmp_path):
             assert r['mu_moved'] > 1e-3, (case, r)  # its only gradient, the KL's, arrived
         # its sharded checkpoint (2 ranks, uneven shards for noiseformer_v1's one mu) read whole in this process:
         # exactly the gathered weights; AdamW's state by the same names as the unsharded run's, and as close
-        saved, gathered = load_checkpoint(tmp_path / case.replace('/', '-')), torch.load(
+        saved, gathered = read_checkpoint(tmp_path / case.replace('/', '-'))[1], torch.load(
             tmp_path / case.replace('/', '-') / 'gathered.pt', weights_only=True)
-        reference = load_checkpoint(tmp_path / case.replace('/', '-') / 'reference')
+        reference = read_checkpoint(tmp_path / case.replace('/', '-') / 'reference')[1]
         assert list(saved['model']) == list(gathered) and all(torch.equal(saved['model'][k], v) for k, v in gathered.items())
         assert saved['optimizer_param_names'] == reference['optimizer_param_names'] and saved['iter_num'] == 3
         for slot, state in reference['optimizer']['state'].items():
@@ -207,7 +207,7 @@ def test_every_attention_variant_steps_sharded_as_unsharded(tmp_path):
     nano.load_state_dict(checkpoint['model'])
     nano_opt = nano.configure_optimizers(0.1, 3e-3, (0.9, 0.99))
     nano_opt.load_state_dict(checkpoint['optimizer'])
-    ours = load_checkpoint(base)
+    ours = read_checkpoint(base)[1]
     params = dict(nano.named_parameters())
     for group, names in zip(nano_opt.param_groups, ours['optimizer_param_names']):  # nanoGPT's order is the file's
         assert len(names) == len(group['params']) and all(params[n] is p for n, p in zip(names, group['params']))

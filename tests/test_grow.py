@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from denoised_gpt import growth
-from denoised_gpt.checkpoint import load_checkpoint
+from denoised_gpt.checkpoint import read_checkpoint
 from helpers import (ROOT, make_dataset, on_small_disk, run_script_in_process, run_train, run_train_in_process,
                      save_model_checkpoint, small_disk_available, subprocess_env, tiny_checkpoint, tiny_gpt,
                      without_root_file_access)
@@ -94,7 +94,7 @@ def test_qk_head_size_must_be_a_positive_int(bad):
 def test_checkpoint_round_trip_with_qk_head_size(tmp_path):
     model = tiny(qk_head_size=12)
     save_model_checkpoint(tmp_path, model, optimizer=None, iter_num=3, best_val_loss=1.0)
-    ckpt = load_checkpoint(tmp_path)
+    ckpt = read_checkpoint(tmp_path)[1]
     assert ckpt['model_args']['qk_head_size'] == 12 and ckpt['optimizer'] is None
     again = GPT(GPTConfig(**ckpt['model_args'])).double().eval()
     again.load_state_dict(ckpt['model'])
@@ -271,19 +271,19 @@ def test_grow_script_then_train_resumes_with_ddp_and_bf16(tmp_path):
     data = make_dataset(tmp_path)
     narrow = tmp_path / 'narrow'
     run_train_in_process(narrow, data, '--qk_head_size=4', '--max_iters=10', '--lr_decay_iters=10', '--bias=True')
-    assert load_checkpoint(narrow)['model_args']['qk_head_size'] == 4
+    assert read_checkpoint(narrow)[1]['model_args']['qk_head_size'] == 4
     rc, out, err = run_grow(f'--out_dir={narrow}', '--grow_to=16', '--method=closed_form', '--batches=2',
                             f'--out={tmp_path / "grown"}', '--eval_iters=2', '--device=cpu')
     assert rc == 0, err
     assert "predicted after (first order)" in out and "growth step:" in out
-    grown = load_checkpoint(tmp_path / 'grown')
+    grown = read_checkpoint(tmp_path / 'grown')[1]
     assert grown['model_args']['qk_head_size'] == 16 and grown['optimizer'] is None and grown['iter_num'] == 10
     assert grown['grow']['measured_loss_after'] == pytest.approx(grown['grow']['loss_before'], abs=0.5)
-    assert load_checkpoint(narrow)['model_args']['qk_head_size'] == 4  # the original is untouched
+    assert read_checkpoint(narrow)[1]['model_args']['qk_head_size'] == 4  # the original is untouched
     proc = run_train(tmp_path / 'grown', data, '--init_from=resume', '--max_iters=14', '--lr_decay_iters=14',
                      '--bias=True', '--dtype=bfloat16', nproc=2)
     assert "AdamW starts fresh" in proc.stdout and '2 process(es)' in proc.stdout
-    resumed = load_checkpoint(tmp_path / 'grown')
+    resumed = read_checkpoint(tmp_path / 'grown')[1]
     assert resumed['iter_num'] == 14 and resumed['model_args']['qk_head_size'] == 16
     assert resumed['optimizer']['state']  # now a real AdamW state, resumable as usual
 

@@ -20,7 +20,7 @@ import tiktoken
 import torch
 
 import gpt2_bpe
-from denoised_gpt.checkpoint import load_checkpoint
+from denoised_gpt.checkpoint import read_checkpoint
 from denoised_gpt.evaluation import final_hidden_states
 from denoised_gpt.hf_format import export, write_tokenizer
 from helpers import (NO_AUTOCAST, ROOT, TINY, VOCAB, hf_lm, local_mc_task, make_dataset, on_small_disk,
@@ -91,7 +91,7 @@ def exported(tmp_path_factory, char_data):
         model = learn(tiny_gpt(seed=i, **settings), char_data).eval()
         save_model_checkpoint(root / f'out-{kind}', model, iter_num=7, best_val_loss=2.5,
                               config={'dataset': str(char_data)})
-        notes = export(load_checkpoint(root / f'out-{kind}'), str(root / f'hf-{kind}'), data_dir=str(char_data))
+        notes = export(read_checkpoint(root / f'out-{kind}')[1], str(root / f'hf-{kind}'), data_dir=str(char_data))
         out[kind] = (model, root / f'out-{kind}', root / f'hf-{kind}', notes)
     return out
 
@@ -197,7 +197,7 @@ def test_lm_evals_hf_model_on_exported_folders_scores_as_our_adapter_on_the_chec
         model = tiny_checkpoint(tmp_path / f'out-{attn_type}', attn_type, 'openwebtext', tweak=peaked,
                                 block_size=64, vocab_size=50304, bias=bias)
         folder = tmp_path / f'hf-{attn_type}'
-        export(load_checkpoint(tmp_path / f'out-{attn_type}'), str(folder))
+        export(read_checkpoint(tmp_path / f'out-{attn_type}')[1], str(folder))
         _, ours = run_lm_eval(model.eval(), tiktoken.get_encoding('gpt2'), ['tiny_mc'], batch_size=3, device='cpu',
                               ctx=NO_AUTOCAST, log_samples=True, task_manager=task_manager)
         theirs = lm_eval.simple_evaluate(model=hf_lm(folder, trust_remote_code=attn_type != 'base'),
@@ -218,7 +218,7 @@ def test_train_init_from_an_exported_folder_starts_with_the_checkpoints_weights(
     proc = run_script_in_process('train.py', [TINY, f'--dataset={char_data}', f'--out_dir={tmp_path / "run"}',
                                               f'--init_from={folder}', '--max_iters=0', *run_args])
     assert proc.returncode == 0, proc.stderr
-    assert same_state(load_checkpoint(tmp_path / 'run')['model'], model.state_dict())
+    assert same_state(read_checkpoint(tmp_path / 'run')[1]['model'], model.state_dict())
 
 
 def test_a_folder_saved_again_by_transformers_reads_back_the_same(exported, tmp_path):
@@ -286,7 +286,7 @@ def test_token_id_datasets_and_unknown_vocabularies_get_no_tokenizer(tmp_path, e
     (ids_data / 'meta.json').write_text(json.dumps({'tokenizer': 'ids', 'vocab_size': VOCAB, 'task': 'mqar'}))
     for name, data_dir, says in (('ids', str(ids_data), "token ids with no text (mqar)"),
                                  ('unknown', None, "too few for GPT-2's BPE")):
-        notes = export(load_checkpoint(exported['linear'][1]), str(tmp_path / name), data_dir=data_dir)
+        notes = export(read_checkpoint(exported['linear'][1])[1], str(tmp_path / name), data_dir=data_dir)
         assert notes[1].startswith("tokenizer: none written") and says in notes[1]
         assert not (tmp_path / name / 'tokenizer.json').exists()
         assert "No tokenizer: " in (tmp_path / name / 'README.md').read_text()
@@ -337,7 +337,7 @@ def test_refused_overwrite_leaves_the_folder_untouched_and_a_failed_export_leave
         raise OSError("disk full")
     monkeypatch.setattr(hf_format, 'write_tokenizer', broken)
     with pytest.raises(OSError):
-        export(load_checkpoint(out_dir), str(tmp_path / 'half'))
+        export(read_checkpoint(out_dir)[1], str(tmp_path / 'half'))
     assert sorted(p.name for p in tmp_path.iterdir()) == ['hf', 'notes', 'theirs']  # no hf_dir, no temporary folder
 
 
@@ -491,12 +491,12 @@ def test_a_failed_overwrite_leaves_the_folder_exactly_as_it_was(exported, char_d
     folder where one of them goes, after several have gone in): the clone as it was, nothing left beside."""
     import denoised_gpt.hf_format as hf_format
     clone = tmp_path / 'clone'
-    export(load_checkpoint(exported['base'][1]), str(clone), data_dir=str(token_id_data))
+    export(read_checkpoint(exported['base'][1])[1], str(clone), data_dir=str(token_id_data))
     clone_of(clone)
     (clone / 'tokenizer_config.json').mkdir()  # the new export writes a file of that name, after seven others
     (clone / 'tokenizer_config.json' / 'mine.txt').write_text("in the way")
     before = folder_contents(clone)
-    dint = load_checkpoint(exported['dint'][1])
+    dint = read_checkpoint(exported['dint'][1])[1]
     with pytest.raises(IsADirectoryError):
         export(dint, str(clone), data_dir=str(char_data), overwrite=True)
     assert folder_contents(clone) == before

@@ -4,7 +4,7 @@ checkpoint of ours loads and resumes in it the way nanoGPT's sample.py / train.p
 import pytest
 import torch
 
-from denoised_gpt.checkpoint import (NANOGPT_MODEL_ARGS, load_checkpoint, load_optimizer_state, optimizer_param_names,
+from denoised_gpt.checkpoint import (NANOGPT_MODEL_ARGS, load_optimizer_state, optimizer_param_names, read_checkpoint,
                                      save_checkpoint)
 from helpers import ITER_LINE, VOCAB, make_dataset, run_script_in_process
 from model import ATTENTION_TYPES, GPT, GPTConfig
@@ -66,7 +66,7 @@ def test_nanogpt_checkpoint_resumes_in_our_gpt_with_its_adamw_state(tmp_path, co
     train_steps(nano, nano_opt, cfg, seeds=[1, 2])
     torch.save(nano_checkpoint(nano, nano_opt, cfg, compiled), tmp_path / 'ckpt.pt')
 
-    ckpt = load_checkpoint(tmp_path)
+    ckpt = read_checkpoint(tmp_path)[1]
     assert ckpt['model_args'] == {k: getattr(cfg, k) for k in NANOGPT_MODEL_ARGS}
     ours = GPT(GPTConfig(**ckpt['model_args']))
     ours.load_state_dict(ckpt['model'])  # no '_orig_mod.' prefixes, no causal-mask buffers left
@@ -120,7 +120,7 @@ def test_our_base_checkpoint_loads_and_resumes_in_nanogpt(tmp_path):
     for name, p in ours.named_parameters():
         torch.testing.assert_close(p, theirs[name], rtol=1e-5, atol=1e-6, msg=name)
     # and our loader gives back the full model_args
-    assert load_checkpoint(tmp_path)['model_args'] == model_args
+    assert read_checkpoint(tmp_path)[1]['model_args'] == model_args
 
 
 def test_nanogpt_refuses_a_non_base_checkpoint_by_name(tmp_path):
@@ -134,7 +134,7 @@ def test_nanogpt_refuses_a_non_base_checkpoint_by_name(tmp_path):
     checkpoint = torch.load(tmp_path / 'ckpt.pt', weights_only=True)
     with pytest.raises(TypeError, match="attn_type"):
         NanoConfig(**checkpoint['model_args'])
-    assert load_checkpoint(tmp_path)['model_args'] == model_args
+    assert read_checkpoint(tmp_path)[1]['model_args'] == model_args
 
 
 def test_train_py_resumes_a_nanogpt_checkpoint_and_keeps_it(tmp_path):
@@ -164,7 +164,7 @@ def test_train_py_resumes_a_nanogpt_checkpoint_and_keeps_it(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert sorted(int(m[1]) for m in ITER_LINE.finditer(proc.stdout)) == [2, 3, 4]
     assert "tokens per iteration will be: 128" in proc.stdout  # the nanoGPT run's batch x block
-    resumed = load_checkpoint(out)
+    resumed = read_checkpoint(out)[1]
     assert resumed['iter_num'] == 5 and resumed['config']['learning_rate'] == LR
     assert (out / 'ckpt.prev.pt').read_bytes() == original  # kept until a newer one existed
     # the AdamW state went on with the nanoGPT run's: step counts continue from 2

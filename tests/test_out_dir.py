@@ -8,7 +8,7 @@ import subprocess
 import pytest
 import torch
 
-from denoised_gpt.checkpoint import CheckpointError, load_checkpoint
+from denoised_gpt.checkpoint import CheckpointError, read_checkpoint
 from helpers import (ITER_LINE, ROOT, TINY, eval_losses, make_dataset, run_script_in_process, subprocess_env,
                      train_command)
 
@@ -49,10 +49,10 @@ def test_a_second_run_on_a_busy_out_dir_is_refused_and_the_first_is_untouched(tm
     assert first.returncode == 0
     assert not [p for p in out.iterdir() if p.name.startswith('replaced-')]
     # the first run's files are exactly those of the same run alone, trained as far
-    k = load_checkpoint(out)['iter_num']
+    k = read_checkpoint(out)[1]['iter_num']
     lone = tmp_path / 'lone'
     train(*train_command(lone, data, f'--max_iters={k}', '--eval_interval=20')[2:])
-    a, b = load_checkpoint(lone), load_checkpoint(out)
+    a, b = read_checkpoint(lone)[1], read_checkpoint(out)[1]
     for name in a['model']:
         assert torch.equal(a['model'][name], b['model'][name]), name
     strip = lambda text: [line.split(', "ms"')[0].split(', "time"')[0] for line in text.splitlines()  # noqa: E731
@@ -74,7 +74,7 @@ def test_a_run_killed_with_sigkill_leaves_no_lock_behind(tmp_path, data):
     proc.communicate(timeout=60)
     assert (out / '.lock').exists()
     train(*train_command(out, data, '--init_from=resume', '--max_iters=6')[2:])
-    assert load_checkpoint(out)['iter_num'] == 6
+    assert read_checkpoint(out)[1]['iter_num'] == 6
 
 
 REFUSED = [
@@ -115,7 +115,7 @@ def test_resume_applies_changed_optimizer_settings(tmp_path, data):
     proc = train(*common, f'--out_dir={tmp_path / "changed"}', '--init_from=resume', '--weight_decay=0.5',
                  '--beta1=0.5', '--beta2=0.9')
     assert "weight_decay: checkpoint 0.1, this run 0.5" in proc.stdout
-    same, changed = load_checkpoint(tmp_path / 'same'), load_checkpoint(tmp_path / 'changed')
+    same, changed = read_checkpoint(tmp_path / 'same')[1], read_checkpoint(tmp_path / 'changed')[1]
     groups = changed['optimizer']['param_groups']
     assert groups[0]['weight_decay'] == 0.5 and groups[1]['weight_decay'] == 0.0  # norms and biases never decay
     assert all(tuple(g['betas']) == (0.5, 0.9) for g in groups)
@@ -142,7 +142,7 @@ def test_the_last_line_says_when_the_checkpoint_is_not_the_best(tmp_path, data):
         best = min(vals, key=vals.get)
         if not vals[20] > vals[best]:
             pytest.fail(f"learning_rate=2.0 did not make the model worse: {vals}")
-        ckpt = load_checkpoint(out)
+        ckpt = read_checkpoint(out)[1]
         assert ckpt['iter_num'] == 20 and ckpt['best_val_loss'] == pytest.approx(vals[best], abs=1e-4)
         last = proc.stdout.strip().splitlines()[-2]
         said = f"checkpoint: {out / 'ckpt.pt'} holds the last state (iter 20, val loss {vals[20]:.4f}); the best " \
@@ -161,7 +161,7 @@ def test_a_checkpoint_damaged_at_its_start_points_to_the_previous_one(tmp_path, 
     raw[60:68] = bytes(b ^ 0xFF for b in raw[60:68])  # inside the first record (the pickle)
     (out / 'ckpt.pt').write_bytes(bytes(raw))
     with pytest.raises(CheckpointError, match="truncated or corrupt") as e:
-        load_checkpoint(out)
+        read_checkpoint(out)[1]
     assert 'ckpt.prev.pt' in str(e.value) and 'unpickling them can run code' not in str(e.value)
 
 

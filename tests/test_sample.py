@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import gpt2_bpe
-from denoised_gpt.checkpoint import load_checkpoint
+from denoised_gpt.checkpoint import read_checkpoint
 from helpers import ROOT, run_script_in_process, subprocess_env, tiny_checkpoint, tiny_gpt
 from model import ATTENTION_TYPES, GPT, GPTConfig
 
@@ -296,7 +296,7 @@ def test_prompt_samples_do_not_depend_on_other_prompts(runs, reference):
 
 def unbatched_greedy(out_dir, prompt, use_cache):
     """What the model generates for one sequence at temperature 0 (float32), in this process."""
-    checkpoint = load_checkpoint(out_dir, map_location="cpu")
+    checkpoint = read_checkpoint(out_dir, map_location="cpu")[1]
     model = GPT(GPTConfig(**checkpoint['model_args']))
     model.load_state_dict(checkpoint['model'])
     model.eval()

@@ -1,6 +1,6 @@
 """Sharded checkpoints (denoised_gpt/sharded_checkpoint.py) in one process: a kill at any point of a save
 leaves the previous one loadable, convert_checkpoint.py turns ckpt.pt into a sharded checkpoint and back
-without changing a bit, load_checkpoint takes the newer kind, a damaged shard is reported with the
+without changing a bit, read_checkpoint takes the newer kind, a damaged shard is reported with the
 fallback, and a new run moves an old run's sharded checkpoints aside. (Written by 2 ranks: test_fsdp.py.)"""
 import dataclasses
 import errno
@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from denoised_gpt.checkpoint import (CheckpointError, checkpoint_path, load_checkpoint, optimizer_param_names,
+from denoised_gpt.checkpoint import (CheckpointError, checkpoint_path, optimizer_param_names, read_checkpoint,
                                      save_checkpoint)
 from denoised_gpt.run_dir import clear_for_new_run
 from denoised_gpt import sharded_checkpoint
@@ -34,7 +34,7 @@ def trained_checkpoint(out_dir, iter_num, attn_type='noiseformer_v1'):
                      'optimizer_param_names': optimizer_param_names(model, optimizer),
                      'model_args': dataclasses.asdict(model.config), 'iter_num': iter_num, 'best_val_loss': 2.5,
                      'config': {'dataset': 'x'}, 'rng': {'torch': torch.get_rng_state()}}, out_dir)
-    return load_checkpoint(out_dir)
+    return read_checkpoint(out_dir)[1]
 
 
 def assert_same_checkpoint(a, b):
@@ -57,21 +57,21 @@ def test_convert_to_sharded_and_back_changes_nothing_and_the_newer_kind_is_read(
     folder = tmp_path / 'ckpt.sharded-0000007'
     assert f"wrote {folder} from {tmp_path / 'ckpt.pt'}, iter 7" in proc.stdout
     assert checkpoint_path(tmp_path) == str(folder)  # as new as ckpt.pt: the sharded one is read
-    assert_same_checkpoint(load_checkpoint(tmp_path), original)
-    only_model = load_checkpoint(tmp_path, model_only=True)
+    assert_same_checkpoint(read_checkpoint(tmp_path)[1], original)
+    only_model = read_checkpoint(tmp_path, model_only=True)[1]
     assert only_model['optimizer'] is None and only_model['model'].keys() == original['model'].keys()
 
     os.remove(tmp_path / 'ckpt.pt')
     proc = run_script_in_process('convert_checkpoint.py', [f'--out_dir={tmp_path}'])
     assert proc.returncode == 0, proc.stderr
-    assert_same_checkpoint(load_checkpoint(tmp_path / 'ckpt.pt'), original)
+    assert_same_checkpoint(read_checkpoint(tmp_path / 'ckpt.pt')[1], original)
 
     trained_checkpoint(tmp_path, iter_num=9)  # a newer ckpt.pt (an fsdp run resumed in one process, say)
-    assert checkpoint_path(tmp_path) == str(tmp_path / 'ckpt.pt') and load_checkpoint(tmp_path)['iter_num'] == 9
+    assert checkpoint_path(tmp_path) == str(tmp_path / 'ckpt.pt') and read_checkpoint(tmp_path)[1]['iter_num'] == 9
     before = (tmp_path / 'ckpt.pt').read_bytes()
     proc = run_script_in_process('convert_checkpoint.py', [f'--out_dir={tmp_path}'])  # the older over it: refused
     assert proc.returncode == 2 and "(iter 9 against 7): converting" in proc.stderr and "--to=sharded" in proc.stderr
-    assert (tmp_path / 'ckpt.pt').read_bytes() == before and load_checkpoint(tmp_path)['iter_num'] == 9
+    assert (tmp_path / 'ckpt.pt').read_bytes() == before and read_checkpoint(tmp_path)[1]['iter_num'] == 9
 
     empty = tmp_path / 'empty'
     empty.mkdir()
@@ -97,22 +97,22 @@ def test_a_kill_during_a_save_leaves_the_previous_checkpoint(tmp_path, point):
     script = f"""
 import os, signal, torch
 from denoised_gpt import sharded_checkpoint
-from denoised_gpt.checkpoint import load_checkpoint
+from denoised_gpt.checkpoint import read_checkpoint
 def die(*args, **kwargs):
     os.kill(os.getpid(), signal.SIGKILL)
 {KILL_POINTS[point]}
-sharded_checkpoint.save_sharded(*sharded_checkpoint.checkpoint_as_sharded(load_checkpoint({str(tmp_path / 'src2')!r})),
-                                {str(tmp_path / 'out')!r})
+_, source = read_checkpoint({str(tmp_path / 'src2')!r})
+sharded_checkpoint.save_sharded(*sharded_checkpoint.checkpoint_as_sharded(source), {str(tmp_path / 'out')!r})
 """
     proc = subprocess.run([sys.executable, '-c', script], cwd=ROOT, env=subprocess_env(), capture_output=True)
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     assert newest_sharded(tmp_path / 'out') == str(tmp_path / 'out' / 'ckpt.sharded-0000001')
-    assert_same_checkpoint(load_checkpoint(tmp_path / 'out'), first)
+    assert_same_checkpoint(read_checkpoint(tmp_path / 'out')[1], first)
     # the next save clears what the killed one left and keeps the newest two
     third = trained_checkpoint(tmp_path / 'src3', iter_num=3)
     save_sharded(*checkpoint_as_sharded(third), tmp_path / 'out')
     assert sorted(os.listdir(tmp_path / 'out')) == ['ckpt.sharded', 'ckpt.sharded-0000001', 'ckpt.sharded-0000003']
-    assert_same_checkpoint(load_checkpoint(tmp_path / 'out'), third)
+    assert_same_checkpoint(read_checkpoint(tmp_path / 'out')[1], third)
 
 
 def test_a_damaged_shard_is_reported_with_the_previous_checkpoint(tmp_path):
@@ -121,9 +121,9 @@ def test_a_damaged_shard_is_reported_with_the_previous_checkpoint(tmp_path):
     shard = tmp_path / 'out' / 'ckpt.sharded-0000002' / 'rank-00000.safetensors'
     shard.write_bytes(shard.read_bytes()[:100])  # a copy cut short
     with pytest.raises(CheckpointError) as e:
-        load_checkpoint(tmp_path / 'out')
+        read_checkpoint(tmp_path / 'out')[1]
     assert "is incomplete or corrupt" in str(e.value) and "ckpt.sharded-0000001, was kept for this" in str(e.value)
-    assert load_checkpoint(tmp_path / 'out' / 'ckpt.sharded-0000001')['iter_num'] == 1
+    assert read_checkpoint(tmp_path / 'out' / 'ckpt.sharded-0000001')[1]['iter_num'] == 1
     # what an fsdp resume does with it (each rank reading its part): the same kind of error, in one line
     model = tiny_gpt('noiseformer_v1')
     optimizer = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), 'cpu')
@@ -160,7 +160,7 @@ def test_a_failed_write_says_so_in_one_line_and_keeps_the_previous(tmp_path, mon
     message = str(e.value)
     assert len(message.splitlines()) == 1 and "No space left on device" in message
     assert f"{tmp_path / 'out' / 'ckpt.sharded-0000001'} is intact" in message
-    assert_same_checkpoint(load_checkpoint(tmp_path / 'out'), first)
+    assert_same_checkpoint(read_checkpoint(tmp_path / 'out')[1], first)
 
 
 @pytest.mark.parametrize('kind', ['ckpt.pt', 'sharded'])
@@ -170,7 +170,7 @@ def test_a_checkpoint_that_does_not_fit_its_own_model_args_is_one_line(tmp_path,
     out = tmp_path / 'out'
     trained_checkpoint(out, iter_num=7)
     if kind == 'sharded':
-        save_sharded(*checkpoint_as_sharded(load_checkpoint(out)), out)
+        save_sharded(*checkpoint_as_sharded(read_checkpoint(out)[1]), out)
         os.remove(out / 'ckpt.pt')
     path = newest_sharded(out) if kind == 'sharded' else str(out / 'ckpt.pt')
     if kind == 'sharded':

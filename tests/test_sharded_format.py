@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from denoised_gpt import checkpoint as checkpoint_module, sharded_checkpoint
-from denoised_gpt.checkpoint import CheckpointError, checkpoint_path, load_checkpoint, save_checkpoint
+from denoised_gpt.checkpoint import CheckpointError, checkpoint_path, read_checkpoint, save_checkpoint
 from denoised_gpt.sharded_checkpoint import HOLE_SLACK, checkpoint_as_sharded, load_sharded_state, save_sharded
 from helpers import ROOT, subprocess_env, tiny_gpt
 from test_sharded_checkpoint import assert_same_checkpoint, trained_checkpoint
@@ -43,9 +43,9 @@ def copy_of(source, tmp_path):
 
 
 def refusal(folder):
-    """load_checkpoint's one-line refusal of the folder."""
+    """read_checkpoint's one-line refusal of the folder."""
     with pytest.raises(CheckpointError) as e:
-        load_checkpoint(folder)
+        read_checkpoint(folder)[1]
     assert len(str(e.value).splitlines()) == 1, str(e.value)
     return str(e.value)
 
@@ -58,13 +58,13 @@ def safetensors_bytes(header, data=b''):
 
 def test_a_real_checkpoint_holds_no_pickle_and_loads_in_float32_and_bfloat16(source, tmp_path):
     """The folder is checkpoint.json and one safetensors file per rank; model and AdamW state in float32 and
-    bfloat16 come back bit for bit through load_checkpoint and load_sharded_state."""
-    original = load_checkpoint(source / 'ckpt.pt')
+    bfloat16 come back bit for bit through read_checkpoint and load_sharded_state."""
+    original = read_checkpoint(source / 'ckpt.pt')[1]
     assert sorted(os.listdir(folder_of(source))) == ['checkpoint.json', 'rank-00000.safetensors']
-    assert_same_checkpoint(load_checkpoint(folder_of(source)), original)
+    assert_same_checkpoint(read_checkpoint(folder_of(source))[1], original)
     bf16 = dict(original, model={k: v.to(torch.bfloat16) for k, v in original['model'].items()})
     bf16['model']['lm_head.weight'] = bf16['model']['transformer.wte.weight']
-    loaded = load_checkpoint(save_sharded(*checkpoint_as_sharded(bf16), tmp_path))
+    loaded = read_checkpoint(save_sharded(*checkpoint_as_sharded(bf16), tmp_path))[1]
     assert all(v.dtype == torch.bfloat16 for v in loaded['model'].values())
     assert_same_checkpoint(loaded, bf16)
 
@@ -197,7 +197,7 @@ def test_a_file_that_may_be_from_outside_the_folder_is_refused(source, tmp_path,
         says = f"{name} has 1 other hard link(s), so it may be a file from outside its folder"
     assert says in refusal(folder)
     with pytest.raises(CheckpointError) as e:
-        load_checkpoint(folder, metadata_only=True)
+        read_checkpoint(folder, metadata_only=True)[1]
     assert says in str(e.value)
     os.remove(out / 'ckpt.pt')
     assert checkpoint_path(out) == str(folder) and says in refusal(out)
@@ -206,7 +206,7 @@ def test_a_file_that_may_be_from_outside_the_folder_is_refused(source, tmp_path,
 CUT_WHILE_READ = """
 import os, sys
 from denoised_gpt import sharded_checkpoint
-from denoised_gpt.checkpoint import CheckpointError, load_checkpoint
+from denoised_gpt.checkpoint import CheckpointError, read_checkpoint
 counted = sharded_checkpoint._data_bytes
 
 def cut_once_open(fd, size):  # (called once the file is open and its header checked)
@@ -215,7 +215,7 @@ def cut_once_open(fd, size):  # (called once the file is open and its header che
 
 sharded_checkpoint._data_bytes = cut_once_open
 try:
-    load_checkpoint(sys.argv[1])
+    read_checkpoint(sys.argv[1])
 except CheckpointError as e:
     print(e)
 """
@@ -235,9 +235,9 @@ def test_a_file_cut_short_while_it_is_read_is_one_line_not_sigbus(source, tmp_pa
 
 PEAK_OF_LOAD = """
 import resource, sys
-from denoised_gpt.checkpoint import CheckpointError, load_checkpoint
+from denoised_gpt.checkpoint import CheckpointError, read_checkpoint
 try:
-    load_checkpoint(sys.argv[1], metadata_only=True)
+    read_checkpoint(sys.argv[1], metadata_only=True)
 except CheckpointError as e:
     print(e)
 print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss >> 10)  # the peak, in MiB
@@ -245,7 +245,7 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss >> 10)  # the peak, in 
 
 
 def peak_of_load(folder):
-    """load_checkpoint(folder, metadata_only=True) in a fresh process: (its refusal or '', its peak memory in MiB)."""
+    """read_checkpoint(folder, metadata_only=True) in a fresh process: (its refusal or '', its peak memory in MiB)."""
     proc = subprocess.run([sys.executable, '-c', PEAK_OF_LOAD, str(folder)], cwd=ROOT, env=subprocess_env(),
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
@@ -304,12 +304,12 @@ def test_a_fifo_swapped_in_after_the_file_is_opened_is_never_read(source, tmp_pa
     previous = signal.signal(signal.SIGALRM, hung)
     signal.alarm(60)
     try:
-        loaded = load_checkpoint(folder)
+        loaded = read_checkpoint(folder)[1]
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
     assert (folder / 'rank-00000.safetensors').is_fifo()
-    assert_same_checkpoint(loaded, load_checkpoint(source / 'ckpt.pt'))
+    assert_same_checkpoint(loaded, read_checkpoint(source / 'ckpt.pt')[1])
 
 
 def test_an_adamw_step_that_is_no_count_is_refused_by_an_fsdp_resume(source, tmp_path):
@@ -358,13 +358,13 @@ def test_a_ckpt_pt_whose_parts_overlap_or_inflate_is_refused_before_torch_reads_
     path = tmp_path / 'ckpt.pt'
     shutil.copy(source / 'ckpt.pt', path)
     rewritten_zip(path)
-    assert load_checkpoint(path)['iter_num'] == 7  # zipfile's own layout of the same parts loads
+    assert read_checkpoint(path)[1]['iter_num'] == 7  # zipfile's own layout of the same parts loads
     point_last_part_at_the_first(path)
     assert "holds parts that overlap (" in refusal(path)
 
     # a deflated ckpt.pt (newer) beside a sharded checkpoint: choosing between them inflates nothing
     out = copy_of(source, tmp_path / 'beside')
-    checkpoint = load_checkpoint(out / 'ckpt.pt')
+    checkpoint = read_checkpoint(out / 'ckpt.pt')[1]
     save_checkpoint({**checkpoint, 'iter_num': 9}, out)
     rewritten_zip(out / 'ckpt.pt', zipfile.ZIP_DEFLATED)
     loads = []
@@ -382,14 +382,14 @@ def test_a_counter_nesting_a_huge_structure_is_named_in_a_short_line(source, tmp
     built, in a short line. Run as a process with a time limit."""
     script = f"""
 import torch
-from denoised_gpt.checkpoint import CheckpointError, load_checkpoint
+from denoised_gpt.checkpoint import CheckpointError, read_checkpoint
 checkpoint = torch.load({str(source / 'ckpt.pt')!r}, weights_only=True)
 x = []
 for _ in range(60):
     x = [x, x]
 torch.save({{**checkpoint, 'iter_num': x}}, {str(tmp_path / 'ckpt.pt')!r})
 try:
-    load_checkpoint({str(tmp_path)!r})
+    read_checkpoint({str(tmp_path)!r})
 except CheckpointError as e:
     print(e)
 """

@@ -19,7 +19,7 @@ import time
 import pytest
 import torch
 
-from denoised_gpt.checkpoint import load_checkpoint
+from denoised_gpt.checkpoint import read_checkpoint
 from denoised_gpt.lr_schedule import get_lr
 from denoised_gpt.parallel import kl_layers
 from helpers import (ITER_LINE, ROOT, TINY, TINY_MODEL, VOCAB, eval_losses, iter_losses, make_dataset,
@@ -73,14 +73,14 @@ def test_resume_after_sigkill_and_sigterm_reproduces_the_uninterrupted_run(tmp_p
     # 1) SIGKILL a few iterations after the checkpoint at iter 10 (the run would go on for ever)
     rc, stdout1, _ = run_until_signal(out, data, signal.SIGKILL, 12, *common, '--max_iters=1000000')
     assert rc == -signal.SIGKILL
-    k1 = load_checkpoint(out)['iter_num']
+    k1 = read_checkpoint(out)[1]['iter_num']
     assert 10 <= k1 < n
     # 2) resume; SIGTERM: the last finished step is saved (the step in progress is dropped, or done if the signal
     # came in its last micro-batch), exit 0
     rc, stdout2, err = run_until_signal(out, data, signal.SIGTERM, k1 + 3, *common, '--init_from=resume',
                                         '--max_iters=1000000')
     assert rc == 0, err
-    k2 = load_checkpoint(out)['iter_num']
+    k2 = read_checkpoint(out)[1]['iter_num']
     assert k1 + 3 < k2 < n and max(iter_losses(stdout2)) == k2 - 1
     assert stopped_at(stdout2) == k2
     # its last line: the state saved on SIGTERM was not evaluated, so no val loss is given for it
@@ -111,7 +111,7 @@ def test_resume_after_sigkill_and_sigterm_reproduces_the_uninterrupted_run(tmp_p
         for key in ('loss', 'ce', 'kl', 'lr', 'train_loss', 'val_loss'):
             assert r.get(key) == ref.get(key), (r['iter'], key)
     assert eval_losses(stdout3)[n] == eval_losses(full.stdout)[n]
-    a, b = load_checkpoint(tmp_path / 'full'), load_checkpoint(out)
+    a, b = read_checkpoint(tmp_path / 'full')[1], read_checkpoint(out)[1]
     assert a['iter_num'] == b['iter_num'] == n
     assert a['model'].keys() == b['model'].keys()
     for name in a['model']:
@@ -132,7 +132,7 @@ def test_resume_refuses_a_changed_architecture_and_fills_in_what_is_not_given(tm
     # without the config file (nanoGPT's way), the architecture and block_size come from the checkpoint
     train_in_process('--init_from=resume', f'--dataset={data}', f'--out_dir={tmp_path / "out"}', '--device=cpu',
                      '--max_iters=1', '--eval_iters=2', '--gradient_accumulation_steps=1', '--batch_size=2')
-    ckpt = load_checkpoint(tmp_path / 'out')
+    ckpt = read_checkpoint(tmp_path / 'out')[1]
     assert ckpt['iter_num'] == 1
     assert (ckpt['model_args']['n_layer'], ckpt['model_args']['block_size']) == (2, 32)
 
@@ -147,7 +147,7 @@ def test_init_from_a_local_gpt2_checkpoint_into_a_variant(tmp_path):
     proc = train_in_process(*tiny_args(tmp_path, data), f'--init_from={tmp_path / "hf"}', '--attn_type=dint_lowrank',
                             '--max_iters=2', '--eval_interval=2')
     assert "parameters not in the base weights" in proc.stdout
-    args = load_checkpoint(tmp_path / 'out')['model_args']
+    args = read_checkpoint(tmp_path / 'out')[1]['model_args']
     assert (args['attn_type'], args['n_layer'], args['vocab_size'], args['bias']) == ('dint_lowrank', 2, 64, True)
     assert args['block_size'] == 32  # config_tiny's block_size: the 64 positions were cropped
 
@@ -217,7 +217,7 @@ def test_every_attention_variant_trains(attn_type, tmp_path):
     kl = [float(m[4]) for m in ITER_LINE.finditer(out)]
     assert all(k > 0 for k in kl) if kl_layers(fresh) else all(k == 0 for k in kl)
     assert re.search(r"^iter 45: .*ms/iter, [\d,]+ tok/s, 92% done, \S+ left$", out, re.M)  # no MFU on a CPU
-    assert load_checkpoint(tmp_path / 'out')['iter_num'] == 50
+    assert read_checkpoint(tmp_path / 'out')[1]['iter_num'] == 50
     # the metrics log's evaluation rows carry what the variant learns (see test_model for the values)
     evals = [json.loads(line) for line in (tmp_path / 'out' / 'metrics.jsonl').read_text().splitlines()
              if 'val_loss' in line]
@@ -271,7 +271,7 @@ def test_resume_refuses_an_architecture_given_at_its_default_value(tmp_path):
     # base is train.py's default, but it was given: it must be compared, not ignored
     proc = train_in_process(*tiny_args(tmp_path, data), '--init_from=resume', '--attn_type=base', expect_rc=2)
     assert "attn_type: checkpoint 'dint', this run 'base'" in proc.stderr
-    assert load_checkpoint(tmp_path / 'out')['model_args']['attn_type'] == 'dint'
+    assert read_checkpoint(tmp_path / 'out')[1]['model_args']['attn_type'] == 'dint'
 
 
 def test_resume_continues_the_checkpoints_run_settings(tmp_path):
@@ -288,7 +288,7 @@ def test_resume_continues_the_checkpoints_run_settings(tmp_path):
     assert "learning_rate: checkpoint 0.003, this run 0.001" in second
     assert "max_iters: checkpoint 2, this run 4" in second
     assert "ends before lr_decay_iters" not in first + second  # ends in the warmup: said above instead
-    ckpt = load_checkpoint(out)
+    ckpt = read_checkpoint(out)[1]
     assert ckpt['iter_num'] == 4
     assert (ckpt['config']['batch_size'], ckpt['config']['dataset'], ckpt['config']['learning_rate']) == (2, str(data), 0.001)
 
@@ -307,7 +307,7 @@ def test_scratch_run_keeps_another_runs_checkpoint_aside(tmp_path):
     aside = [p for p in out.iterdir() if p.name.startswith('replaced-')]
     assert len(aside) == 1 and f"moved it to {aside[0]}/" in stdout
     assert {name: (aside[0] / name).read_bytes() for name in before} == before
-    assert load_checkpoint(out)['iter_num'] == 2
+    assert read_checkpoint(out)[1]['iter_num'] == 2
     stdout = train_in_process(*tiny_args(tmp_path, data), '--max_iters=1', '--overwrite=True').stdout
     assert "deleted the previous run's checkpoint" in stdout
     assert len([p for p in out.iterdir() if p.name.startswith('replaced-')]) == 1
@@ -317,7 +317,7 @@ def test_resume_does_not_replace_the_fallback_before_training(tmp_path):
     data = make_dataset(tmp_path)
     out = tmp_path / 'out'
     train_in_process(*tiny_args(tmp_path, data), '--max_iters=10', '--eval_interval=5')  # saves at 5, 10
-    assert load_checkpoint(out / 'ckpt.prev.pt')['iter_num'] == 5
+    assert read_checkpoint(out / 'ckpt.prev.pt')[1]['iter_num'] == 5
     before = {name: (out / name).read_bytes() for name in ('ckpt.pt', 'ckpt.prev.pt')}
     stdout = train_in_process(*tiny_args(tmp_path, data), '--init_from=resume', '--max_iters=10').stdout
     assert 'saved checkpoint' not in stdout and 'step 10:' not in stdout  # nothing left to train, said
@@ -325,7 +325,7 @@ def test_resume_does_not_replace_the_fallback_before_training(tmp_path):
             "continue the run)\n") in stdout
     assert {name: (out / name).read_bytes() for name in before} == before
     train_in_process(*tiny_args(tmp_path, data), '--init_from=resume', '--max_iters=12')
-    assert load_checkpoint(out)['iter_num'] == 12 and load_checkpoint(out / 'ckpt.prev.pt')['iter_num'] == 10
+    assert read_checkpoint(out)[1]['iter_num'] == 12 and read_checkpoint(out / 'ckpt.prev.pt')[1]['iter_num'] == 10
 
 
 def test_a_checkpoint_whose_best_val_loss_is_nan_still_saves_a_better_one(tmp_path):
@@ -338,7 +338,7 @@ def test_a_checkpoint_whose_best_val_loss_is_nan_still_saves_a_better_one(tmp_pa
     ckpt = torch.load(out / 'ckpt.pt', weights_only=True)
     torch.save({**ckpt, 'best_val_loss': float('nan')}, out / 'ckpt.pt')
     train_in_process(*args, '--init_from=resume', '--max_iters=15')
-    resumed = load_checkpoint(out)
+    resumed = read_checkpoint(out)[1]
     assert resumed['iter_num'] == 15 and resumed['best_val_loss'] < 1e9
 
 
@@ -416,7 +416,7 @@ def test_ctrl_c_saves_the_last_finished_step(tmp_path):
     out = tmp_path / 'out'
     rc, stdout, err = run_until_signal(out, data, signal.SIGINT, 3, '--max_iters=1000000', '--eval_interval=1000')
     assert rc == 0, err
-    k = load_checkpoint(out)['iter_num']
+    k = read_checkpoint(out)[1]['iter_num']
     assert k >= 4 and stopped_at(stdout) == k and max(iter_losses(stdout)) == k - 1
     assert "Ctrl-C again to quit at once" in err
 
@@ -446,11 +446,11 @@ def test_a_stop_does_not_wait_for_a_step_of_a_million_micro_batches(tmp_path):
     assert re.search(r"^SIGTERM received during iter 0 \(\d+ of its 1000000 micro-batches done\): stopping without "
                      r"it$", stdout, re.M), stdout
     assert f"saved checkpoint to {out / 'ckpt.pt'} (iter 0, SIGTERM)" in stdout and not iter_losses(stdout)
-    state = load_checkpoint(out)
+    state = read_checkpoint(out)[1]
     assert state['iter_num'] == 0 and state['optimizer']['state'] == {}
     initial = train_in_process(*tiny_args(tmp_path, data, 'initial'), '--max_iters=0')  # saves iter 0, after its evaluation
     assert "(iter 0, end of training)" in initial.stdout
-    reference = load_checkpoint(tmp_path / 'initial')
+    reference = read_checkpoint(tmp_path / 'initial')[1]
     assert torch.equal(state['rng']['torch'], reference['rng']['torch'])
     for name, w in reference['model'].items():
         assert torch.equal(state['model'][name], w), name
@@ -485,7 +485,7 @@ def test_a_stop_within_a_step_saves_the_last_finished_step_and_the_resumed_run_i
     assert "SIGTERM received during iter 3 (2 of its 4 micro-batches done): stopping without it" in during
     assert f"saved checkpoint to {tmp_path / 'during' / 'ckpt.pt'} (iter 3, SIGTERM)" in during
     assert iter_losses(during) == iter_losses(after) == {it: iter_losses(full)[it] for it in range(3)}
-    a, b = load_checkpoint(tmp_path / 'after'), load_checkpoint(tmp_path / 'during')
+    a, b = read_checkpoint(tmp_path / 'after')[1], read_checkpoint(tmp_path / 'during')[1]
     assert a['iter_num'] == b['iter_num'] == 3 and a['val_loss'] is b['val_loss'] is None
     for name in a['model']:
         assert torch.equal(a['model'][name], b['model'][name]), name
@@ -500,7 +500,7 @@ def test_a_stop_within_a_step_saves_the_last_finished_step_and_the_resumed_run_i
     assert eval_losses(resumed) == {it: eval_losses(full)[it] for it in (5, 10)}
     rows = [json.loads(line) for line in (tmp_path / 'during' / 'metrics.jsonl').read_text().splitlines()]
     assert [r['iter'] for r in rows if 'loss' in r] == list(range(10))
-    a, b = load_checkpoint(tmp_path / 'full'), load_checkpoint(tmp_path / 'during')
+    a, b = read_checkpoint(tmp_path / 'full')[1], read_checkpoint(tmp_path / 'during')[1]
     for name in a['model']:
         assert torch.equal(a['model'][name], b['model'][name]), name
 
@@ -521,7 +521,7 @@ def test_a_stop_during_an_evaluation_saves_at_once_and_the_resumed_run_evaluates
     assert rc == 0, err
     assert "SIGTERM received during the evaluation at iter 10: stopping without it" in stdout
     assert not eval_losses(stdout) and f"saved checkpoint to {out / 'ckpt.pt'} (iter 10, SIGTERM)" in stdout
-    state = load_checkpoint(out)
+    state = read_checkpoint(out)[1]
     assert state['iter_num'] == 10 and state['val_loss'] is None
     resumed = train_in_process(*tiny_args(tmp_path, data), '--init_from=resume', *common, '--max_iters=10').stdout
     assert eval_losses(resumed) == {10: eval_losses(full)[10]}
@@ -548,7 +548,7 @@ def test_sighup_from_a_closed_terminal_checkpoints_like_sigterm(tmp_path):
     proc.send_signal(signal.SIGHUP)
     assert proc.wait(timeout=60) == 0
     # it did write there: each iteration prints a line
-    assert load_checkpoint(out)['iter_num'] > last_shown + 1 and not list(out.glob('ckpt*.tmp*'))
+    assert read_checkpoint(out)[1]['iter_num'] > last_shown + 1 and not list(out.glob('ckpt*.tmp*'))
 
 
 def queued_bytes(pipe):
@@ -574,7 +574,7 @@ def test_a_second_ctrl_c_quits_at_once_in_one_line(tmp_path):
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err
-    k = load_checkpoint(out)['iter_num']
+    k = read_checkpoint(out)[1]['iter_num']
     # (it may have been at the save the first Ctrl-C asked for, or at an evaluation's: it says which)
     assert re.fullmatch(f"interrupted( during a save)?: {re.escape(str(out / 'ckpt.pt'))} is the iter {k} state "
                         rf"\(resume with --init_from=resume\)", err.strip()), err
@@ -672,7 +672,7 @@ def test_grad_clip_zero_trains_exactly_as_a_clip_that_never_binds(tmp_path):
     for clip in ('0', '1e30'):
         out = tmp_path / f'clip{clip}'
         proc = run_train_in_process(out, data, f'--grad_clip={clip}', '--max_iters=6', '--eval_interval=6')
-        runs[clip] = iter_losses(proc.stdout), load_checkpoint(out)['model']
+        runs[clip] = iter_losses(proc.stdout), read_checkpoint(out)[1]['model']
     (losses, weights), (ref_losses, ref_weights) = runs['0'], runs['1e30']
     assert losses == ref_losses and len(losses) == 6
     for name, w in ref_weights.items():

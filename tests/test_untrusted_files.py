@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from denoised_gpt import checkpoint as checkpoint_module
-from denoised_gpt.checkpoint import CheckpointError, checkpoint_path, load_checkpoint
+from denoised_gpt.checkpoint import CheckpointError, checkpoint_path, read_checkpoint
 from denoised_gpt.sharded_checkpoint import checkpoint_as_sharded, save_sharded
 from helpers import ROOT, make_dataset, run_script_in_process, subprocess_env
 from test_sample import CreatesFile
@@ -76,7 +76,7 @@ def old_format(source, tmp_path_factory):
     """An out_dir whose only checkpoint is source's, as a sharded checkpoint of the earlier format."""
     out = tmp_path_factory.mktemp('old') / 'out'
     out.mkdir()
-    write_old_format(load_checkpoint(source / 'ckpt.pt'), folder_of(out))
+    write_old_format(read_checkpoint(source / 'ckpt.pt')[1], folder_of(out))
     (out / 'ckpt.sharded').write_text('ckpt.sharded-0000007\n')
     return out
 
@@ -112,7 +112,7 @@ def test_an_old_format_folder_is_refused_unread_naming_the_conversion(evil, load
     assert checkpoint_path(out) == str(folder_of(out))
     for path in (out, folder_of(out)):
         with pytest.raises(CheckpointError) as e:
-            load_checkpoint(path, **load)
+            read_checkpoint(path, **load)[1]
         assert_names_the_conversion(str(e.value), out, marker)
 
 
@@ -162,7 +162,7 @@ def test_the_conversion_named_reads_a_trusted_old_format_folder(old_format, sour
     proc = run_script_in_process('convert_checkpoint.py', [f'--out_dir={out}', '--trust_old_format=True'])
     assert proc.returncode == 0, proc.stderr
     assert f"wrote {out / 'ckpt.pt'} from {folder_of(out)}, iter 7" in proc.stdout
-    assert_same_checkpoint(load_checkpoint(out / 'ckpt.pt'), load_checkpoint(source / 'ckpt.pt'))
+    assert_same_checkpoint(read_checkpoint(out / 'ckpt.pt')[1], read_checkpoint(source / 'ckpt.pt')[1])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -173,7 +173,7 @@ def test_a_ckpt_pt_holding_code_is_refused_without_torchs_advice(source, tmp_pat
     checkpoint = torch.load(source / 'ckpt.pt', weights_only=True)
     torch.save({**checkpoint, 'extra': CreatesFile(marker)}, tmp_path / 'ckpt.pt')
     with pytest.raises(CheckpointError) as e:
-        load_checkpoint(tmp_path)
+        read_checkpoint(tmp_path)[1]
     assert_refused(str(e.value), marker)
     assert "io.open" in str(e.value)  # what it references, named
 
@@ -250,11 +250,11 @@ def with_memo_bomb(path, call, n=3000):
 LOAD_EVERY_WAY = """
 import resource, sys
 from denoised_gpt import checkpoint as checkpoint_module
-from denoised_gpt.checkpoint import CheckpointError, checkpoint_path, load_checkpoint
+from denoised_gpt.checkpoint import CheckpointError, checkpoint_path, read_checkpoint
 print(checkpoint_path(sys.argv[1]))
 for way in ({}, {'metadata_only': True}, {'model_only': True}):
     try:
-        print('loaded iter', load_checkpoint(sys.argv[1], **way)['iter_num'])
+        print('loaded iter', read_checkpoint(sys.argv[1], **way)[1]['iter_num'])
     except CheckpointError as e:
         print(e)
 print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss >> 10)  # the peak, in MiB
@@ -262,7 +262,7 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss >> 10)  # the peak, in 
 
 
 def load_every_way(out):
-    """What checkpoint_path(out) and each kind of load_checkpoint(out) give, in a fresh process, and its peak
+    """What checkpoint_path(out) and each kind of read_checkpoint(out) give, in a fresh process, and its peak
     memory (MiB)."""
     proc = subprocess.run([sys.executable, '-c', LOAD_EVERY_WAY, str(out)], cwd=ROOT, env=subprocess_env(),
                           capture_output=True, text=True, timeout=300)
@@ -274,7 +274,7 @@ def load_every_way(out):
 @pytest.mark.parametrize('call', ['_codecs.encode', 'builtins.bytearray'])
 def test_a_pickle_that_builds_more_than_its_file_is_refused_before_it_is_built(source, tmp_path, call):
     """3,000 calls on one memoised 1 MiB string: 3 GB from a 1 MB file. Refused by every load and by
-    checkpoint_path's look at ckpt.pt beside the sharded checkpoint (which then names ckpt.pt, for load_checkpoint
+    checkpoint_path's look at ckpt.pt beside the sharded checkpoint (which then names ckpt.pt, for read_checkpoint
     to say why), in one line, with no more memory than loading the real checkpoint takes."""
     out = tmp_path / 'out'
     shutil.copytree(source, out)
@@ -377,7 +377,7 @@ def test_a_checkpoint_holding_what_torch_save_does_not_write_for_one_is_refused(
     path = tmp_path / 'ckpt.pt'
     torch.save({**torch.load(source / 'ckpt.pt', weights_only=True), 'extra': extra}, path, pickle_protocol=protocol)
     with pytest.raises(CheckpointError) as e:
-        load_checkpoint(path)
+        read_checkpoint(path)[1]
     assert_one_line(e, f"checkpoint {path} {says}, so it is not read")
     assert "run code" not in str(e.value)
 
@@ -416,12 +416,12 @@ def test_a_legacy_ckpt_pt_is_refused_and_the_conversion_it_names_makes_it_load(s
     torch.save(torch.load(source / 'ckpt.pt', weights_only=True), path, _use_new_zipfile_serialization=False)
     assert not zipfile.is_zipfile(path)
     with pytest.raises(CheckpointError) as e:
-        load_checkpoint(tmp_path)
+        read_checkpoint(tmp_path)[1]
     assert_one_line(e, f"checkpoint {path} is in torch.save's legacy format, which is not read")
     command = re.search(r'python3 -c "(.*)"$', str(e.value)).group(1)
     subprocess.run([sys.executable, '-c', command], check=True, env=subprocess_env(), timeout=120)
     assert zipfile.is_zipfile(path)
-    converted, original = load_checkpoint(tmp_path), load_checkpoint(source / 'ckpt.pt')
+    converted, original = read_checkpoint(tmp_path)[1], read_checkpoint(source / 'ckpt.pt')[1]
     assert converted['model'].keys() == original['model'].keys()
     assert all(torch.equal(converted['model'][k], v) for k, v in original['model'].items())
     assert {k: converted[k] for k in ('model_args', 'iter_num', 'config')} == \
@@ -441,7 +441,7 @@ def test_a_truncated_checkpoint_is_one_short_line_naming_the_fallback(source, tm
     # torch 2.13's line says more than its first sentence (torch 2.6's is that sentence alone)
     assert len(first_sentence) <= len(str(torch_error.value).splitlines()[0])
     with pytest.raises(CheckpointError) as e:
-        load_checkpoint(out / 'ckpt.pt')
+        read_checkpoint(out / 'ckpt.pt')[1]
     message = str(e.value)
     assert len(message.splitlines()) == 1 and "truncated or corrupt" in message
     assert f"(RuntimeError: {first_sentence}). The previous checkpoint {out / 'ckpt.prev.pt'} was kept" in message
@@ -449,7 +449,7 @@ def test_a_truncated_checkpoint_is_one_short_line_naming_the_fallback(source, tm
     shard = folder_of(out) / 'rank-00000.safetensors'
     shard.write_bytes(shard.read_bytes()[:shard.stat().st_size // 2])
     with pytest.raises(CheckpointError) as e:
-        load_checkpoint(folder_of(out))
+        read_checkpoint(folder_of(out))[1]
     assert len(str(e.value).splitlines()) == 1
     assert "incomplete or corrupt (rank-00000.safetensors is not a whole safetensors file (" in str(e.value)
     assert str(e.value).endswith("No previous sharded checkpoint exists next to it.")
@@ -498,16 +498,16 @@ def test_every_script_refuses_a_checkpoint_whose_iter_num_is_a_string_in_one_lin
     ('iter_num', 2**64, "iter_num is 18446744073709551616 (a int), not a non-negative integer up to 2**63 - 1"),
     ('config', 'x', "config is 'x' (a str), not a dict"),
 ])
-def test_load_checkpoint_names_a_counter_of_the_wrong_type(source, tmp_path, key, value, expected):
+def test_read_checkpoint_names_a_counter_of_the_wrong_type(source, tmp_path, key, value, expected):
     for kind in ('ckpt.pt', 'sharded'):
         out = with_counter(source, tmp_path / kind, kind, key, value)
         for metadata_only in (False, True):
             with pytest.raises(CheckpointError) as e:
-                load_checkpoint(out, metadata_only=metadata_only)
+                read_checkpoint(out, metadata_only=metadata_only)[1]
             assert expected in str(e.value) and len(str(e.value).splitlines()) == 1, str(e.value)
     # what train.py and nanoGPT write loads: nanoGPT's best_val_loss is the 0-d tensor of its evaluation
     out = with_counter(source, tmp_path / 'nanogpt', 'ckpt.pt', 'best_val_loss', torch.tensor(2.5))
-    assert load_checkpoint(out)['best_val_loss'] == 2.5
+    assert read_checkpoint(out)[1]['best_val_loss'] == 2.5
 
 
 def test_an_integer_too_long_for_torchs_reader_is_said_as_such_not_as_code(source, tmp_path):
@@ -516,7 +516,7 @@ def test_an_integer_too_long_for_torchs_reader_is_said_as_such_not_as_code(sourc
     path = tmp_path / 'ckpt.pt'
     torch.save({**torch.load(source / 'ckpt.pt', weights_only=True), 'best_val_loss': 10**4000}, path)
     with pytest.raises(CheckpointError) as e:
-        load_checkpoint(path)
+        read_checkpoint(path)[1]
     assert_one_line(e, f"checkpoint {path} holds an integer of more than 255 bytes, which no checkpoint does")
     assert "run code" not in str(e.value)
 
@@ -634,7 +634,7 @@ def test_a_ckpt_pt_that_is_a_symbolic_link_is_not_followed(source, tmp_path):
     out.mkdir()
     (out / 'ckpt.pt').symlink_to(source / 'ckpt.pt')
     with pytest.raises(CheckpointError) as e:
-        load_checkpoint(out)
+        read_checkpoint(out)[1]
     assert_one_line(e, f"checkpoint {out / 'ckpt.pt'} is a symbolic link, which is not followed: load the file it "
                        f"names by its own path, or copy it there (cp -L)")
 
