@@ -226,7 +226,8 @@ def read_checkpoint(out_dir_or_file, map_location='cpu', metadata_only=False, mo
     metadata_only: for the settings, counters and model_args alone: the file is memory-mapped, so its
     tensors are not read (nor checked against their CRC-32s).
     model_only: for running the model (sample.py, eval.py): memory-mapped too, and only the model's
-    tensors are read and checked against their records' CRC-32s; the optimizer state is never read.
+    tensors are read, from their records into memory (never through the mapping: a file cut short in place is
+    one line, not SIGBUS), and checked against their CRC-32s; the optimizer state is never read.
     trust_old_format: a sharded checkpoint of the earlier format is read with DCP's own reader, which unpickles
     its metadata (sharded_checkpoint.read_old_format): only for a folder the user trusts (convert_checkpoint.py)."""
     path = checkpoint_path(out_dir_or_file)
@@ -251,8 +252,7 @@ def read_checkpoint(out_dir_or_file, map_location='cpu', metadata_only=False, mo
     with _open_checkpoint(path, use_prev) as f:
         ckpt, damaged = _read_checkpoint_file(f, path, map_location, metadata_only, model_only, use_prev)
     if damaged:
-        raise CheckpointError(f"checkpoint {path} is truncated or corrupt ({damaged} does not "
-                              f"match its CRC-32). {use_prev}")
+        raise CheckpointError(f"checkpoint {path} is truncated or corrupt ({damaged}). {use_prev}")
     missing = [k for k in REQUIRED_KEYS if not isinstance(ckpt, dict) or k not in ckpt]
     if missing:
         raise CheckpointError(f"{path} is not a training checkpoint: it lacks {', '.join(missing)}")
@@ -307,8 +307,9 @@ def _read_checkpoint_file(f, path, map_location, metadata_only, model_only, use_
         mmap = (metadata_only or model_only) and zipfile.is_zipfile(opened)  # torch maps only its zip format
         ckpt = torch.load(opened, map_location=map_location, weights_only=True, mmap=mmap)
         if mmap and not metadata_only and isinstance(ckpt, dict) and isinstance(ckpt.get('model'), dict):
-            return ckpt, _first_damaged_tensor(opened, ckpt['model'])
-        return ckpt, None if metadata_only else first_damaged_record(opened)
+            return ckpt, _read_model_tensors(f, ckpt)
+        damaged = None if metadata_only else first_damaged_record(opened)
+        return ckpt, damaged and f"{damaged} does not match its CRC-32"
     except pickle.UnpicklingError as e:
         refused = untrusted_file_error(path, e, opened)  # holds code: refused as such
         if refused:
@@ -380,28 +381,72 @@ def _sharded_fallback(folder):
             "No previous sharded checkpoint exists next to it.")
 
 
-def _first_damaged_tensor(path, tensors):
-    """The name of the first of `tensors` (loaded from path with mmap) whose bytes match no data record
-    of the file by size and CRC-32, or None. Reads those tensors' bytes, and only those. A file that
-    carries no CRCs (see first_damaged_record) cannot be checked and passes."""
-    with zipfile.ZipFile(path) as archive:
-        records = {(info.file_size, info.CRC) for info in archive.infolist() if '/data/' in info.filename}
-    if all(crc == 0 for _, crc in records):
+def _read_model_tensors(f, ckpt):
+    """model_only: the model's tensors read from the open file f into memory, each checked against its record's
+    CRC-32, in place of torch's memory-mapped views of them. A mapped file cut short in place kills the process
+    that touches a page past its new end (SIGBUS, no message); read, it is one line. Only the model's records are
+    read; the other tensors stay mapped, untouched. Returns what is damaged (a phrase), or None. A file that
+    carries no CRCs (see first_damaged_record) is read unchecked."""
+    records = _data_records(f)  # {offset of its bytes in the file: (size, CRC-32)}
+    mapped = [t.untyped_storage() for t in _tensors(ckpt)]
+    mapped = [s for s in mapped if s.nbytes()]
+    if not records or not mapped:
         return None
-    storages = {}
-    for name, t in tensors.items():
-        storages.setdefault(t.untyped_storage().data_ptr(), (name, t.untyped_storage()))  # tied weights: one record
+    # torch maps the whole file once and views each record at its offset: the lowest view is the first record
+    start = min(s.data_ptr() for s in mapped) - min(records)
+    storages = {}  # tied weights share one record
+    for name, t in ckpt['model'].items():
+        storages.setdefault(t.untyped_storage().data_ptr(), name)
 
-    def crc(storage):
-        return storage.nbytes(), zlib.crc32(torch.empty(0, dtype=torch.uint8).set_(storage).numpy())
+    def read(ptr):
+        size, crc = records.get(ptr - start, (None, None))
+        name = storages[ptr]
+        if size is None or size != ckpt['model'][name].untyped_storage().nbytes():
+            return name, None, f"the bytes of {name} match no record of the file"
+        buffer = torch.empty(size, dtype=torch.uint8)
+        if size and os.preadv(f.fileno(), [buffer.numpy()], ptr - start) != size:
+            return name, None, f"it is shorter than when it was opened: it changed while {name} was read"
+        if crc and zlib.crc32(buffer.numpy()) != crc:
+            return name, None, f"the bytes of {name} do not match their record's CRC-32"
+        return name, buffer.untyped_storage(), None
 
-    # zlib releases the GIL on large buffers: the cores share the reading (~0.5 GB at GPT-2 size)
+    # reading and zlib release the GIL: the cores share the work (~0.5 GB at GPT-2 size)
     with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-        sums = list(pool.map(crc, [storage for _, storage in storages.values()]))
-    for (name, _), size_and_crc in zip(storages.values(), sums):
-        if size_and_crc not in records:
-            return f"the bytes of {name}"
+        results = list(pool.map(read, storages))
+    read_into = {}
+    for ptr, (name, storage, problem) in zip(storages, results):
+        if problem:
+            return problem
+        read_into[ptr] = storage
+    for name, t in ckpt['model'].items():
+        ckpt['model'][name] = torch.empty(0, dtype=t.dtype).set_(
+            read_into[t.untyped_storage().data_ptr()], t.storage_offset(), t.size(), t.stride())
     return None
+
+
+def _data_records(f):
+    """{offset of the record's bytes in the torch.save zip f: (their size, their CRC-32)} for its tensor records."""
+    records = {}
+    with zipfile.ZipFile(f) as archive:
+        for info in archive.infolist():
+            if '/data/' not in info.filename or not info.file_size:
+                continue
+            header = os.pread(f.fileno(), 30, info.header_offset)  # a local file header: its name and extra after
+            names = int.from_bytes(header[26:28], 'little') + int.from_bytes(header[28:30], 'little')
+            records[info.header_offset + 30 + names] = (info.file_size, info.CRC)
+    return records
+
+
+def _tensors(x):
+    """Every tensor in a checkpoint's nested dicts, lists and tuples."""
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, dict):
+        for v in x.values():
+            yield from _tensors(v)
+    elif isinstance(x, (list, tuple)):
+        for v in x:
+            yield from _tensors(v)
 
 
 # ----------------------------------------------------------------------------------------------

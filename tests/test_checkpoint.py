@@ -409,3 +409,58 @@ def test_a_compressed_part_is_refused_before_torch_load_inflates_it(tmp_path):
         read_checkpoint(tmp_path)[1]
     assert str(e.value).startswith(f"checkpoint {path} holds ") and "compressed or larger than the file" in str(e.value)
     assert "so it is not read. No previous checkpoint" in str(e.value)
+
+
+CUT_WHILE_READ = """
+import os, sys
+from denoised_gpt import checkpoint as checkpoint_module
+from denoised_gpt.checkpoint import CheckpointError, read_checkpoint
+records = checkpoint_module._data_records
+def cut_once_mapped(f):  # (called once torch.load has mapped the file, before the model's bytes are read)
+    found = records(f)
+    os.truncate(sys.argv[1], min(found) + 1)
+    return found
+checkpoint_module._data_records = cut_once_mapped
+try:
+    read_checkpoint(sys.argv[1], model_only=True)
+except CheckpointError as e:
+    print(e)
+"""
+
+
+def test_a_ckpt_pt_cut_short_while_sample_py_reads_it_is_one_line_not_sigbus(tmp_path):
+    """sample.py and eval.py map ckpt.pt (model_only) and read the model's records: a file truncated in place once
+    mapped killed the reader touching its pages (SIGBUS, no message); the model's bytes are read, not touched through
+    the mapping, so it is said. Run as a process: a regression dies."""
+    from helpers import tiny_checkpoint
+    tiny_checkpoint(tmp_path, 'base', 'data')
+    path = tmp_path / 'ckpt.pt'
+    proc = subprocess.run([sys.executable, '-c', CUT_WHILE_READ, str(path)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr)
+    assert proc.stdout.startswith(f"checkpoint {path} is truncated or corrupt (it is shorter than when it was opened: "
+                                  f"it changed while transformer."), proc.stdout
+    assert proc.stdout.count("\n") == 1 and "No previous checkpoint (ckpt.prev.pt) exists next to it." in proc.stdout
+
+
+def test_sample_py_s_reader_gives_the_models_tensors_from_memory_equal_to_the_full_read(tmp_path):
+    """model_only: the model's tensors equal a full read's, bit for bit, tied weights still one storage, and none
+    is a view of the file's mapping (each owns its bytes); a flipped byte in a record is named."""
+    from helpers import tiny_checkpoint
+    tiny_checkpoint(tmp_path, 'diff', 'data')
+    _, full = read_checkpoint(tmp_path)
+    _, model_only = read_checkpoint(tmp_path, model_only=True)
+    assert full['model'].keys() == model_only['model'].keys()
+    for name, t in model_only['model'].items():
+        assert t.dtype == full['model'][name].dtype and torch.equal(t, full['model'][name]), name
+        assert t.untyped_storage().nbytes() == full['model'][name].untyped_storage().nbytes()
+    tied = model_only['model']
+    assert tied['lm_head.weight'].untyped_storage().data_ptr() == tied['transformer.wte.weight'].untyped_storage().data_ptr()
+    raw = bytearray((tmp_path / 'ckpt.pt').read_bytes())
+    needle = full['model']['transformer.h.1.attn.c_proj.weight'].numpy().tobytes()
+    at = raw.find(needle)
+    raw[at + 5] ^= 0xFF
+    (tmp_path / 'ckpt.pt').write_bytes(raw)
+    with pytest.raises(CheckpointError, match=r"the bytes of transformer\.h\.1\.attn\.c_proj\.weight do not match "
+                                              r"their record's CRC-32"):
+        read_checkpoint(tmp_path, model_only=True)
