@@ -260,6 +260,41 @@ def naive_linear(attn, x, eps=None):
     return _linear(attn.c_proj, _merge(out))
 
 
+# Each variant's parameters in one layer beyond base's (c_attn's q, k, v and c_proj, with biases), from its
+# equations: the parameter counts of tests/test_model.py and the README's table follow from them.
+
+def base_parameters(c):
+    return 0
+
+
+linear_parameters = base_parameters
+
+
+def symmetric_parameters(c):
+    return -(c.n_embd * c.n_embd + c.n_embd * c.bias)  # no key projection
+
+
+def noiseformer_v1_parameters(c):
+    return symmetric_parameters(c) + 2  # (mu, sigma) per layer
+
+
+def noiseformer_v2_parameters(c):
+    return symmetric_parameters(c) + 2 * c.n_head  # (mu, sigma) per head
+
+
+def diff_parameters(c):
+    d = c.n_embd // c.n_head
+    return 4 * d + 2 * d  # 4 lambda vectors (d), RMSNorm over a differential head's values (2d)
+
+
+dint_parameters = diff_parameters
+
+
+def dint_lowrank_parameters(c):
+    d = c.n_embd // c.n_head  # every base head is one differential head of dim d
+    return 4 * c.n_embd * c.lowrank_rank + 4 * d + d  # q2 / k2 down (C x r) and up (r x C), lambdas, RMSNorm(d)
+
+
 class MissingReference(KeyError):
     def __str__(self):  # KeyError's own quotes its message
         return self.args[0]
@@ -291,6 +326,8 @@ class References(Mapping):
 NAIVE = References("naive_{}", "the module's output after c_proj")
 # attn_type -> (its effective map, V): the matrix that multiplies the values, per head
 NAIVE_MAPS = References("{}_map", "its effective map and V")
+# attn_type -> its parameters in one layer beyond base's, for a GPTConfig
+PARAMETERS = References("{}_parameters", "its parameters in one layer beyond base's")
 
 
 # ----------------------------------------------------------------------------- where attention goes

@@ -12,7 +12,7 @@ from denoised_gpt.finetune import (apply_trainable, check_finetune_settings, mer
                                    model_from_checkpoint, new_parameter_names, new_run_model_args)
 from helpers import (TINY_MODEL, VOCAB, iter_losses, make_dataset, run_train, run_train_in_process,
                      save_model_checkpoint, tiny_gpt)
-from model import GPT, GPTConfig
+from model import ATTENTION_TYPES, GPT, GPTConfig
 from nanogpt_reference import BETAS, LR, WD, NanoConfig, NanoGPT, nano_checkpoint, train_steps
 
 F64 = torch.float64
@@ -78,9 +78,11 @@ def test_a_checkpoint_of_the_runs_own_attn_type_is_taken_as_it_is(tmp_path):
 
 def test_a_variant_that_does_not_fit_base_says_so(tmp_path):
     nanogpt_base_checkpoint(tmp_path / 'nano')
-    for attn_type in ('symmetric', 'noiseformer_v1', 'noiseformer_v2'):
+    fits = [a for a in ATTENTION_TYPES if a != 'base' and ATTENTION_TYPES[a].c_attn_projections == 3]
+    assert {'diff', 'dint', 'dint_lowrank', 'linear'} <= set(fits)
+    for attn_type in (a for a in ATTENTION_TYPES if ATTENTION_TYPES[a].c_attn_projections != 3):
         with pytest.raises(ValueError, match=rf"attn_type='{attn_type}' has no key projection .* Convert to one of "
-                                             r"diff, dint, dint_lowrank, linear, or train"):
+                                             rf"{', '.join(fits)}, or train"):
             converted(tmp_path / 'nano', attn_type)
 
 
