@@ -12,6 +12,7 @@ import io
 import os
 import pickletools
 import struct
+import sys
 import zipfile
 import zlib
 
@@ -187,6 +188,10 @@ def _check_global(name):
         harmless = False
     if harmless:
         raise _Refused(f"references {_dotted(name)}, which torch.save does not write for a checkpoint")
+    module, _, attribute = _dotted(name).rpartition('.')
+    loaded = sys.modules.get(module)  # (a module not imported yet is never imported to ask: that could run code)
+    if loaded is not None and not hasattr(loaded, attribute):  # nothing of that name to call: damage, not code
+        raise _Refused(f"is truncated or corrupt (its pickle names {_dotted(name)[:80]}, which does not exist)")
     raise _Refused(f"holds Python objects other than tensors and plain values (it references {_dotted(name)[:80]}), "
                    f"which are not loaded because unpickling them can run code")
 

@@ -464,3 +464,26 @@ def test_sample_py_s_reader_gives_the_models_tensors_from_memory_equal_to_the_fu
     with pytest.raises(CheckpointError, match=r"the bytes of transformer\.h\.1\.attn\.c_proj\.weight do not match "
                                               r"their record's CRC-32"):
         read_checkpoint(tmp_path, model_only=True)
+
+
+def test_a_pickle_naming_a_function_that_does_not_exist_is_called_damaged_not_code(tmp_path):
+    """A file saved without CRC-32s (torch's set_crc32_options(False)) whose pickle names a function of torch that
+    does not exist (one letter flipped): nothing of that name could run, so the file is damaged, not one that
+    holds code. (A module not imported yet is not imported to ask: that stays "can run code".)"""
+    if not hasattr(torch.serialization, 'set_crc32_options'):
+        pytest.skip("this torch always writes CRC-32s")
+    model = tiny_gpt('base')
+    torch.serialization.set_crc32_options(False)  # (save_checkpoint writes them whatever this says)
+    try:
+        torch.save({'model': model.state_dict(), 'optimizer': {}, 'model_args': {}, 'iter_num': 1,
+                    'best_val_loss': 2.0, 'config': {}}, tmp_path / 'ckpt.pt')
+    finally:
+        torch.serialization.set_crc32_options(True)
+    raw = (tmp_path / 'ckpt.pt').read_bytes()
+    assert raw.count(b'_rebuild_tensor_v2') >= 1
+    (tmp_path / 'ckpt.pt').write_bytes(raw.replace(b'_rebuild_tensor_v2', b'_rebuild_tensoX_v2'))
+    with pytest.raises(CheckpointError) as e:
+        read_checkpoint(tmp_path)
+    assert str(e.value) == (f"checkpoint {tmp_path / 'ckpt.pt'} is truncated or corrupt (its pickle names "
+                            f"torch._utils._rebuild_tensoX_v2, which does not exist), so it is not read. No previous "
+                            f"checkpoint (ckpt.prev.pt) exists next to it."), str(e.value)
