@@ -15,7 +15,7 @@ from denoised_gpt.checkpoint import read_checkpoint
 import model as model_module
 from model import ATTENTION_TYPES, KVCache, causal_attention, causal_randn
 from naive_attention import NAIVE
-from test_model import (DIFFERENTIAL, NOISE, SDPA_VARIANTS, VARIANTS, make_model, naive_kwargs, noise_shape, rel_err,
+from test_model import (DIFFERENTIAL, NOISE, VARIANTS, make_model, naive_kwargs, noise_shape, rel_err,
                         sdpa_kernels)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
@@ -154,7 +154,7 @@ def test_fused_loss_on_cuda_waits_for_nothing():
         torch.cuda.set_sync_debug_mode(0)
 
 
-@pytest.mark.parametrize("attn_type", SDPA_VARIANTS)
+@pytest.mark.parametrize("attn_type", VARIANTS)
 def test_bf16_training_step_on_cuda_takes_a_fused_kernel(attn_type):
     """Which SDPA kernel each variant's bf16 training step gets on this GPU: flash or memory-
     efficient, never the math path that keeps the (B, H, T, T) scores, nor cuDNN (see model.sdpa)."""
@@ -168,7 +168,9 @@ def test_bf16_training_step_on_cuda_takes_a_fused_kernel(attn_type):
         torch.cuda.synchronize()
     kernels = sdpa_kernels(step)
     print(attn_type, sorted(kernels))
-    assert kernels and not any("math" in k or "cudnn" in k for k in kernels), kernels
+    if not kernels:
+        pytest.skip(f"{attn_type} calls no SDPA kernel (explicit products)")
+    assert not any("math" in k or "cudnn" in k for k in kernels), kernels
 
 
 @pytest.mark.parametrize("attn_type", VARIANTS)
@@ -225,7 +227,7 @@ def test_float16_training_on_cuda_learns_with_the_grad_scaler(tmp_path, attn_typ
     assert losses[19] < losses[0] - 0.3, losses
 
 
-@pytest.mark.parametrize("attn_type", SDPA_VARIANTS)
+@pytest.mark.parametrize("attn_type", VARIANTS)
 def test_generation_on_cuda_avoids_cudnn_attention(attn_type):
     """cuDNN's attention builds a plan per sequence length and decoding makes a new length every token
     (GPT-2 small on an H200: ~49 ms per token): generation runs flash / memory-efficient kernels,
@@ -237,5 +239,7 @@ def test_generation_on_cuda_avoids_cudnn_attention(attn_type):
     for use_cache in (True, False):
         with torch.no_grad(), torch.autocast(CUDA, dtype=torch.bfloat16):
             kernels = sdpa_kernels(lambda: outs.append(model.generate(prompt, 12, temperature=0, use_cache=use_cache)))
-        assert kernels and not any("cudnn" in k for k in kernels), kernels
+        if not kernels:
+            pytest.skip(f"{attn_type} calls no SDPA kernel (explicit products)")
+        assert not any("cudnn" in k for k in kernels), kernels
     assert torch.equal(outs[0][:, :5], prompt) and outs[0].shape == (2, 17)

@@ -49,10 +49,15 @@ def test_the_docs_index_names_every_page_and_result_folder_and_its_links_resolve
     assert sorted(named) == sorted(p.name for p in docs.iterdir() if p.name != "README.md")
 
 
+def variant_rows():
+    """The attn_types of the rows of the README's table of variants."""
+    readme = (ROOT / "README.md").read_text().split("## Attention variants", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"^`(\w+)` \|", readme, re.M)
+
+
 def undocumented(attn_types):
     """One line per attn_type that the README's table of variants or a heading of docs/attention.md lacks."""
-    readme = (ROOT / "README.md").read_text().split("## Attention variants", 1)[1].split("\n## ", 1)[0]
-    rows = re.findall(r"^`(\w+)` \|", readme, re.M)
+    rows = variant_rows()
     sections = re.findall(r"^## (.+)$", (ROOT / "docs" / "attention.md").read_text(), re.M)
     words = [re.findall(r"\w+", heading) for heading in sections]
     return ([f"README.md's table of attention variants has no row for attn_type={a!r}: add one"
@@ -73,12 +78,17 @@ def test_the_readme_table_and_attention_md_name_every_registered_variant():
 # the scripts share into denoised_gpt/, or raise the budget here in the same change and say why). model.py has
 # none: a new variant's class belongs there; what its reader meets first is checked below.
 LINE_BUDGETS = {'train.py': 650, 'compare.py': 1018, 'bench.py': 616, 'eval.py': 533, 'sample.py': 432,
-                'README.md': 333}
+                'README.md': 325}
+
+
+def counted_lines(name):
+    """The file's lines; the README's without its table of variants' rows (one a variant brings, not growth)."""
+    lines = (ROOT / name).read_text().splitlines()
+    return len(lines) - (len(variant_rows()) if name == 'README.md' else 0)
 
 
 def test_the_scripts_stay_within_their_line_budgets():
-    over = {name: n for name, n in ((name, len((ROOT / name).read_text().splitlines())) for name in LINE_BUDGETS)
-            if n > LINE_BUDGETS[name]}
+    over = {name: n for name, n in ((name, counted_lines(name)) for name in LINE_BUDGETS) if n > LINE_BUDGETS[name]}
     assert not over, (f"over their line budgets (tests/test_repo.py LINE_BUDGETS): "
                       f"{', '.join(f'{name} {n} > {LINE_BUDGETS[name]}' for name, n in over.items())}")
 
