@@ -55,7 +55,7 @@ import torch
 from denoised_gpt.checkpoint_base import (CheckpointError, clean_name, first_damaged_record, nanogpt_param_names,
                                           optimizer_state_by_name, short_reason, train_state_problem,
                                           untrusted_file_error)
-from denoised_gpt.checkpoint_pickle import RefusedPickle, check_pickle
+from denoised_gpt.checkpoint_pickle import RefusedPickle, check_pickle, record_offset
 from denoised_gpt.files import FileError, open_regular, opened_path, write_problem
 from denoised_gpt.sharded_checkpoint import (POINTER_NAME, FormatError, is_old_format, is_sharded_checkpoint,
                                              newest_sharded, pointer_problem, read_index, read_old_format,
@@ -431,9 +431,7 @@ def _data_records(f):
         for info in archive.infolist():
             if '/data/' not in info.filename or not info.file_size:
                 continue
-            header = os.pread(f.fileno(), 30, info.header_offset)  # a local file header: its name and extra after
-            names = int.from_bytes(header[26:28], 'little') + int.from_bytes(header[28:30], 'little')
-            records[info.header_offset + 30 + names] = (info.file_size, info.CRC)
+            records[record_offset(f, info)] = (info.file_size, info.CRC)
     return records
 
 

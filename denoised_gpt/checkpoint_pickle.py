@@ -87,12 +87,18 @@ def check_pickle(file, what):
         raise RefusedPickle(f"{what} is truncated or corrupt (its pickle: {str(e)[:100]})") from None
 
 
+def record_offset(file, info):
+    """Where the bytes of the zip record `info` begin in `file`: after its local header and that header's name and
+    extra field, whose lengths only the local header holds."""
+    file.seek(info.header_offset + 26)
+    name_length, extra_length = struct.unpack('<HH', file.read(4))
+    return info.header_offset + 30 + name_length + extra_length
+
+
 def _stored_bytes(file, info):
     """The bytes of the stored record `info` of the zip in `file`, as they are (zipfile's reader would fail a
     CRC-32 that torch.save left 0)."""
-    file.seek(info.header_offset + 26)  # the local header's name and extra field lengths
-    name_length, extra_length = struct.unpack('<HH', file.read(4))
-    file.seek(info.header_offset + 30 + name_length + extra_length)
+    file.seek(record_offset(file, info))
     return file.read(info.compress_size)
 
 
