@@ -1001,7 +1001,7 @@ try:  # each file whole or not at all; a failed write is one line (a full disk, 
     write_report(report_dir, summary, results, failures, texts, plots,
                  dict(base_config=base_config, overrides=overrides, grid=[label for *_, label in points if label],
                       seeds=seeds, max_iters=max_iters, protocol=protocol, tuning=list(tuning.values()),
-                      stop_at_val_loss=stop_at_val_loss,
+                      stop_at_val_loss=stop_at_val_loss, eval_answers_only=train_config['eval_answers_only'],
                       command=shlex.join(['python3', 'compare.py', *sys.argv[1:]]), changes=recorded_changes()))
     write_atomically(os.path.join(report_dir, 'results.json'), lambda f: json.dump(
         {'protocol': protocol, 'tuning': list(tuning.values()), 'summary': summary, 'runs': results,

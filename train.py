@@ -75,6 +75,7 @@ eval_iters = 200  # batches per split in each evaluation (the same batches every
 eval_only = False  # if True, script exits right after the first eval
 always_save_checkpoint = True  # if True, always save a checkpoint after each eval
 stop_at_val_loss = 0.0  # end training at the first eval whose val loss is at or below this (0: train to max_iters)
+eval_answers_only = False  # needle data with its text labelled: evaluate on the answers alone (stop_at_val_loss too)
 init_from = 'scratch'  # 'scratch', 'resume' (from out_dir/ckpt.pt), 'gpt2*', or a trained model to start a new run from: a checkpoint (file or out_dir, ours or nanoGPT's) or a folder export_hf.py wrote
 overwrite = False  # scratch run into an out_dir holding a checkpoint: False keeps that one aside, True deletes it
 # starting from a trained model (init_from=a checkpoint or gpt2*): see finetune.py and docs/finetune.md
@@ -207,6 +208,9 @@ try:
     check_token_files(data_dir)  # a missing dataset is said before a model is built
 except (FileNotFoundError, ValueError) as e:
     fail(e)
+if eval_answers_only and not (meta or {}).get('labels'):
+    fail(f"eval_answers_only=True: {data_dir} has no answers (its meta.json names no labels): it is for the needle "
+         f"and recall datasets (data/needles, data/mqar); leave eval_answers_only off here")
 meta_vocab_size = meta['vocab_size'] if meta else None
 data_generator = torch.Generator()
 SPLIT_KEYS = {'train': 0, 'val': 1}
@@ -368,6 +372,8 @@ def estimate_loss():
                 continue
             s = batch_seed(seed, 2, SPLIT_KEYS[split], j % eval_iters)  # 2: evaluation (training uses (0, it, m))
             X, Y = get_batch(split, s)
+            if eval_answers_only:  # (where every label is an answer, Y as it is)
+                Y = batches[split].layout.answers_only(Y)
             manual_seed(s, device)  # the same noise every evaluation
             with ctx:
                 _, loss = net(X, Y)
@@ -442,7 +448,7 @@ def report_evaluation(losses, lr):
     speed.eval_seconds = time.time() - t0  # (t0: the end of the last step)
     left = speed.time_left(run.iter_num, max_iters, eval_interval, evaluated=True)
     print(f"step {run.iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}"
-          + (f" ({left})" if left else ""))
+          + (" (answers only)" if eval_answers_only else "") + (f" ({left})" if left else ""))
     if run.target_reached and run.iter_num < max_iters:
         print(f"val loss {run.val_loss:.4f} <= stop_at_val_loss={stop_at_val_loss:g}: training ends at iter "
               f"{run.iter_num} of max_iters={max_iters}")

@@ -105,6 +105,13 @@ class ExampleLayout:
         self.example_tokens = meta.get("example_tokens")
         self.task = meta.get("task")  # 'mqar', 'needles' (whose positions eval.py reads), or None for text
         self.labels_path = os.path.join(data_dir, f"{split}_labels.bin") if meta.get("labels") else None
+        # needle data whose text is labelled too: its answers are the labels from the first value id up (the
+        # text's ids lie below); None where every label is an answer, or there are no labels
+        self.first_answer_id = meta["value_ids"][0] if meta.get("text_labels") and "value_ids" in meta else None
+
+    def answers_only(self, y):
+        """The targets y with every label but the answers -1 (not scored)."""
+        return y if self.first_answer_id is None else y.masked_fill(y < self.first_answer_id, -1)
 
     def check(self, path, num_tokens, block_size, vocab_size=None):
         """ValueError unless the token file at path (num_tokens long) fits this layout at block_size: with
@@ -291,6 +298,10 @@ _FIELDS = {
     "example_tokens": ("an integer of at least 2 (tokens per example: block_size is one less)",
                        lambda v: _is_int(v) and v >= 2),
     "labels": ("'answers' (the targets in {split}_labels.bin)", lambda v: v == "answers"),
+    "text_labels": ("true or false (whether the text between the needles is labelled too)",
+                    lambda v: isinstance(v, bool)),
+    "value_ids": ("a pair [first, last] of token ids, first <= last (the needles' values)",
+                  lambda v: isinstance(v, list) and len(v) == 2 and all(_is_int(i) for i in v) and 0 <= v[0] <= v[1]),
     "chars": ("a string (the vocabulary in id order) or a list of strings",
               lambda v: isinstance(v, str) or (isinstance(v, list) and all(isinstance(c, str) for c in v))),
 }

@@ -540,7 +540,8 @@ def write_report(report_dir, summary, results, failures, samples, plots, setup):
         f"Every run: `{setup['base_config']}`" + (f" with `{setup['overrides']}`" if setup['overrides'] else '')
         + f", {setup['max_iters']} iterations; seeds {', '.join(map(str, setup['seeds']))}. Only {differ} "
           f"differ between runs.{grid} Val loss is train.py's evaluation (the same fixed batches for every "
-          f"run); mean ± sample standard deviation over seeds.", ""]
+          f"run{'; over the answers alone, eval_answers_only' if setup.get('eval_answers_only') else ''}); mean ± "
+          f"sample standard deviation over seeds.", ""]
     rows = []
     for attn_type, s in summary.items():
         base_params = summary[s['base']]['params'] if s['base'] in summary else None

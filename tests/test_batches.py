@@ -254,6 +254,9 @@ GOOD_META = {"tokenizer": "char", "vocab_size": 65, "chars": "".join(chr(48 + i)
     ("train_tokens", "5000"), ("train_tokens", 5000.0), ("train_tokens", -1), ("val_tokens", False),
     ("train_max_id", False), ("train_max_id", "64"), ("train_max_id", 64.0), ("val_max_id", -2),
     ("val_max_id", True), ("chars", 7), ("chars", [1, 2]),
+    # a needle dataset's: eval_answers_only reads the answers from the first value id up
+    ("text_labels", "yes"), ("text_labels", 1), ("value_ids", 97), ("value_ids", [97]), ("value_ids", [97, 96]),
+    ("value_ids", [-1, 5]), ("value_ids", [97.0, 128]),
 ])
 def test_wrong_typed_meta_json_field_is_named(tmp_path, field, value):
     (tmp_path / "meta.json").write_text(json.dumps({**GOOD_META, field: value}))

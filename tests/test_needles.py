@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 import torch
 
+from denoised_gpt.batches import TokenBatches
 from denoised_gpt.evaluation.attention_noise import PARTS, attention_noise
 from denoised_gpt.evaluation.recall import answer_accuracy
-from helpers import NO_AUTOCAST, run_script_in_process, tiny_checkpoint
+from helpers import NO_AUTOCAST, eval_losses, run_script_in_process, run_train_in_process, tiny_checkpoint
 from naive_attention import naive_part_shares
 from test_attention_noise import peaked_model
 
@@ -93,6 +94,39 @@ def test_the_same_seeds_give_the_same_bytes(tmp_path):
     _, again = prepare(tmp_path / 'b')
     for name in ('train.bin', 'val_labels.bin', 'val_needles.bin'):
         assert (first / name).read_bytes() == (again / name).read_bytes()
+
+
+def test_answers_only_keeps_exactly_the_labels_a_preparation_without_text_labels_writes(tmp_path):
+    # the same seeds with and without --text_labels: the same tokens, and labels that differ on the text alone
+    _, labelled = prepare(tmp_path / 'with', '--text_labels')
+    _, answers = prepare(tmp_path / 'without')
+    assert (labelled / 'val.bin').read_bytes() == (answers / 'val.bin').read_bytes()
+    for split in ('train', 'val'):
+        with_text, without = (TokenBatches(str(d), split, T, 16) for d in (labelled, answers))
+        x, y = with_text.get_batch(torch.Generator().manual_seed(3))
+        x_answers, y_answers = without.get_batch(torch.Generator().manual_seed(3))
+        assert torch.equal(x, x_answers) and (y >= 0).sum() > (y_answers >= 0).sum()  # the text is labelled
+        assert torch.equal(with_text.layout.answers_only(y), y_answers)
+        assert torch.equal(without.layout.answers_only(y_answers), y_answers)  # already the answers alone
+
+
+def test_train_evaluates_the_answers_alone_where_asked(tmp_path):
+    _, labelled = prepare(tmp_path / 'with', '--text_labels')
+    _, answers = prepare(tmp_path / 'without')
+    common = ['--max_iters=0', f'--block_size={T}', '--device=cpu', '--dtype=float32', '--compile=False']
+    val = {}
+    for name, data, extra in [('answers only', labelled, ['--eval_answers_only=True']), ('all labels', labelled, []),
+                              ('answer data', answers, [])]:
+        r = run_train_in_process(tmp_path / name, data, *common, *extra)
+        val[name] = eval_losses(r.stdout)[0]
+        assert ('(answers only)' in r.stdout) == bool(extra)
+    # at the same initial weights: the text-labelled data's answers score what the answers-only data scores
+    assert val['answers only'] == val['answer data'] != val['all labels']
+    # a dataset without answers: one line, before any work
+    r = run_train_in_process(tmp_path / 'text-run', tmp_path / 'with' / 'text', *common, '--eval_answers_only=True',
+                             expect_rc=2)
+    assert r.stderr.count('\n') == 1 and 'eval_answers_only=True' in r.stderr and 'has no answers' in r.stderr
+    assert 'number of parameters' not in r.stdout and not (tmp_path / 'text-run').exists()
 
 
 @pytest.mark.parametrize('args, message', [

@@ -392,7 +392,9 @@ def test_compare_sweeps_a_grid_and_reports_accuracy(mqar, tmp_path):
     and attention-share tables and their paired readings read from each run's recall.json and
     attention_noise.json."""
     out = tmp_path / "sweep"
-    overrides = f"--dataset={mqar} --max_iters=6 --lr_decay_iters=6 --eval_interval=3 --eval_iters=2"
+    # (eval_answers_only: every label of MQAR is an answer already; the report says what its val loss is)
+    overrides = f"--dataset={mqar} --max_iters=6 --lr_decay_iters=6 --eval_interval=3 --eval_iters=2 " \
+                "--eval_answers_only=True"
     # compare.py in this process (its train.py and eval.py runs are processes all the same)
     args = [f"--base_config={TINY}", f"--overrides={overrides}", "--attn_types=base,linear", "--seeds=1",
             "--grid=--n_embd=16,--n_embd=32", "--samples=False", "--jobs=2", f"--out_dir={out}"]
@@ -434,6 +436,7 @@ def test_compare_sweeps_a_grid_and_reports_accuracy(mqar, tmp_path):
         assert base["accuracy"]["values"] == [theirs[1]]
         line = next(line for line in report.splitlines() if line.startswith(f"| `linear n_embd={width}` | 0."))
         assert f"| {mine[1]:.3f} | {mine[1]:.3f} | " in line
+    assert "the same fixed batches for every run; over the answers alone, eval_answers_only)" in report
     assert "## Answer accuracy (recall)" in report and (out / "report" / "accuracy.png").stat().st_size > 0
     assert "## Where attention goes" in report and (out / "report" / "attention.png").stat().st_size > 0
     # two widths on the same data (one filler length): a line per width, never their average
