@@ -227,7 +227,7 @@ def read_checkpoint(out_dir_or_file, map_location='cpu', metadata_only=False, mo
     tensors are not read (nor checked against their CRC-32s).
     model_only: for running the model (sample.py, eval.py): memory-mapped too, and only the model's
     tensors are read, from their records into memory (never through the mapping: a file cut short in place is
-    one line, not SIGBUS), and checked against their CRC-32s; the optimizer state is never read.
+    one line, not SIGBUS), and checked against their CRC-32s; the optimizer state is never read (None).
     trust_old_format: a sharded checkpoint of the earlier format is read with DCP's own reader, which unpickles
     its metadata (sharded_checkpoint.read_old_format): only for a folder the user trusts (convert_checkpoint.py)."""
     path = checkpoint_path(out_dir_or_file)
@@ -307,7 +307,10 @@ def _read_checkpoint_file(f, path, map_location, metadata_only, model_only, use_
         mmap = (metadata_only or model_only) and zipfile.is_zipfile(opened)  # torch maps only its zip format
         ckpt = torch.load(opened, map_location=map_location, weights_only=True, mmap=mmap)
         if mmap and not metadata_only and isinstance(ckpt, dict) and isinstance(ckpt.get('model'), dict):
-            return ckpt, _read_model_tensors(f, ckpt)
+            damaged = _read_model_tensors(f, ckpt)
+            if 'optimizer' in ckpt:  # never read, and not left as views of the mapping (as a sharded read)
+                ckpt['optimizer'] = None
+            return ckpt, damaged
         damaged = None if metadata_only else first_damaged_record(opened)
         return ckpt, damaged and f"{damaged} does not match its CRC-32"
     except pickle.UnpicklingError as e:

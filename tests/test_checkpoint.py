@@ -382,6 +382,7 @@ def test_running_the_model_reads_only_its_tensors_and_still_refuses_a_damaged_on
     # a flipped byte in the optimizer state: sample.py / eval.py never read it; a resume does
     flip_byte_in(tmp_path / 'opt' / 'ckpt.pt', optimizer.state_dict()['state'][0]['exp_avg_sq'])
     loaded = read_checkpoint(tmp_path / 'opt', model_only=True)[1]
+    assert loaded['optimizer'] is None  # not even as views of the file's mapping
     for k, v in model.state_dict().items():
         assert torch.equal(loaded['model'][k], v), k
     with pytest.raises(CheckpointError, match="truncated or corrupt"):
