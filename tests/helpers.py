@@ -144,6 +144,21 @@ def run_script_in_process(script, args, env=None):
     return subprocess.CompletedProcess([script, *args], rc, out.getvalue(), err.getvalue())
 
 
+@contextlib.contextmanager
+def ends_if_it_hangs(seconds, what):
+    """Inside, SIGALRM raises TimeoutError(what) after `seconds`: a test of a read that must never block (a FIFO
+    swapped in) fails instead of hanging."""
+    def hung(*args):
+        raise TimeoutError(what)
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 ITER_LINE = re.compile(r"^iter (\d+): loss (\S+), ce (\S+), kl (\S+),", re.M)
 EVAL_LINE = re.compile(r"^step (\d+): train loss (\S+), val loss (\S+)", re.M)
 

@@ -6,7 +6,6 @@ whose zip parts overlap or inflate, and for a counter whose repr would be huge."
 import json
 import os
 import shutil
-import signal
 import struct
 import subprocess
 import sys
@@ -18,7 +17,7 @@ import torch
 from denoised_gpt import checkpoint as checkpoint_module, sharded_checkpoint
 from denoised_gpt.checkpoint import CheckpointError, checkpoint_path, read_checkpoint, save_checkpoint
 from denoised_gpt.sharded_checkpoint import HOLE_SLACK, checkpoint_as_sharded, load_sharded_state, save_sharded
-from helpers import ROOT, subprocess_env, tiny_gpt
+from helpers import ROOT, ends_if_it_hangs, subprocess_env, tiny_gpt
 from test_sharded_checkpoint import assert_same_checkpoint, trained_checkpoint
 
 WTE = 'model.transformer.wte.weight'  # (48, 32) float32 in trained_checkpoint's model
@@ -299,15 +298,8 @@ def test_a_fifo_swapped_in_after_the_file_is_opened_is_never_read(source, tmp_pa
 
     monkeypatch.setattr(sharded_checkpoint, 'open_regular', open_then_swap)
 
-    def hung(*args):
-        raise TimeoutError("the reader opened the FIFO")
-    previous = signal.signal(signal.SIGALRM, hung)
-    signal.alarm(60)
-    try:
+    with ends_if_it_hangs(60, "the reader opened the FIFO"):
         loaded = read_checkpoint(folder)[1]
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
     assert (folder / 'rank-00000.safetensors').is_fifo()
     assert_same_checkpoint(loaded, read_checkpoint(source / 'ckpt.pt')[1])
 

@@ -11,7 +11,6 @@ import os
 import pickle
 import re
 import shutil
-import signal
 import struct
 import subprocess
 import sys
@@ -24,7 +23,7 @@ import torch
 from denoised_gpt import checkpoint as checkpoint_module
 from denoised_gpt.checkpoint import CheckpointError, checkpoint_path, read_checkpoint
 from denoised_gpt.sharded_checkpoint import checkpoint_as_sharded, save_sharded
-from helpers import ROOT, make_dataset, run_script_in_process, subprocess_env
+from helpers import ROOT, ends_if_it_hangs, make_dataset, run_script_in_process, subprocess_env
 from test_sample import CreatesFile
 from test_sharded_checkpoint import assert_same_checkpoint, trained_checkpoint
 
@@ -654,13 +653,6 @@ def test_a_fifo_swapped_in_while_checkpoint_path_looks_at_ckpt_pt_is_never_read(
 
     monkeypatch.setattr(checkpoint_module, 'check_zip_parts', check_then_swap)
 
-    def hung(*args):
-        raise TimeoutError("the FIFO was opened")
-    previous = signal.signal(signal.SIGALRM, hung)
-    signal.alarm(30)
-    try:
+    with ends_if_it_hangs(30, "the FIFO was opened"):
         assert checkpoint_path(out) == str(folder_of(out))  # as new as ckpt.pt, as the file it opened said
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
     assert (out / 'ckpt.pt').is_fifo()
