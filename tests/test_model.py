@@ -578,6 +578,8 @@ OUT_OF_RANGE_CONFIGS = [  # each was accepted, to fail later as a torch error or
     (dict(block_size=0), "block_size=0 must be at least 1"),
     (dict(vocab_size=-5), "vocab_size=-5 must be at least 1"),
     (dict(n_layer=0), "n_layer=0 must be at least 1"),
+    (dict(n_layer=12 * 10 ** 9), "n_layer=12000000000 is over 10,000 layers"),
+    (dict(n_layer=2 ** 63), f"n_layer={2 ** 63} is over 10,000 layers"),
     (dict(n_embd=0), "n_embd=0 must be at least 1"),
     (dict(n_embd=-24), "n_embd=-24 must be at least 1"),
 ]
