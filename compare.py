@@ -802,7 +802,7 @@ def recall_results(run, attention=True):
         result.update({f'{part}_share': look[part] for part in SHARE_PARTS},
                       lookup_head=f"L{look['layer']}h{look['head']}",
                       **{f'layer_{part}_share': layer[part] for part in SHARE_PARTS},
-                      reading_layer=f"L{layer['layer']}",
+                      reading_layer=f"L{layer['layer']}", part_words=shares.get('part_words'),
                       filler_length=sum(int(k) * v['answers'] for k, v in shares['by_filler'].items()) / shares['answers'])
     return result
 

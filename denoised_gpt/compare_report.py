@@ -9,6 +9,7 @@ import os
 import matplotlib
 
 from denoised_gpt.evaluation import mean_std
+from denoised_gpt.evaluation.attention_noise import PART_WORDS
 from denoised_gpt.files import write_atomically
 
 matplotlib.use('Agg')  # files only, no display needed
@@ -206,7 +207,7 @@ def plot_against_filler(results, report_dir):
     reading layer's share on noise (other pairs, earlier queries and filler) against the examples' filler
     length (the grid points' datasets), one line per attn_type: mean over seeds, bars = min..max. The lines
     are shifted apart sideways a little, so that bars at one length do not hide each other."""
-    lines = filler_lines(results)
+    lines, words = filler_lines(results), data_words(results)
     lengths = sorted({r['filler_length'] for line in lines.values() for r in line})
     shift = 0.012 * ((lengths[-1] - lengths[0]) or 1) if lengths else 0
     fig, axes = plt.subplots(1, 4, figsize=(24, 4.5))
@@ -226,7 +227,7 @@ def plot_against_filler(results, report_dir):
                                        [max(v) - m for m, v in zip(mean, table)]],
                         color=f'C{i % 10}', marker='o', markersize=4, capsize=3, label=label)
         ax.set_xticks(lengths)
-        ax.set_xlabel('filler tokens per example (neither pairs nor queries)')
+        ax.set_xlabel(f"{words['filler']} tokens per example (neither {words['unit']} nor queries)")
         ax.set_ylabel(f'{what}\n(mean over seeds, bars = min..max)')
         ax.set_ylim(0, 1.02 if key != 'layer_noise_share' else None)  # the noise's share: small, zoomed in
         ax.grid(alpha=0.3)
@@ -442,6 +443,15 @@ def stop_lines(results, target, max_iters):
     return lines
 
 
+def data_words(results):
+    """The recall parts as the runs' data names them (eval.py's part_words: a needle dataset's 'other needles' and
+    'text'), and 'unit', what an example holds N of ('pairs', 'needles'); MQAR's where the runs do not all agree."""
+    said = {tuple(sorted(r['part_words'].items())) if r.get('part_words') else None
+            for r in results if 'filler_length' in r}
+    words = dict(said.pop()) if len(said) == 1 and None not in said else dict(PART_WORDS['mqar'])
+    return dict(words, unit=words['pairs'].removeprefix('other '))
+
+
 def filler_lines(results):
     """{line label: runs} for attention.png: one line per attn_type across the grid points, whose datasets
     differ in filler length; where one attn_type has several points at the same filler length (a grid over
@@ -479,10 +489,10 @@ def value_and_key(summary, prefix):
 def share_table(shares, results, prefix, answer, chosen, key):
     """attention_lines' table of the parts' shares at each run's lookup head (prefix '') or reading layer
     ('layer_'): answer and chosen name the columns, key the run's field naming its head or layer."""
-    parts = ('noise', 'pairs', 'own', 'queries', 'filler')
+    parts, words = ('noise', 'pairs', 'own', 'queries', 'filler'), data_words(results)
     return table(
-        ['variant', 'filler tokens', answer, 'value (signed)', 'key (signed)', 'signed value, per seed',
-         f'{chosen} per seed', 'noise', 'other pairs', 'own token', 'earlier queries', 'filler',
+        ['variant', f"{words['filler']} tokens", answer, 'value (signed)', 'key (signed)', 'signed value, per seed',
+         f'{chosen} per seed', 'noise', *(words[part] for part in parts[1:]),
          'reading (signed value)', 'reading (noise)'],
         [[f"`{variant}`", f"{s['filler_length']['mean']:g}",
           f"{fmt(s[f'{prefix}answer_share'], 3)} ({fmt(s[f'{prefix}signed_answer_share'], 3)})",
@@ -493,17 +503,22 @@ def share_table(shares, results, prefix, answer, chosen, key):
          for variant, s in shares.items()])
 
 
-def attention_lines(summary, results, plots):
-    """The report's section on where attention goes (recall data), or [] without it."""
+def attention_lines(summary, results, plots, target=None):
+    """The report's section on where attention goes (recall data), or [] without it. target: stop_at_val_loss."""
     shares = {a: s for a, s in summary.items() if 'signed_answer_share' in s}
     if not shares:
         return []
+    w = data_words(results)
     lines = ["## Where attention goes: the answer against attention noise (recall)", "",
-             "eval.py --attention_noise=True on each run's final checkpoint (docs/eval.md): every answer's "
-             "effective attention row (the weights that multiply V), split into the answer (the queried key and "
-             "its value in the pairs), the other pairs, the query's own token (it holds the key being asked: part "
-             "of the lookup, not noise), the earlier queries and the filler, as shares of the row's absolute mass; "
-             "noise = other pairs + earlier queries + filler. The answer is read apart too: its value (what the "
+             "eval.py --attention_noise=True on each run's final checkpoint (docs/eval.md)"
+             + (f", which for a run that reached val loss {target:g} is where it stopped, so every such model is read "
+                f"at the same val loss (one that did not is read at max_iters: its accuracy says how far it got)"
+                if target else "") + ": every answer's "
+             f"effective attention row (the weights that multiply V), split into the answer (the queried key and "
+             f"its value in the {w['unit']}), the {w['pairs']}, the query's own token (it holds the key being asked: "
+             f"part of the lookup, not noise), the earlier queries and the {w['filler']}, as shares of the row's "
+             f"absolute mass; noise = {w['pairs']} + earlier queries + {w['filler']}. The answer is read apart too: "
+             "its value (what the "
              "lookup carries into the output) and its key (what the query is matched against). A signed share is "
              "the part's signed weight over the same mass: negative where the row subtracts it. Each run is read at "
              "its lookup head, the layer and head with the highest mean signed value share over all validation "
@@ -577,19 +592,19 @@ def write_report(report_dir, summary, results, failures, samples, plots, setup):
                         for attn_type, p in paired.items()]) + [""]
     accuracy = {a: s for a, s in summary.items() if 'accuracy' in s}
     if accuracy:
-        pairs = list(next(iter(accuracy.values()))['accuracy_by_pairs'])
+        pairs, unit = list(next(iter(accuracy.values()))['accuracy_by_pairs']), data_words(results)['unit']
         lines += ["## Answer accuracy (recall)", "",
                   "eval.py --recall=True on each run's final checkpoint: the share of answers in every validation "
                   "example that the model's most likely next token gets right; overall and by the example's number "
-                  "of key-value pairs (mean ± sample standard deviation over seeds). Reading: the accuracy minus "
+                  f"of key-value {unit} (mean ± sample standard deviation over seeds). Reading: the accuracy minus "
                   "base's at the same point, seed by seed, as for the val loss.", ""]
-        lines += table(['variant', 'accuracy', 'per seed', *(f"{p} pairs" for p in pairs), 'reading'],
+        lines += table(['variant', 'accuracy', 'per seed', *(f"{p} {unit}" for p in pairs), 'reading'],
                        [[f"`{variant}`", fmt(s['accuracy'], 3), per_seed(s['accuracy']),
                          *(fmt(s['accuracy_by_pairs'][p], 3) if p in s['accuracy_by_pairs'] else '' for p in pairs),
                          paired_reading(s, 'accuracy')] for variant, s in accuracy.items()]) + [""]
         if 'accuracy' in plots:
             lines += [f"![answer accuracy against the number of key-value pairs]({plots['accuracy']})", ""]
-    lines += attention_lines(summary, results, plots)
+    lines += attention_lines(summary, results, plots, setup.get('stop_at_val_loss'))
     lines += retrieval_lines(summary, results, plots)
     if setup.get('changes'):
         lines += ["## Settings changed during the sweep", "",

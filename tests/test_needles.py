@@ -13,7 +13,8 @@ import torch
 from denoised_gpt.batches import TokenBatches
 from denoised_gpt.evaluation.attention_noise import PARTS, attention_noise
 from denoised_gpt.evaluation.recall import answer_accuracy
-from helpers import NO_AUTOCAST, eval_losses, run_script_in_process, run_train_in_process, tiny_checkpoint
+from helpers import (NO_AUTOCAST, SCRIPT_VARIABLES, TINY, eval_losses, run_script_in_process, run_train_in_process,
+                     tiny_checkpoint)
 from naive_attention import naive_part_shares
 from test_attention_noise import peaked_model
 
@@ -228,3 +229,26 @@ def test_eval_reads_needles_as_a_user_runs_it(tmp_path):
     recall = json.loads((tmp_path / 'out' / 'recall.json').read_text())
     expected = answer_accuracy(model.eval(), str(folder), 8, 'cpu', NO_AUTOCAST)
     assert recall['answers'] == 8 * N and recall['accuracy'] == pytest.approx(expected['accuracy'])
+
+
+@pytest.mark.slow
+def test_compare_reports_needles_in_their_own_words_read_where_each_run_stopped(tmp_path):
+    """compare.py over a needle dataset: its tables name the text and the other needles (not MQAR's filler and
+    pairs), and say that a run that reached stop_at_val_loss (here on the answers alone) is read where it stopped."""
+    _, folder = prepare(tmp_path, '--text_labels', examples=16)
+    out = tmp_path / 'sweep'
+    overrides = (f"--dataset={folder} --block_size={T} --max_iters=8 --lr_decay_iters=8 --eval_interval=4 "
+                 "--eval_iters=2 --eval_answers_only=True --stop_at_val_loss=50")  # reached at the first evaluation
+    args = [f"--base_config={TINY}", f"--overrides={overrides}", "--attn_types=base,diff", "--seeds=1",
+            "--samples=False", f"--out_dir={out}"]
+    proc = run_script_in_process("compare.py", args, env=SCRIPT_VARIABLES)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = (out / "report" / "report.md").read_text()
+    results = json.loads((out / "report" / "results.json").read_text())
+    assert all(r['reached_target'] and r['final_iter'] == 0 for r in results['runs'])
+    header = next(line for line in report.splitlines() if line.startswith('| variant | text tokens |'))
+    assert '| other needles | own token | earlier queries | text |' in header
+    assert 'filler' not in header and 'other pairs' not in header
+    assert f"| variant | accuracy | per seed | {N} needles | reading |" in report
+    assert "which for a run that reached val loss 50 is where it stopped" in report
+    assert "noise = other needles + earlier queries + text" in report
