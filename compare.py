@@ -731,8 +731,8 @@ def train_all(runs, rivals=None):
                 with contextlib.suppress(ProcessLookupError):
                     proc.send_signal(signal.SIGTERM)
             say("stopping: the runs save a checkpoint and exit (Ctrl-C again to quit at once)")
-            pool.shutdown(wait=False, cancel_futures=True)
-            while wait(futures, timeout=1).not_done:  # (as above; a second Ctrl-C meanwhile is quit_now's)
+            pool.shutdown(wait=False, cancel_futures=True)  # runs waiting for a slot: cancelled, never done
+            while wait([f for f in futures if not f.cancelled()], timeout=1).not_done:  # (a second Ctrl-C: quit_now)
                 pass
             progress.bar.close()
             say("interrupted: run the same command again to continue the sweep")

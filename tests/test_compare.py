@@ -256,9 +256,10 @@ def test_a_signal_to_compare_alone_checkpoints_its_runs_and_ends(sweep, sig, to_
 
 def start_endless_run(out, data, preexec_fn=None):
     """compare.py as a process of its own, training one run of 10^6 iterations (stderr a pipe), once that run
-    has saved its first checkpoint; returns (the process, the run's train.log)."""
+    has saved its first checkpoint, with a second run waiting for its job slot (a stop must not wait for it);
+    returns (the process, the first run's train.log)."""
     overrides = f"--dataset={data} --max_iters=1000000 --lr_decay_iters=1000000 --eval_interval=8 --eval_iters=2"
-    args = [f'--base_config={TINY}', f'--overrides={overrides}', '--attn_types=base', '--seeds=1',
+    args = [f'--base_config={TINY}', f'--overrides={overrides}', '--attn_types=base', '--seeds=1,2',
             f'--out_dir={out}', '--samples=False']
     proc = subprocess.Popen([sys.executable, 'compare.py', *args], cwd=ROOT, env=subprocess_env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, preexec_fn=preexec_fn)
