@@ -80,7 +80,7 @@ class GPTConfig:
                 raise ValueError(f"GPTConfig.{name}={getattr(self, name)} must be at least 1")
         if self.n_layer > 10_000:  # built a layer at a time: a count past any model would run for hours, not fail
             raise ValueError(f"GPTConfig.n_layer={self.n_layer} is over 10,000 layers (GPT-3 has 96): building them "
-                             f"would not end; choose fewer")
+                             f"would run for hours or exhaust memory; choose fewer")
         if not 0 <= self.dropout < 1:
             raise ValueError(f"GPTConfig.dropout={self.dropout} must be in [0, 1) (a probability)")
         attn_cls.check_config(self)

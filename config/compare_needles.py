@@ -5,13 +5,15 @@
 # of the haystack): 20 and 52 text tokens at sequence lengths 32 and 64. Each variant tuned at length 32 on two
 # seeds, then three seeds at its choice at both lengths. Every run is evaluated on its answers alone
 # (eval_answers_only) and ends at the first evaluation whose answer val loss is <= 0.1 (base's first run stood at
-# 0.056 with 0.979 of the answers right): every model that gets there is read at that same loss. The report gives answer accuracy and the lookup
-# head's and reading layer's shares on the answer value, the answer key and the text, paired with base seed by seed.
+# 0.056 with 0.979 of the answers right): every model that gets there is read at that same loss. The report gives
+# answer accuracy and the lookup head's and reading layer's shares on the answer value, the answer key and the text,
+# paired with base seed by seed.
 # $ for T in 32 64; do python3 data/needles/prepare.py --text data/shakespeare_char --seq_len $T --num_needles 4 \
 #       --text_labels --train_examples 200000 --out_dir data/needles-$T; done
 # $ python3 compare.py config/compare_needles.py
-# Run it again after an interruption: it resumes. Cost on the 2-core CPU: a length-32 run of 20,000 iterations takes
-# about 15 minutes on one thread (two at a time), a length-64 run about twice that: some 15 core-hours at most.
+# Run it again after an interruption: it resumes. Cost on the 2-core CPU (two one-thread runs at a time): a length-32
+# run of 20,000 iterations took 25-31 minutes (base reached the target at about 11,000 in 14), a length-64 run about
+# twice that: some 30 core-hours at most, less where runs stop at the target.
 # Literal assignments only; every key is one of compare.py's settings.
 
 attn_types = ['base', 'diff', 'dint', 'noiseformer_v2']  # the baseline and three that claim to denoise

@@ -107,7 +107,10 @@ class ExampleLayout:
         self.labels_path = os.path.join(data_dir, f"{split}_labels.bin") if meta.get("labels") else None
         # needle data whose text is labelled too: its answers are the labels from the first value id up (the
         # text's ids lie below); None where every label is an answer, or there are no labels
-        self.first_answer_id = meta["value_ids"][0] if meta.get("text_labels") and "value_ids" in meta else None
+        if meta.get("text_labels") and "value_ids" not in meta:
+            raise ValueError(f"{data_dir}/meta.json says its text is labelled but not which ids are the answers "
+                             f"(value_ids): run data/needles/prepare.py again")
+        self.first_answer_id = meta["value_ids"][0] if meta.get("text_labels") else None
 
     def answers_only(self, y):
         """The targets y with every label but the answers -1 (not scored)."""

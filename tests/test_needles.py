@@ -109,6 +109,11 @@ def test_answers_only_keeps_exactly_the_labels_a_preparation_without_text_labels
         assert torch.equal(x, x_answers) and (y >= 0).sum() > (y_answers >= 0).sum()  # the text is labelled
         assert torch.equal(with_text.layout.answers_only(y), y_answers)
         assert torch.equal(without.layout.answers_only(y_answers), y_answers)  # already the answers alone
+    # a meta.json that labels the text but does not say which ids answer: refused, not scored as all labels
+    meta = json.loads((labelled / 'meta.json').read_text())
+    (labelled / 'meta.json').write_text(json.dumps({k: v for k, v in meta.items() if k != 'value_ids'}))
+    with pytest.raises(ValueError, match=r"says its text is labelled but not which ids are the answers \(value_ids\)"):
+        TokenBatches(str(labelled), 'val', T, 16)
 
 
 def test_train_evaluates_the_answers_alone_where_asked(tmp_path):
