@@ -128,6 +128,31 @@ def test_shares_equal_a_float64_computation_from_the_equations(tmp_path, attn_ty
     assert all((v['lookup']['layer'], v['lookup']['head']) == (layer, head) for v in r['by_pairs'].values())
 
 
+@pytest.mark.parametrize('attn_type', ['base', 'diff', 'dint'])
+def test_shares_by_offset_from_the_key_equal_a_float64_computation(tmp_path, attn_type):
+    """by_offset: the signed share of the key at each offset from the queried key (+2: the token after the value,
+    where a lookup reads a value its layer below moved forward), per head and per layer as a whole, against
+    naive_part_shares with that one key as the part read; 0 where the offset falls outside 0 .. query - 1."""
+    data = write_examples(tmp_path / 'data', EXAMPLES)
+    model = peaked_model(attn_type)
+    torch.manual_seed(3)
+    r = attention_noise(model, str(data), 8, 'cpu', NO_AUTOCAST)
+    idx = torch.tensor([t[:T] for t, _ in EXAMPLES])
+    signed = PARTS.index('signed_value')
+    for offset in (-1, 2, 3):
+        queries = [(row, p, lambda j, p=p, at=key_at + offset: 3 if j == p else 0 if j == at else 2)
+                   for row, asked in enumerate(ANSWERS) for p, key_at, _ in asked]
+        heads, layers = naive_part_shares(model, idx, 3, queries, parts=4)
+        got = r['by_offset'][f'{offset:+d}']
+        assert torch.allclose(torch.tensor(got['heads'], dtype=torch.float64), heads[..., signed], atol=1e-12)
+        assert torch.allclose(torch.tensor(got['layers'], dtype=torch.float64), layers[:, signed], atol=1e-12)
+        assert heads[..., signed].abs().max() > 1e-3  # some head puts weight there: equality says something
+    # the value and the key themselves: the signed shares the parts give them
+    for offset, part in (('+1', 'signed_value'), ('+0', 'signed_key')):
+        for kind, parts in (('heads', r['shares']), ('layers', r['layer_shares'])):
+            assert torch.allclose(torch.tensor(r['by_offset'][offset][kind]), torch.tensor(parts[part]), atol=1e-12)
+
+
 @pytest.mark.parametrize('attn_type', list(ATTENTION_TYPES))
 def test_no_share_comes_from_a_later_token(tmp_path, attn_type):
     """Tokens after every query changed: no query's shares move (a map with weight on a later key, or a

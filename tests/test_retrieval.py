@@ -156,8 +156,8 @@ def test_no_share_comes_from_a_later_token(attn_type):
         measured = []
         for tokens in (x, later, earlier):
             torch.manual_seed(3)
-            heads, layers = layer_part_shares(model, tokens, torch.tensor([0]), torch.tensor([p]),
-                                              copy_parts(L, K, a, torch.tensor([i])), 'cpu', NO_AUTOCAST)
+            heads, layers, _ = layer_part_shares(model, tokens, torch.tensor([0]), torch.tensor([p]),
+                                                 copy_parts(L, K, a, torch.tensor([i])), 'cpu', NO_AUTOCAST)
             measured.append(torch.cat([heads.flatten(), layers.flatten()]))
         assert torch.equal(measured[0], measured[1])
         assert not torch.equal(measured[0], measured[2])  # while an earlier token reaches them

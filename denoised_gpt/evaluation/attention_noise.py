@@ -35,6 +35,11 @@ c_proj's bias aside, so that sum_j u_pj is the layer's attention output at p. A 
 sum_{j in part} |u_pj| / sum_{j <= p} |u_pj|: heads that cancel on a key cancel in its share. Its signed
 answer share is the answer's additions along the layer's output, sum_{j in answer} u_pj . o_p / |o_p| over
 the same denominator (o_p = sum_j u_pj): negative where the layer subtracts what the answer would add.
+
+The parts are positions, and above the first layer a position holds more than its token: a head of the layer
+below that reads each token's previous one gives the token after the value that value, and a lookup can read
+it there (DIFF and DINT do on MQAR, docs/recall.md), where the parts count it as another pair or filler.
+`by_offset` gives the signed shares of the keys at OFFSETS from the queried key, per head and per layer.
 """
 import numpy as np
 import torch
@@ -44,6 +49,9 @@ from denoised_gpt.evaluation.recall import dataset_task, distance_bucket, valida
 
 PARTS = ('value', 'key', 'pairs', 'own', 'queries', 'filler', 'answer', 'noise', 'signed_value', 'signed_key',
          'signed_answer')  # the six parts (recall_parts' order), then part_shares' sums and signed shares
+# where a lookup can read besides the value: keys at these offsets from the queried key (+1 its value, +2 the token
+# after it, which a layer below may have given the value by attending to its previous token)
+OFFSETS = (-1, 0, 1, 2, 3)
 RANKED_BY = 'signed_value'  # the lookup head, each layer's best head and the reading layer
 # the parts in words, by task: a needle dataset's pairs are needles in a text
 PART_WORDS = {'mqar': dict(value='answer value', key='answer key', pairs='other pairs', own='own token',
@@ -94,19 +102,36 @@ def uniform_shares(masks, at):
     return torch.stack([m.sum(-1) for m in masks], dim=-1).double() / (at + 1)[:, None]
 
 
-def layer_part_shares(model, x, b, at, masks, device, ctx):
+def layer_part_shares(model, x, b, at, masks, device, ctx, positions=None):
     """The part_shares of Q queries, at every layer: x (B, T) token ids; b, at (Q,) each query's row of x and
     position; masks: its parts (part_shares). -> ((Q, layers, heads, parts) per head, (Q, layers, parts) the
-    layer as a whole, by what each key adds to its output)."""
+    layer as a whole, by what each key adds to its output, and, for positions (Q, K), the signed shares of those
+    keys over the same masses (signed_shares_at), (Q, layers, heads + 1, K) with the layer as a whole last;
+    None without positions)."""
     b_on, at_on = b.to(device), at.to(device)
-    per_layer, whole_layer = [], []
+    per_layer, whole_layer, at_positions = [], [], []
     with ctx:
         for _, attn, h in attention_inputs(model, x.to(device)):
             rows = effective_map(attn.attention_maps(h))[b_on, :, at_on, :]
             per_layer.append(part_shares(rows.cpu(), masks))
             norms, along = contributions(attn, rows, attn.value_heads(h)[b_on])
             whole_layer.append(part_shares(norms[:, None, :].cpu(), masks, signed=along[:, None, :].cpu())[:, 0])
-    return torch.stack(per_layer, dim=1), torch.stack(whole_layer, dim=1)
+            if positions is not None:
+                signed, mass = torch.cat([rows, along[:, None, :]], 1), torch.cat([rows, norms[:, None, :]], 1)
+                at_positions.append(signed_shares_at(signed.cpu(), mass.cpu(), masks, positions, at))
+    return (torch.stack(per_layer, dim=1), torch.stack(whole_layer, dim=1),
+            None if positions is None else torch.stack(at_positions, dim=1))
+
+
+def signed_shares_at(signed, mass, masks, positions, at):
+    """signed, mass (Q, rows, T): the signed weights, and those whose absolute sum over the keys up to the query
+    is the denominator (part_shares'); positions (Q, K) key positions. -> (Q, rows, K) float64: each position's
+    signed share, 0 where it does not stand before the query at (Q,)."""
+    visible = torch.stack(masks).any(0)[:, None, :]
+    total = (mass.double().abs() * visible).sum(-1).clamp_min(1e-300)
+    before = (positions >= 0) & (positions < at[:, None])
+    index = positions.clamp(0, signed.size(-1) - 1)[:, None, :].expand(-1, signed.size(1), -1)
+    return signed.double().gather(-1, index) * before[:, None, :] / total[..., None]
 
 
 def contributions(attn, rows, values):
@@ -129,11 +154,12 @@ def attention_noise(model, data_dir, batch_size, device, ctx, split="val"):
     """Per layer and head, the mean share of each part (module docstring) over every answer of the split's
     examples; the best head of each layer (highest signed value share) and the best overall (the `lookup`
     head); each layer's shares as a whole and the best layer (the `reading_layer`); a uniform row's shares;
-    and, by number of pairs, by the example's filler length and by query distance, the same means.
-    ValueError when data_dir is not a recall dataset."""
+    by_offset: the signed shares of the keys at OFFSETS from the queried key; and, by number of pairs, by the
+    example's filler length and by query distance, the same means. ValueError when data_dir is not a recall
+    dataset."""
     examples, batches = validation_examples(model, data_dir, batch_size, split)
-    # per answer: (layers, heads, parts), (layers, parts), a uniform row's parts, its groups
-    shares, layer_shares, uniform, groups = [], [], [], []
+    # per answer: (layers, heads, parts), (layers, parts), (layers, heads + 1, offsets), a uniform row's parts, groups
+    shares, layer_shares, by_offset, uniform, groups = [], [], [], [], []
     for x, y, asked in batches:
         found = [(row, p, key_at, len(a)) for row, a in enumerate(asked) for p, key_at in a]
         if not found:  # examples without a labelled answer have nothing to measure
@@ -144,7 +170,9 @@ def attention_noise(model, data_dir, batch_size, device, ctx, split="val"):
             asked_at[row, p] = needles[row, key_at] = needles[row, key_at + 1] = True
         b, at, key_at, pairs = (torch.tensor(c, dtype=torch.long) for c in zip(*found))
         masks = recall_parts(x.size(1), key_at, needles[b], at, asked_at[b])
-        per_head, whole = layer_part_shares(model, x, b, at, masks, device, ctx)
+        per_head, whole, offsets = layer_part_shares(model, x, b, at, masks, device, ctx,
+                                                     positions=key_at[:, None] + torch.tensor(OFFSETS))
+        by_offset.append(offsets)
         uniform.append(uniform_shares(masks, at))
         shares.append(per_head)  # (Q, layers, heads, parts)
         layer_shares.append(whole)  # (Q, layers, layer parts)
@@ -155,6 +183,9 @@ def attention_noise(model, data_dir, batch_size, device, ctx, split="val"):
     shares, layer_shares, uniform = torch.cat(shares), torch.cat(layer_shares), torch.cat(uniform)
     result = dict(normalisation='abs', parts=list(PARTS), ranked_by=RANKED_BY, examples=examples,
                   part_words=PART_WORDS[dataset_task(data_dir)], **summary(shares, layer_shares, uniform=uniform))
+    mean = torch.cat(by_offset).mean(0)  # (layers, heads + 1, offsets)
+    result['by_offset'] = {f'{o:+d}': dict(heads=mean[:, :-1, i].tolist(), layers=mean[:, -1, i].tolist())
+                           for i, o in enumerate(OFFSETS)}
     lookup = (result['lookup']['layer'], result['lookup']['head'])
     reading = result['reading_layer']['layer']
     for name, column, order in (('by_pairs', 0, int), ('by_filler', 1, int),

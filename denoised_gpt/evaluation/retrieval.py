@@ -118,7 +118,7 @@ def retrieval(model, path, batch_size, device, ctx, span=SPAN, distances=None, p
         b = torch.arange(len(x)).repeat_interleave(span - 1)  # every copy position of every row
         offset = offsets.repeat(len(x))
         masks = copy_parts(length, span, first[i:i + batch_size][b], offset)
-        per_head, whole = layer_part_shares(model, x, b, length - span + offset, masks, device, ctx)
+        per_head, whole, _ = layer_part_shares(model, x, b, length - span + offset, masks, device, ctx)
         uniform.append(uniform_shares(masks, length - span + offset))
         shares.append(per_head)
         layer_shares.append(whole)
