@@ -778,17 +778,17 @@ def read_eval_json(path):
 def recall_results(run, attention=True):
     """On a recall dataset: {'accuracy', 'accuracy_by_pairs'} from eval.py --recall=True on the run's final
     checkpoint and, with attention, where its attention goes from --attention_noise=True (the shares of
-    SHARE_PARTS at its lookup head and at its reading layer, which head and layer those are, and the filler
-    length per example); {} on other datasets. Read from the run's recall.json and attention_noise.json,
-    computed again when ckpt.pt is newer, or when an older eval.py wrote them (recall.json without its dtype: a
-    float32-trained model measured in bfloat16; attention_noise.json without the answer's value and key apart)."""
+    SHARE_PARTS and of the token after the value, a lookup can read there, at its lookup head and reading layer,
+    which those are, and the filler length per example); {} on other datasets. Read from its recall.json and
+    attention_noise.json, computed again when ckpt.pt is newer or an older eval.py wrote them (without dtype:
+    a float32-trained model measured in bfloat16; without by_offset, or the answer's value and key apart)."""
     if not is_recall_data(run.config):
         return {}
     measures = {'recall': 'recall.json', **({'attention_noise': 'attention_noise.json'} if attention else {})}
     paths = [os.path.join(run.dir, name) for name in measures.values()]
     if any(not os.path.exists(p) or os.path.getmtime(p) < os.path.getmtime(checkpoint_path(run.dir)) for p in paths) \
-            or 'dtype' not in read_eval_json(paths[0]) \
-            or (attention and 'value' not in read_eval_json(paths[1]).get('reading_layer', {})):
+            or 'dtype' not in read_eval_json(paths[0]) or (attention and ('by_offset' not in (
+                noise := read_eval_json(paths[1])) or 'value' not in noise['reading_layer'])):
         flags = [f'--{m}=True' for m in measures]
         proc = run_child([sys.executable, EVAL_SCRIPT, f'--out_dir={run.dir}', *flags, '--batch_size=64'])
         if proc.returncode != 0:
@@ -798,11 +798,13 @@ def recall_results(run, attention=True):
               'accuracy_by_pairs': {k: v['accuracy'] for k, v in recall['by_pairs'].items()}}
     if attention:
         shares = read_eval_json(paths[1])
-        look, layer = shares['lookup'], shares['reading_layer']
+        look, layer, after = shares['lookup'], shares['reading_layer'], shares['by_offset']['+2']
         result.update({f'{part}_share': look[part] for part in SHARE_PARTS},
                       lookup_head=f"L{look['layer']}h{look['head']}",
                       **{f'layer_{part}_share': layer[part] for part in SHARE_PARTS},
                       reading_layer=f"L{layer['layer']}", part_words=shares.get('part_words'),
+                      after_share=after['heads'][look['layer']][look['head']],
+                      layer_after_share=after['layers'][layer['layer']],
                       filler_length=sum(int(k) * v['answers'] for k, v in shares['by_filler'].items()) / shares['answers'])
     return result
 
@@ -835,7 +837,7 @@ def retrieval_results(run):
 
 # what recall_results adds to a run, summarised over seeds like the val loss
 RECALL_KEYS = ('accuracy', *(f'{part}_share' for part in SHARE_PARTS),
-               *(f'layer_{part}_share' for part in SHARE_PARTS), 'filler_length')
+               *(f'layer_{part}_share' for part in SHARE_PARTS), 'after_share', 'layer_after_share', 'filler_length')
 
 
 def summarize(results):

@@ -491,12 +491,13 @@ def share_table(shares, results, prefix, answer, chosen, key):
     ('layer_'): answer and chosen name the columns, key the run's field naming its head or layer."""
     parts, words = ('noise', 'pairs', 'own', 'queries', 'filler'), data_words(results)
     return table(
-        ['variant', f"{words['filler']} tokens", answer, 'value (signed)', 'key (signed)', 'signed value, per seed',
-         f'{chosen} per seed', 'noise', *(words[part] for part in parts[1:]),
+        ['variant', f"{words['filler']} tokens", answer, 'value (signed)', 'key (signed)', 'token after the value '
+         '(signed)', 'signed value, per seed', f'{chosen} per seed', 'noise', *(words[part] for part in parts[1:]),
          'reading (signed value)', 'reading (noise)'],
         [[f"`{variant}`", f"{s['filler_length']['mean']:g}",
           f"{fmt(s[f'{prefix}answer_share'], 3)} ({fmt(s[f'{prefix}signed_answer_share'], 3)})",
-          value_and_key(s, prefix), per_seed(s[ranked(s, prefix)]),
+          value_and_key(s, prefix), fmt(s[f'{prefix}after_share'], 3) if f'{prefix}after_share' in s else '—',
+          per_seed(s[ranked(s, prefix)]),
           ', '.join(r[key] for r in results if r['variant'] == variant and key in r),
           *(fmt(s[f'{prefix}{part}_share'], 3) for part in parts),
           paired_reading(s, ranked(s, prefix)), paired_reading(s, f'{prefix}noise_share')]
@@ -519,7 +520,10 @@ def attention_lines(summary, results, plots, target=None):
              f"part of the lookup, not noise), the earlier queries and the {words['filler']}, as shares of the row's "
              f"absolute mass; noise = {words['pairs']} + earlier queries + {words['filler']}. The answer is read apart too: "
              "its value (what the "
-             "lookup carries into the output) and its key (what the query is matched against). A signed share is "
+             "lookup carries into the output) and its key (what the query is matched against), and the token after "
+             "the value apart (signed): above the first layer it can hold the value, which a head of the layer below "
+             "moved there, and a lookup can read it there, where the parts count it as another "
+             f"{words['unit'].rstrip('s')} or {words['filler']}. A signed share is "
              "the part's signed weight over the same mass: negative where the row subtracts it. Each run is read at "
              "its lookup head, the layer and head with the highest mean signed value share over all validation "
              "answers (chosen among the variant's own heads: DIFF and DINT have half as many as base, so base's "

@@ -417,6 +417,9 @@ def test_compare_sweeps_a_grid_and_reports_accuracy(mqar, tmp_path):
         assert r["lookup_head"] == f"L{lookup['layer']}h{lookup['head']}"
         assert [r[f"layer_{part}_share"] for part in parts] == [layer[part] for part in parts]
         assert r["reading_layer"] == f"L{layer['layer']}"
+        after = shares["by_offset"]["+2"]  # the token after the value
+        assert (r["after_share"], r["layer_after_share"]) == (after["heads"][lookup["layer"]][lookup["head"]],
+                                                              after["layers"][layer["layer"]])
         # 2, 4 and 8 pairs at seq_len 32, 50 examples each: 26, 20 and 8 filler tokens, weighted by answers
         assert r["filler_length"] == pytest.approx((2 * 26 + 4 * 20 + 8 * 8) / 14)
         ckpt = torch.load(run_dir / "ckpt.pt", map_location="cpu", weights_only=False)
@@ -448,7 +451,8 @@ def test_compare_sweeps_a_grid_and_reports_accuracy(mqar, tmp_path):
     for row, prefix in ((head_row, ''), (layer_row, 'layer_')):
         assert (f"| {s[f'{prefix}answer_share']['mean']:.3f} ({s[f'{prefix}signed_answer_share']['mean']:.3f}) | "
                 f"{s[f'{prefix}value_share']['mean']:.3f} ({s[f'{prefix}signed_value_share']['mean']:.3f}) | "
-                f"{s[f'{prefix}key_share']['mean']:.3f} ({s[f'{prefix}signed_key_share']['mean']:.3f}) |") in row
+                f"{s[f'{prefix}key_share']['mean']:.3f} ({s[f'{prefix}signed_key_share']['mean']:.3f}) | "
+                f"{s[f'{prefix}after_share']['mean']:.3f} |") in row
         assert row.endswith(f"| {reading(s[f'{prefix}signed_value_share_vs_base'])} | "
                             f"{reading(s[f'{prefix}noise_share_vs_base'])} |")
 
@@ -460,6 +464,11 @@ def test_compare_sweeps_a_grid_and_reports_accuracy(mqar, tmp_path):
     proc = run_script_in_process("compare.py", args + ["--report_only=True"], env=SCRIPT_VARIABLES)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert json.loads(path.read_text())["reading_layer"] == kept["reading_layer"]
+    # and one without by_offset (the token after the value)
+    path.write_text(json.dumps({k: v for k, v in kept.items() if k != "by_offset"}))
+    proc = run_script_in_process("compare.py", args + ["--report_only=True"], env=SCRIPT_VARIABLES)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert json.loads(path.read_text())["by_offset"] == kept["by_offset"]
 
     # a recall.json that does not say its dtype is an older eval.py's (bfloat16 on a float32-trained run):
     # measured again, though newer than the checkpoint

@@ -77,7 +77,7 @@ def test_the_readme_table_and_attention_md_name_every_registered_variant():
 # The scripts stay readable in one sitting: a budget of lines each. Growing past one is a decision (move what
 # the scripts share into denoised_gpt/, or raise the budget here in the same change and say why). model.py has
 # none: a new variant's class belongs there; what its reader meets first is checked below.
-LINE_BUDGETS = {'train.py': 650, 'compare.py': 1018, 'bench.py': 616, 'eval.py': 537, 'sample.py': 432,
+LINE_BUDGETS = {'train.py': 650, 'compare.py': 1020, 'bench.py': 616, 'eval.py': 537, 'sample.py': 432,
                 'README.md': 325}
 
 
