@@ -38,7 +38,7 @@ the same denominator (o_p = sum_j u_pj): negative where the layer subtracts what
 
 The parts are positions, and above the first layer a position holds more than its token: a head of the layer
 below that reads each token's previous one gives the token after the value that value, and a lookup can read
-it there (DIFF and DINT do on MQAR, docs/recall.md), where the parts count it as another pair or filler.
+it there (DIFF, DINT, NoiseFormer v2 on MQAR: docs/recall.md), where the parts count it as another pair or filler.
 `by_offset` gives the signed shares of the keys at OFFSETS from the queried key, per head and per layer.
 """
 import numpy as np
