@@ -409,7 +409,7 @@ if attention_noise:
                      f"{by_filler}")
         print_result(f"  reading layer L{layer['layer']} (all heads, by what each key adds to the layer's output): "
                      f"{parts(layer)}; noise {layer['noise']:.3f}")
-        offsets = ["L%d " % i + ", ".join(f"{o} {v['layers'][i]:.3f}" for o, v in r['by_offset'].items())
+        offsets = [f"L{i} " + ", ".join(f"{o} {v['layers'][i]:.3f}" for o, v in r['by_offset'].items())
                    for i in range(len(r['layer_shares']['value']))]
         print_result(f"  each layer's signed share by offset from the queried key (+1 the {w['value']}, +2 the token "
                      f"after it, which a layer below may have given the value): {'; '.join(offsets)}")

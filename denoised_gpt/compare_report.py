@@ -509,21 +509,21 @@ def attention_lines(summary, results, plots, target=None):
     shares = {a: s for a, s in summary.items() if 'signed_answer_share' in s}
     if not shares:
         return []
-    words = data_words(results)
+    w = data_words(results)
     lines = ["## Where attention goes: the answer against attention noise (recall)", "",
              "eval.py --attention_noise=True on each run's final checkpoint (docs/eval.md)"
              + (f", which for a run that reached val loss {target:g} is where it stopped, so every such model is read "
                 f"at the same val loss (one that did not is read at max_iters: its accuracy says how far it got)"
                 if target else "") + ": every answer's "
              f"effective attention row (the weights that multiply V), split into the answer (the queried key and "
-             f"its value in the {words['unit']}), the {words['pairs']}, the query's own token (it holds the key being asked: "
-             f"part of the lookup, not noise), the earlier queries and the {words['filler']}, as shares of the row's "
-             f"absolute mass; noise = {words['pairs']} + earlier queries + {words['filler']}. The answer is read apart too: "
+             f"its value in the {w['unit']}), the {w['pairs']}, the query's own token (it holds the key being asked: "
+             f"part of the lookup, not noise), the earlier queries and the {w['filler']}, as shares of the row's "
+             f"absolute mass; noise = {w['pairs']} + earlier queries + {w['filler']}. The answer is read apart too: "
              "its value (what the "
              "lookup carries into the output) and its key (what the query is matched against), and the token after "
              "the value apart (signed): above the first layer it can hold the value, which a head of the layer below "
              "moved there, and a lookup can read it there, where the parts count it as another "
-             f"{words['unit'].rstrip('s')} or {words['filler']}. A signed share is "
+             f"{w['unit'].rstrip('s')} or {w['filler']}. A signed share is "
              "the part's signed weight over the same mass: negative where the row subtracts it. Each run is read at "
              "its lookup head, the layer and head with the highest mean signed value share over all validation "
              "answers (chosen among the variant's own heads: DIFF and DINT have half as many as base, so base's "
