@@ -168,7 +168,7 @@ for point in grid or ['']:
     points.append((args, tag, ' '.join(a.lstrip('-') for a in args)))
 if len({tag for _, tag, _ in points}) != len(points):
     fail(f"grid={grid!r} repeats a point")
-max_iters = train_config['max_iters']
+max_iters = {label: point_configs[tag]['max_iters'] for _, tag, label in points}  # a grid entry may set its own
 
 
 def is_recall_data(config):

@@ -12,14 +12,16 @@
 #       --text_labels --train_examples 200000 --out_dir data/needles-$T; done
 # $ python3 compare.py config/compare_needles.py
 # Run it again after an interruption: it resumes. Cost on the 2-core CPU (two one-thread runs at a time): a length-32
-# run of 20,000 iterations took 25-31 minutes (base reached the target at about 11,000 in 14), a length-64 run about
-# twice that: some 30 core-hours at most, less where runs stop at the target.
+# run of 20,000 iterations took 23-31 minutes (the tuning: 9.9 hours of run time over 26 runs), a length-64 run about
+# twice that per iteration, with 30,000 at most: some 30 core-hours in all, less where runs stop at the target.
 # Literal assignments only; every key is one of compare.py's settings.
 
 attn_types = ['base', 'diff', 'dint', 'noiseformer_v2']  # the baseline and three that claim to denoise
 seeds = [1337, 1338, 1339]
 base_config = 'config/train_mqar.py'  # 2 layers, width 64 / 8 heads, batch 64, constant rate
-grid = ['--dataset=needles-32 --block_size=32', '--dataset=needles-64 --block_size=64']
+# 52 text tokens take base longer (17,750 iterations on one seed at 1e-3): that point has a larger budget
+grid = ['--dataset=needles-32 --block_size=32',
+        '--dataset=needles-64 --block_size=64 --max_iters=30000 --lr_decay_iters=30000']
 overrides = '--max_iters=20000 --lr_decay_iters=20000 --eval_answers_only=True --stop_at_val_loss=0.1'
 out_dir = 'out-compare-needles'
 nproc = 1

@@ -421,11 +421,18 @@ def protocol_lines(protocol, tuning):
     return lines
 
 
+def budget_words(max_iters):
+    """'N iterations', or each grid point's max_iters where they differ. max_iters: {point label: max_iters}."""
+    if len(set(max_iters.values())) == 1:
+        return f"{next(iter(max_iters.values()))} iterations"
+    return 'max_iters by grid point: ' + ', '.join(f'`{label}` {n}' for label, n in max_iters.items())
+
+
 def stop_lines(results, target, max_iters):
     """How soon each run reached train.py's stop_at_val_loss (where it stopped), seed by seed."""
     lines = [f"## Iterations to val loss <= {target:g}", "",
              f"Every run ended at its first evaluation whose val loss was at or below stop_at_val_loss={target:g} "
-             f"(an iteration below), or at max_iters={max_iters} without reaching it (\"not by\"). The final val "
+             f"(an iteration below), or at the end of its budget ({budget_words(max_iters)}) without reaching it (\"not by\"). The final val "
              "losses above are then those of the stopping point.", ""]
     rows = []
     for variant in dict.fromkeys(r['variant'] for r in results):
@@ -557,7 +564,7 @@ def write_report(report_dir, summary, results, failures, samples, plots, setup):
         *protocol_lines(setup['protocol'], setup['tuning']),
         *(["## Comparison", ""] if setup['protocol']['tuned'] else []),
         f"Every run: `{setup['base_config']}`" + (f" with `{setup['overrides']}`" if setup['overrides'] else '')
-        + f", {setup['max_iters']} iterations; seeds {', '.join(map(str, setup['seeds']))}. Only {differ} "
+        + f", {budget_words(setup['max_iters'])}; seeds {', '.join(map(str, setup['seeds']))}. Only {differ} "
           f"differ between runs.{grid} Val loss is train.py's evaluation (the same fixed batches for every "
           f"run{'; over the answers alone, eval_answers_only' if setup.get('eval_answers_only') else ''}); mean ± "
           f"sample standard deviation over seeds.", ""]

@@ -678,25 +678,31 @@ def test_a_compared_run_is_never_continued_at_a_value_the_tuning_chose_anew(tune
 
 def test_tune_at_tunes_at_one_grid_point_and_compares_every_point_at_its_choice(sweep):
     """Tuned at the grid's first point only; both points' comparison runs train at the rate chosen there,
-    and the report says where the tuning ran and that the other point was not tuned."""
+    and the report says where the tuning ran and that the other point was not tuned. The second point sets
+    its own max_iters: its runs train that long, and the report gives each point's."""
     from denoised_gpt.checkpoint import read_checkpoint
     tmp, data, _ = sweep
     out = tmp / 'tuned-at'
     proc = compare(sweep_args(out, data, "--tune={'learning_rate': [1e-06, 0.01]}", '--tune_seeds=5', '--samples=False',
-                              '--grid=--n_embd=16,--n_embd=32', '--tune_at=--n_embd=16', attn_types='base', seeds='1'))
+                              f'--grid=--n_embd=16,--n_embd=32 --max_iters={ITERS + 4} --lr_decay_iters={ITERS + 4}',
+                              '--tune_at=--n_embd=16', attn_types='base', seeds='1'))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert sorted(p.name for p in (out / 'tune').iterdir()) == ['base-n_embd16-learning_rate0.01-seed5',
                                                                 'base-n_embd16-learning_rate1e-06-seed5']
-    for width in (16, 32):
-        config = read_checkpoint(out / 'runs' / f'base-n_embd{width}-seed1', metadata_only=True)[1]['config']
-        assert config['learning_rate'] == 0.01 and config['n_embd'] == width
+    longer = f'n_embd32-max_iters{ITERS + 4}-lr_decay_iters{ITERS + 4}'
+    for width, point, iters in ((16, 'n_embd16', ITERS), (32, longer, ITERS + 4)):
+        config = read_checkpoint(out / 'runs' / f'base-{point}-seed1', metadata_only=True)[1]['config']
+        assert config['learning_rate'] == 0.01 and config['n_embd'] == width and config['max_iters'] == iters
     results = json.loads((out / 'report' / 'results.json').read_text())
     assert results['protocol']['tuned_at'] == 'n_embd=16'
     assert [(t['variant'], t['chosen']) for t in results['tuning']] == [('base n_embd=16', 'learning_rate=0.01')]
-    assert sorted(r['variant'] for r in results['runs']) == ['base n_embd=16', 'base n_embd=32']
+    label = f'n_embd=32 max_iters={ITERS + 4} lr_decay_iters={ITERS + 4}'
+    assert sorted(r['variant'] for r in results['runs']) == ['base n_embd=16', f'base {label}']
+    assert [r['final_iter'] for r in sorted(results['runs'], key=lambda r: r['variant'])] == [ITERS, ITERS + 4]
     report = (out / 'report' / 'report.md').read_text()
     assert "was trained at `n_embd=16` only on tuning seed 5" in report
     assert "(the one chosen at `n_embd=16`) at every point of the grid: at the other points it was not tuned" in report
+    assert f"max_iters by grid point: `n_embd=16` {ITERS}, `{label}` {ITERS + 4}; seeds 1." in report
 
 
 def test_an_untuned_report_says_every_variant_used_the_same_settings(sweep):

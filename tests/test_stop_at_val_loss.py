@@ -160,11 +160,13 @@ def test_the_report_says_when_base_did_not_reach_the_target_on_every_seed():
     def run(variant, reached, iters):
         return {'variant': variant, 'base': 'base', 'reached_target': reached, 'final_iter': iters}
     solved = [run('base', True, 30), run('base', True, 35), run('diff', False, 40), run('diff', True, 20)]
-    text = '\n'.join(stop_lines(solved, 0.01, 40))
+    text = '\n'.join(stop_lines(solved, 0.01, {'': 40}))
+    assert "or at the end of its budget (40 iterations) without reaching it" in text
     assert "| `base` | 2 of 2 | 30, 35 |" in text and "| `diff` | 1 of 2 | not by 40, 20 |" in text
     assert "did not reach it on every seed" not in text
     unsolved = [run('base', True, 30), run('base', False, 40), run('diff', True, 20), run('diff', True, 25)]
-    text = '\n'.join(stop_lines(unsolved, 0.01, 40))
+    text = '\n'.join(stop_lines(unsolved, 0.01, {'n_embd=16': 40, 'n_embd=32': 50}))
+    assert "(max_iters by grid point: `n_embd=16` 40, `n_embd=32` 50)" in text
     assert "**`base` did not reach it on every seed (1 of 2)**: at this setting and budget" in text
 
 
