@@ -432,8 +432,8 @@ def stop_lines(results, target, max_iters):
     """How soon each run reached train.py's stop_at_val_loss (where it stopped), seed by seed."""
     lines = [f"## Iterations to val loss <= {target:g}", "",
              f"Every run ended at its first evaluation whose val loss was at or below stop_at_val_loss={target:g} "
-             f"(an iteration below), or at the end of its budget ({budget_words(max_iters)}) without reaching it (\"not by\"). The final val "
-             "losses above are then those of the stopping point.", ""]
+             f"(an iteration below), or at the end of its budget ({budget_words(max_iters)}) without reaching it "
+             "(\"not by\"). The final val losses above are then those of the stopping point.", ""]
     rows = []
     for variant in dict.fromkeys(r['variant'] for r in results):
         rs = [r for r in results if r['variant'] == variant]
